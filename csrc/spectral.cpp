@@ -1,0 +1,214 @@
+// Batched spectral reductions for gradspec.
+//
+// Every matrix handed in is a small symmetric PSD Gram (fp64). Eigenvalues come
+// from LAPACK's dsyevd and the products from BLAS's dgemm, both taken as function
+// pointers from SciPy (scipy.linalg.cython_lapack / cython_blas), so the build needs
+// no LAPACK headers or libraries and no torch. Work is spread over the batch on
+// std::threads with the GIL released.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace {
+
+using dsyevd_t = void(char*, char*, int*, double*, int*, double*, double*, int*, int*, int*, int*);
+using dgemm_t = void(char*, char*, int*, int*, int*, double*, double*, int*, double*, int*, double*,
+                     double*, int*);
+
+dsyevd_t* dsyevd_ = nullptr;
+dgemm_t* dgemm_ = nullptr;
+
+// Order matches gradspec.metrics.METRICS.
+constexpr int kNumMetrics = 6;
+
+template <typename F>
+F* pointer_from_capsule(const py::capsule& cap) {
+  void* p = PyCapsule_GetPointer(cap.ptr(), PyCapsule_GetName(cap.ptr()));
+  if (p == nullptr) throw py::error_already_set();
+  return reinterpret_cast<F*>(p);
+}
+
+void bind_lapack(const py::capsule& dsyevd, const py::capsule& dgemm) {
+  dsyevd_ = pointer_from_capsule<dsyevd_t>(dsyevd);
+  dgemm_ = pointer_from_capsule<dgemm_t>(dgemm);
+}
+
+void require_bound() {
+  if (dsyevd_ == nullptr || dgemm_ == nullptr)
+    throw std::runtime_error("gradspec._C: LAPACK not bound; call bind_lapack first");
+}
+
+// Eigen-solver with reusable workspace: one per thread.
+struct SymmetricEigen {
+  std::vector<double> work;
+  std::vector<int> iwork;
+
+  // Eigenvalues (ascending) of the n x n symmetric matrix a, overwritten by the
+  // eigenvectors (column-major) when vectors is true.
+  void operator()(double* a, int n, double* w, bool vectors) {
+    if (n == 0) return;
+    char jobz = vectors ? 'V' : 'N', uplo = 'U';
+    int lwork = -1, liwork = -1, info = 0, iw = 0;
+    double wq = 0;
+    dsyevd_(&jobz, &uplo, &n, a, &n, w, &wq, &lwork, &iw, &liwork, &info);
+    lwork = static_cast<int>(wq) + 1;
+    liwork = std::max(iw, 1);
+    if (static_cast<int>(work.size()) < lwork) work.resize(lwork);
+    if (static_cast<int>(iwork.size()) < liwork) iwork.resize(liwork);
+    dsyevd_(&jobz, &uplo, &n, a, &n, w, work.data(), &lwork, iwork.data(), &liwork, &info);
+    if (info != 0) throw std::runtime_error("dsyevd failed with info=" + std::to_string(info));
+  }
+};
+
+// sigma (descending, length n, zero-padded) and the metrics from the ascending
+// eigenvalues lam of a Gram of G. Eigenvalues below n * eps * max are rounding noise
+// and count as zero (as in gradspec.metrics). A zero gradient gives NaN ratios; the
+// caller flags it.
+void metrics_from_eigenvalues(const double* lam, int n, double* sigma, double* m) {
+  double nuclear = 0, frob2 = 0;
+  const double cutoff = n > 0 ? n * std::numeric_limits<double>::epsilon() * std::max(lam[n - 1], 0.0) : 0.0;
+  for (int k = 0; k < n; ++k) {
+    double l = lam[n - 1 - k];
+    double s = l > cutoff ? std::sqrt(l) : 0.0;
+    sigma[k] = s;
+    nuclear += s;
+    frob2 += s * s;
+  }
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  double spectral = n > 0 ? sigma[0] : 0.0;
+  double entropy = 0;
+  if (nuclear >= 1e-12) {
+    for (int k = 0; k < n; ++k) {
+      double p = sigma[k] / nuclear;
+      if (p > 0) entropy -= p * std::log(p);
+    }
+  }
+  bool zero = nuclear < 1e-12;
+  m[0] = nuclear;
+  m[1] = zero ? nan : std::exp(entropy);
+  m[2] = spectral;
+  m[3] = std::sqrt(frob2);
+  m[4] = zero ? nan : frob2 / (spectral * spectral);
+  m[5] = zero ? nan : spectral / nuclear;
+}
+
+// Runs task(i, solver) for i in [0, n) on up to `threads` threads.
+void parallel_for(int n, int threads, const std::function<void(int, SymmetricEigen&)>& task) {
+  threads = std::max(1, std::min(threads, n));
+  std::atomic<int> next{0};
+  std::vector<std::string> errors(threads);
+  auto worker = [&](int t) {
+    SymmetricEigen solver;
+    try {
+      for (int i = next++; i < n; i = next++) task(i, solver);
+    } catch (const std::exception& e) {
+      errors[t] = e.what();
+      next = n;
+    }
+  };
+  {
+    py::gil_scoped_release release;
+    std::vector<std::thread> pool;
+    for (int t = 1; t < threads; ++t) pool.emplace_back(worker, t);
+    worker(0);
+    for (auto& th : pool) th.join();
+  }
+  for (const auto& e : errors)
+    if (!e.empty()) throw std::runtime_error(e);
+}
+
+using Array = py::array_t<double, py::array::c_style | py::array::forcecast>;
+
+// Spectra of G from Grams G G^T (or G^T G): grams is (N, n, n).
+py::tuple gram_spectra(Array grams, int threads) {
+  require_bound();
+  if (grams.ndim() != 3 || grams.shape(1) != grams.shape(2))
+    throw std::invalid_argument("grams must have shape (N, n, n)");
+  const int N = static_cast<int>(grams.shape(0)), n = static_cast<int>(grams.shape(1));
+  Array sigma({N, n}), metrics({N, kNumMetrics});
+  const double* in = grams.data();
+  double* s_out = sigma.mutable_data();
+  double* m_out = metrics.mutable_data();
+  parallel_for(N, threads, [&](int i, SymmetricEigen& eig) {
+    std::vector<double> a(in + static_cast<size_t>(i) * n * n, in + static_cast<size_t>(i + 1) * n * n);
+    std::vector<double> w(n);
+    eig(a.data(), n, w.data(), false);
+    metrics_from_eigenvalues(w.data(), n, s_out + static_cast<size_t>(i) * n, m_out + static_cast<size_t>(i) * kNumMetrics);
+  });
+  return py::make_tuple(sigma, metrics);
+}
+
+// Spectra of G_ij = D_ij^T X_i from B_i = X_i X_i^T (N, T, T) and A_ij = D_ij D_ij^T
+// (N, M, T, T): with B = U L U^T and F = U L^{1/2} (rank-revealing: directions with
+// negligible L are dropped), the singular values of G are the square roots of the
+// eigenvalues of the core F^T A F. One factorisation of B serves all M modules that
+// share the input X.
+py::tuple core_spectra(Array B, Array A, int threads) {
+  require_bound();
+  if (B.ndim() != 3 || B.shape(1) != B.shape(2)) throw std::invalid_argument("B must have shape (N, T, T)");
+  if (A.ndim() != 4 || A.shape(0) != B.shape(0) || A.shape(2) != B.shape(1) || A.shape(3) != B.shape(1))
+    throw std::invalid_argument("A must have shape (N, M, T, T) matching B");
+  const int N = static_cast<int>(B.shape(0)), M = static_cast<int>(A.shape(1)), T = static_cast<int>(B.shape(1));
+  Array sigma({N, M, T}), metrics({N, M, kNumMetrics});
+  const double* b_in = B.data();
+  const double* a_in = A.data();
+  double* s_out = sigma.mutable_data();
+  double* m_out = metrics.mutable_data();
+  std::fill(s_out, s_out + static_cast<size_t>(N) * M * T, 0.0);
+  const size_t TT = static_cast<size_t>(T) * T;
+  parallel_for(N, threads, [&](int i, SymmetricEigen& eig) {
+    std::vector<double> u(b_in + i * TT, b_in + (i + 1) * TT), lam(T);
+    eig(u.data(), T, lam.data(), true);
+    const double lam_max = T > 0 ? std::max(lam[T - 1], 0.0) : 0.0;
+    const double cutoff = T * std::numeric_limits<double>::epsilon() * lam_max;
+    int first = 0;  // eigenvalues ascend: keep [first, T)
+    while (first < T && lam[first] <= cutoff) ++first;
+    int r = T - first;
+    std::vector<double> f(static_cast<size_t>(T) * std::max(r, 1));
+    for (int k = 0; k < r; ++k) {
+      double s = std::sqrt(lam[first + k]);
+      for (int t = 0; t < T; ++t) f[static_cast<size_t>(k) * T + t] = u[static_cast<size_t>(first + k) * T + t] * s;
+    }
+    std::vector<double> w(static_cast<size_t>(T) * std::max(r, 1)), core(static_cast<size_t>(std::max(r, 1)) * std::max(r, 1)), ev(std::max(r, 1));
+    for (int j = 0; j < M; ++j) {
+      double* s_ij = s_out + (static_cast<size_t>(i) * M + j) * T;
+      double* m_ij = m_out + (static_cast<size_t>(i) * M + j) * kNumMetrics;
+      if (r > 0) {
+        char nn = 'N', tr = 'T';
+        double one = 1.0, zero = 0.0;
+        int t_ = T, r_ = r;
+        // A is symmetric, so its row-major layout is also its column-major one.
+        double* a = const_cast<double*>(a_in + (static_cast<size_t>(i) * M + j) * TT);
+        dgemm_(&nn, &nn, &t_, &r_, &t_, &one, a, &t_, f.data(), &t_, &zero, w.data(), &t_);
+        dgemm_(&tr, &nn, &r_, &r_, &t_, &one, f.data(), &t_, w.data(), &t_, &zero, core.data(), &r_);
+        eig(core.data(), r, ev.data(), false);
+      }
+      metrics_from_eigenvalues(ev.data(), r, s_ij, m_ij);
+    }
+  });
+  return py::make_tuple(sigma, metrics);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "gradspec batched spectral reductions (LAPACK via SciPy, threads over the batch)";
+  m.attr("NUM_METRICS") = kNumMetrics;
+  m.def("bind_lapack", &bind_lapack, py::arg("dsyevd"), py::arg("dgemm"),
+        "Bind LAPACK dsyevd and BLAS dgemm from SciPy's cython_lapack / cython_blas capsules.");
+  m.def("gram_spectra", &gram_spectra, py::arg("grams"), py::arg("threads"),
+        "Singular values (descending) and metrics of G from a batch (N, n, n) of its Grams.");
+  m.def("core_spectra", &core_spectra, py::arg("B"), py::arg("A"), py::arg("threads"),
+        "Singular values and metrics of G_ij = D_ij^T X_i from B = X X^T (N,T,T) and A = D D^T (N,M,T,T).");
+}

@@ -1,0 +1,214 @@
+"""Exact per-sample gradient spectra for a padded batch, from one forward and one backward.
+
+Parameters are frozen, so the backward computes input gradients only: no weight-gradient
+GEMMs and no ``.grad`` buffers. Hooks capture each scored module's input X (T x d_in) and
+output gradient D (T x d_out) per sample; the sample's weight gradient is G = D^T X. Its
+singular values come from the smallest of the three sizes: the T x T core problem from
+X X^T and D D^T when T is smallest, else the Gram of the materialised G.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from .kernels import segment_gram
+from .metrics import METRICS
+from .modules import Part, Target, select_targets
+from .spectral import core_spectra, gram_spectra
+
+IGNORE_INDEX = -100
+FROBENIUS_CHECK_RTOL = 1e-3  # ||G||_F^2 from the spectrum vs <D D^T, X X^T>
+
+
+@dataclass
+class BatchScores:
+    """Per-sample results of one batch; metrics[part] is (N, len(METRICS)) in METRICS order."""
+
+    loss: torch.Tensor
+    num_response_tokens: torch.Tensor
+    flags: list[set[str]]
+    metrics: dict[str, torch.Tensor]
+    spectra: dict[str, list[np.ndarray]] = field(default_factory=dict)
+
+    def status(self, i: int) -> str:
+        return ";".join(sorted(self.flags[i])) or "ok"
+
+
+def response_loss_per_sample(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean next-token cross-entropy over each sample's labelled tokens -> (loss (N,), count (N,))."""
+    shift_logits = logits[:, :-1].float()
+    shift_labels = labels[:, 1:]
+    tok = nn.functional.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1),
+        ignore_index=IGNORE_INDEX, reduction="none",
+    ).view(shift_labels.shape)
+    count = (shift_labels != IGNORE_INDEX).sum(1)
+    return tok.sum(1) / count.clamp_min(1), count
+
+
+class SpectralEngine:
+    """Scores tokenized batches for one model; reusable across batches and inside training loops."""
+
+    def __init__(
+        self, model: nn.Module, modules: str | list[str] = "attn",
+        backend: str = "auto", keep_spectra: bool = False,
+    ) -> None:
+        model.eval()
+        model.requires_grad_(False)
+        self.model = model
+        self.targets: list[Target] = select_targets(model, modules)
+        self.parts: list[Part] = [p for t in self.targets for p in t.parts]
+        self.backend = backend
+        self.keep_spectra = keep_spectra
+
+    @property
+    def part_names(self) -> list[str]:
+        return [p.name for p in self.parts]
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> BatchScores:
+        """Right-padded batch; labels are input_ids with IGNORE_INDEX outside the response."""
+        lengths = attention_mask.sum(1)
+        positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+        if not torch.equal(attention_mask.bool(), positions[None, :] < lengths[:, None]):
+            raise ValueError("the batch must be right-padded (attention_mask a prefix of ones)")
+        capture = _Capture(self.targets, lengths, self.backend)
+        with capture.hooks(self.model):
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            loss, count = response_loss_per_sample(logits, labels)
+            finite = torch.isfinite(loss) & (count > 0)
+            if finite.any():
+                loss[finite].sum().backward()
+        flags: list[set[str]] = [set() for _ in range(len(loss))]
+        for i in torch.nonzero(~finite).flatten().tolist():
+            flags[i].add("no_response_tokens" if count[i] == 0 else "nonfinite_loss")
+        metrics, spectra = capture.reduce(finite.cpu(), flags, self.keep_spectra)
+        return BatchScores(loss.detach().double().cpu(), count.cpu(), flags, metrics, spectra)
+
+
+class _Capture:
+    """Hook state for one batch: inputs in the forward, reductions as gradients arrive."""
+
+    def __init__(self, targets: list[Target], lengths: torch.Tensor, backend: str) -> None:
+        self.targets = targets
+        self.lengths = lengths
+        self.backend = backend
+        self.inputs: dict[str, torch.Tensor] = {}
+        self.x_grams: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # input -> (samples, X X^T)
+        # (input, samples, T) -> (X X^T, [(part, D D^T, <D D^T, X X^T>)])
+        self.core: dict[tuple, tuple[torch.Tensor, list]] = {}
+        self.materialised: list[tuple[Part, torch.Tensor, torch.Tensor]] = []  # (part, samples, Gram of G)
+
+    def hooks(self, model: nn.Module):
+        handles = [model.get_input_embeddings().register_forward_hook(_require_grad)]
+        handles += [t.module.register_forward_hook(self._forward_hook(t)) for t in self.targets]
+        return _Handles(handles)
+
+    def _forward_hook(self, target: Target):
+        def hook(module, args, output):
+            self.inputs[target.name] = args[0].detach()
+            output.register_hook(lambda grad: self._on_grad(target, grad.detach()))
+
+        return hook
+
+    def _on_grad(self, target: Target, grad: torch.Tensor) -> None:
+        X = self.inputs[target.name]
+        for part in target.parts:
+            D = grad[..., part.start : part.start + part.d_out]
+            core = self.lengths < min(target.d_in, part.d_out)
+            if core.any():
+                samples = torch.nonzero(core).flatten()
+                T = int(self.lengths[samples].max())
+                key = (_input_key(X), tuple(samples.tolist()), T)
+                if key not in self.core:
+                    self.core[key] = (self._x_gram(X, samples, T, target.d_in), [])
+                B, items = self.core[key]
+                A, inner = segment_gram(D[samples, :T], self.lengths[samples], B)
+                items.append((part, A, inner))
+            if not core.all():
+                samples = torch.nonzero(~core).flatten()
+                valid = (torch.arange(X.shape[1], device=X.device)[None, :] < self.lengths[samples, None])[..., None]
+                Xs = X[samples].double() * valid
+                G = D[samples].double().transpose(1, 2) @ Xs  # (n, d_out, d_in)
+                gram = G @ G.transpose(1, 2) if part.d_out <= target.d_in else G.transpose(1, 2) @ G
+                self.materialised.append((part, samples.cpu(), gram))
+
+    def _x_gram(self, X: torch.Tensor, samples: torch.Tensor, T: int, d_in: int) -> torch.Tensor:
+        """X X^T for these samples, from one Gram per input shared by all modules that read it."""
+        key = _input_key(X)
+        if key not in self.x_grams:
+            wide = torch.nonzero(self.lengths < d_in).flatten()
+            T_all = int(self.lengths[wide].max())
+            self.x_grams[key] = (wide, segment_gram(X[wide, :T_all], self.lengths[wide])[0])
+        wide, gram = self.x_grams[key]
+        rows = torch.searchsorted(wide, samples)
+        return gram[rows, :T, :T]
+
+    def reduce(self, finite: torch.Tensor, flags: list[set[str]], keep_spectra: bool):
+        N = len(self.lengths)
+        nan = float("nan")
+        metrics = {p.name: torch.full((N, len(METRICS)), nan, dtype=torch.float64) for t in self.targets for p in t.parts}
+        spectra: dict[str, list[np.ndarray]] = {name: [np.zeros(0)] * N for name in metrics} if keep_spectra else {}
+
+        def record(part: Part, samples: list[int], sigma: torch.Tensor, m: torch.Tensor, ok: torch.Tensor) -> None:
+            for row, i in enumerate(samples):
+                if not finite[i]:
+                    continue
+                if not ok[row]:
+                    flags[i].add("nonfinite_gradient")
+                    continue
+                metrics[part.name][i] = m[row]
+                if not m[row, 0] >= 1e-12:
+                    flags[i].add("zero_gradient")
+                if keep_spectra:
+                    s = sigma[row].numpy()
+                    spectra[part.name][i] = s[s > 0]
+
+        for (_, samples, T), (B, items) in self.core.items():
+            A = torch.stack([a for _, a, _ in items], 1)
+            ok = _finite_rows(B) & _finite_rows(A)
+            sigma, m = core_spectra(_zero_rows(B, ok), _zero_rows(A, ok), self.backend)
+            for j, (part, _, inner) in enumerate(items):
+                record(part, list(samples), sigma[:, j], m[:, j], ok)
+                frob2 = m[:, j, METRICS.index("frobenius_norm")] ** 2
+                bad = ok & ~torch.isclose(frob2, inner.cpu().double(), rtol=FROBENIUS_CHECK_RTOL, atol=1e-30)
+                for row in torch.nonzero(bad).flatten().tolist():
+                    flags[samples[row]].add("frobenius_check_failed")
+        for part, samples, gram in self.materialised:
+            ok = _finite_rows(gram)
+            sigma, m = gram_spectra(_zero_rows(gram, ok), self.backend)
+            record(part, samples.tolist(), sigma, m, ok)
+        return metrics, spectra
+
+
+def _input_key(X: torch.Tensor) -> tuple:
+    """Identifies one input tensor across the modules that read it (q, k, v; gate, up)."""
+    return (X.data_ptr(), tuple(X.shape), X.stride())
+
+
+def _finite_rows(t: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(t).flatten(1).all(1).cpu()
+
+
+def _zero_rows(t: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    return t if bool(ok.all()) else torch.where(ok.to(t.device).view(-1, *[1] * (t.dim() - 1)), t, 0.0)
+
+
+def _require_grad(module, args, output):
+    """Make the embeddings' output require grad, so the backward reaches every hooked module."""
+    output.requires_grad_(True)
+
+
+class _Handles:
+    def __init__(self, handles) -> None:
+        self.handles = handles
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
+            h.remove()

@@ -1,0 +1,122 @@
+"""Which linear layers are scored, and how fused projections split into their parts.
+
+A part is one logical weight matrix: q/k/v/o in attention, gate/up/down in the MLP.
+``nn.Linear`` and GPT-2's ``Conv1D`` are supported; fused projections (GPT-2 ``c_attn``,
+Phi-3 ``qkv_proj`` / ``gate_up_proj``) are split along their output features.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+ATTENTION_ROLES = ("q", "k", "v", "o")
+MLP_ROLES = ("gate", "up", "down")
+PRESETS = {"attn": ATTENTION_ROLES, "mlp": MLP_ROLES, "all": ATTENTION_ROLES + MLP_ROLES}
+
+# Leaf module name -> the roles of its output features, in order.
+_ROLES_BY_LEAF = {
+    "q_proj": ("q",), "k_proj": ("k",), "v_proj": ("v",), "o_proj": ("o",),
+    "gate_proj": ("gate",), "up_proj": ("up",), "down_proj": ("down",),
+    "qkv_proj": ("q", "k", "v"), "gate_up_proj": ("gate", "up"),
+    "c_attn": ("q", "k", "v"), "c_fc": ("up",),
+}
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One scored weight matrix: columns <name>/<metric> in the output."""
+
+    name: str
+    role: str
+    start: int  # first output feature of this part in its module's output
+    d_out: int
+
+
+@dataclass(frozen=True)
+class Target:
+    """A hooked module and the parts of its output that are scored."""
+
+    name: str
+    module: nn.Module
+    d_in: int
+    parts: tuple[Part, ...]
+    transposed: bool  # Conv1D stores its weight as (d_in, d_out)
+
+
+def layer_index(name: str) -> int:
+    """The transformer block a module belongs to (-1 when the name has none)."""
+    m = _LAYER_INDEX.search(name)
+    return int(m.group(1)) if m else -1
+
+
+def _roles(name: str) -> tuple[str, ...]:
+    parent, _, leaf = name.rpartition(".")
+    if leaf == "c_proj":  # GPT-2 uses one name for the attention output and the MLP output
+        return ("o",) if parent.endswith("attn") else ("down",)
+    return _ROLES_BY_LEAF.get(leaf, ())
+
+
+def _shape(module: nn.Module) -> tuple[int, int, bool] | None:
+    """(d_in, d_out, transposed) of a Linear-like module, else None."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, False
+    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
+        d_in, d_out = module.weight.shape
+        return d_in, d_out, True
+    return None
+
+
+def _split_sizes(model: nn.Module, roles: tuple[str, ...], d_out: int) -> tuple[int, ...]:
+    if roles == ("q", "k", "v"):
+        config = getattr(model, "config", None)
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads:
+            head_dim = getattr(config, "head_dim", None) or d_out // (heads + 2 * kv_heads)
+            if head_dim * (heads + 2 * kv_heads) == d_out:
+                return heads * head_dim, kv_heads * head_dim, kv_heads * head_dim
+    if d_out % len(roles):
+        raise ValueError(f"cannot split {d_out} output features into {roles}")
+    return (d_out // len(roles),) * len(roles)
+
+
+def _selected(part_name: str, role: str, patterns: tuple[str, ...]) -> bool:
+    return any(p == role or fnmatch.fnmatchcase(part_name, p) for p in patterns)
+
+
+def select_targets(model: nn.Module, modules: str | list[str] = "attn") -> list[Target]:
+    """Targets for a preset ('attn', 'mlp', 'all'), role names ('q,k') or name globs ('*.3.*q_proj')."""
+    specs = modules.split(",") if isinstance(modules, str) else list(modules)
+    patterns: tuple[str, ...] = ()
+    for spec in (s.strip() for s in specs if s.strip()):
+        patterns += PRESETS.get(spec, (spec,))
+    targets, candidates = [], []
+    for name, module in model.named_modules():
+        shape = _shape(module)
+        roles = _roles(name)
+        if shape is None or not roles:
+            continue
+        d_in, d_out, transposed = shape
+        sizes = _split_sizes(model, roles, d_out) if len(roles) > 1 else (d_out,)
+        parts, start = [], 0
+        for role, size in zip(roles, sizes):
+            part_name = f"{name}.{role}" if len(roles) > 1 else name
+            candidates.append(part_name)
+            if _selected(part_name, role, patterns):
+                parts.append(Part(part_name, role, start, size))
+            start += size
+        if parts:
+            targets.append(Target(name, module, d_in, tuple(parts), transposed))
+    if not targets:
+        linear = [n for n, m in model.named_modules() if _shape(m) is not None]
+        raise ValueError(
+            f"no module matches --modules {','.join(specs)!r}. Scorable parts: {candidates[:12]}"
+            f"{' ...' if len(candidates) > 12 else ''}; linear modules: {linear[:12]}"
+            f"{' ...' if len(linear) > 12 else ''}"
+        )
+    return targets

@@ -1,0 +1,79 @@
+"""Batched spectra of per-sample gradients from small symmetric Grams.
+
+Two entry points, each with the C++ extension (gradspec._C: LAPACK via SciPy, threads
+over the batch) and a torch fallback that gives the same numbers:
+
+- ``gram_spectra``: from Grams of the materialised G (used when d_in or d_out is the smallest size);
+- ``core_spectra``: from B = X X^T and A = D D^T, T x T (used when the token count is smallest).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from .metrics import metrics_from_singular_values, singular_values_from_gram_eigenvalues
+
+
+def _load_extension():
+    try:
+        from scipy.linalg import cython_blas, cython_lapack
+
+        from . import _C
+    except ImportError:
+        return None
+    _C.bind_lapack(cython_lapack.__pyx_capi__["dsyevd"], cython_blas.__pyx_capi__["dgemm"])
+    return _C
+
+
+_C = _load_extension()
+HAS_EXTENSION = _C is not None
+
+
+def default_threads() -> int:
+    return int(os.environ.get("GRADSPEC_THREADS", 0)) or torch.get_num_threads()
+
+
+def _use_extension(backend: str) -> bool:
+    if backend == "torch":
+        return False
+    if backend == "cpp":
+        if not HAS_EXTENSION:
+            raise RuntimeError("gradspec._C is not built: reinstall gradspec (pip install -e .)")
+        return True
+    if backend != "auto":
+        raise ValueError(f"backend must be 'auto', 'cpp' or 'torch', got {backend!r}")
+    return HAS_EXTENSION
+
+
+def gram_spectra(grams: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, n, n) Grams of G -> singular values of G (N, n) descending, metrics (N, n_metrics)."""
+    if _use_extension(backend):
+        sigma, metrics = _C.gram_spectra(_as_numpy(grams), default_threads())
+        return torch.from_numpy(sigma), torch.from_numpy(metrics)
+    sigma = singular_values_from_gram_eigenvalues(torch.linalg.eigvalsh(grams.cpu().double()))
+    return sigma, metrics_from_singular_values(sigma)
+
+
+def core_spectra(B: torch.Tensor, A: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """B = X X^T (N, T, T) and A_j = D_j D_j^T (N, M, T, T) -> sigma (N, M, T), metrics (N, M, n_metrics).
+
+    With B = U L U^T and F = U L^(1/2), the singular values of D_j^T X are the square
+    roots of the eigenvalues of F^T A_j F; directions of B below T * eps * max(L) are dropped.
+    """
+    if _use_extension(backend):
+        sigma, metrics = _C.core_spectra(_as_numpy(B), _as_numpy(A), default_threads())
+        return torch.from_numpy(sigma), torch.from_numpy(metrics)
+    B, A = B.cpu().double(), A.cpu().double()
+    lam, U = torch.linalg.eigh(B)
+    cutoff = B.shape[-1] * torch.finfo(torch.float64).eps * lam[..., -1:].clamp_min(0)
+    F = U * torch.where(lam > cutoff, lam, 0.0).sqrt().unsqueeze(-2)
+    core = F.unsqueeze(1).transpose(-1, -2) @ A @ F.unsqueeze(1)
+    sigma = singular_values_from_gram_eigenvalues(torch.linalg.eigvalsh(core))
+    return sigma, metrics_from_singular_values(sigma)
+
+
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu", torch.float64).contiguous().numpy()

@@ -1,0 +1,95 @@
+"""Per-sample segment Gram Y_i Y_i^T over each sample's valid tokens, with a fused
+Frobenius inner product <Y_i Y_i^T, other_i> (for Y = D and other = X X^T this is
+||D^T X||_F^2 = ||G||_F^2, a free cross-check of the spectra).
+
+``segment_gram_triton`` is the GPU kernel (fp32 accumulation); ``segment_gram_torch``
+is the reference it is tested against (fp64), and the path used off CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is optional: the torch path serves without it
+    triton = None
+
+
+def segment_gram_torch(
+    Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Y (N, T, d), lengths (N,) -> Gram (N, T, T) in fp64, zero beyond each length; inner (N,) or None."""
+    T = Y.shape[1]
+    valid = torch.arange(T, device=Y.device)[None, :] < lengths.to(Y.device)[:, None]
+    Yv = Y.to(torch.float64) * valid[..., None]
+    gram = Yv @ Yv.transpose(1, 2)
+    inner = None if other is None else (gram * other.to(gram)).sum((1, 2))
+    return gram, inner
+
+
+if triton is not None:
+
+    @triton.jit
+    def _segment_gram_kernel(
+        y_ptr, len_ptr, gram_ptr, other_ptr, partial_ptr,
+        T, d, n_tiles,
+        stride_yn, stride_yt, stride_yd,
+        HAS_OTHER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        n = tl.program_id(0)
+        ti = tl.program_id(1)
+        tj = tl.program_id(2)
+        length = tl.load(len_ptr + n)
+        rows = ti * BLOCK_T + tl.arange(0, BLOCK_T)
+        cols = tj * BLOCK_T + tl.arange(0, BLOCK_T)
+        acc = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
+        base = y_ptr + n * stride_yn
+        for k0 in range(0, d, BLOCK_D):
+            ks = k0 + tl.arange(0, BLOCK_D)
+            a = tl.load(
+                base + rows[:, None] * stride_yt + ks[None, :] * stride_yd,
+                mask=(rows[:, None] < length) & (ks[None, :] < d), other=0.0,
+            )
+            b = tl.load(
+                base + cols[:, None] * stride_yt + ks[None, :] * stride_yd,
+                mask=(cols[:, None] < length) & (ks[None, :] < d), other=0.0,
+            )
+            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)))
+        out = n * T * T + rows[:, None] * T + cols[None, :]
+        inside = (rows[:, None] < T) & (cols[None, :] < T)
+        tl.store(gram_ptr + out, acc, mask=inside)
+        if HAS_OTHER:
+            o = tl.load(other_ptr + out, mask=inside, other=0.0)
+            tl.store(partial_ptr + (n * n_tiles + ti) * n_tiles + tj, tl.sum(acc * o))
+
+
+def segment_gram_triton(
+    Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None = None,
+    block_t: int = 32, block_d: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Same contract as ``segment_gram_torch``, fp32 outputs; runs on CUDA or under TRITON_INTERPRET=1."""
+    if triton is None:
+        raise RuntimeError("segment_gram_triton needs triton (pip install 'gradspec[triton]')")
+    N, T, d = Y.shape
+    n_tiles = triton.cdiv(T, block_t)
+    gram = torch.empty((N, T, T), device=Y.device, dtype=torch.float32)
+    partial = torch.zeros((N, n_tiles, n_tiles), device=Y.device, dtype=torch.float32)
+    other32 = None if other is None else other.to(torch.float32).contiguous()
+    _segment_gram_kernel[(N, n_tiles, n_tiles)](
+        Y, lengths.to(device=Y.device, dtype=torch.int32).contiguous(), gram,
+        other32 if other32 is not None else gram, partial,
+        T, d, n_tiles, Y.stride(0), Y.stride(1), Y.stride(2),
+        HAS_OTHER=other is not None, BLOCK_T=block_t, BLOCK_D=block_d,
+    )
+    return gram, (None if other is None else partial.sum((1, 2)))
+
+
+def segment_gram(
+    Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The Triton kernel on CUDA, the fp64 torch path elsewhere."""
+    if Y.is_cuda and triton is not None:
+        return segment_gram_triton(Y, lengths, other)
+    return segment_gram_torch(Y, lengths, other)
