@@ -1,1 +1,9 @@
-"""gradspec: score SFT data by the spectra of per-sample layer-wise gradients."""
+"""gradspec: score SFT data by the singular-value spectra of per-sample layer-wise gradients."""
+
+from .data import Fields, InputError
+from .engine import BatchScores, SpectralEngine
+from .metrics import METRICS
+from .output import read_scores
+from .score import score
+
+__all__ = ["METRICS", "BatchScores", "Fields", "InputError", "SpectralEngine", "read_scores", "score"]

@@ -190,7 +190,10 @@ def _input_key(X: torch.Tensor) -> tuple:
 
 
 def _finite_rows(t: torch.Tensor) -> torch.Tensor:
-    return torch.isfinite(t).flatten(1).all(1).cpu()
+    """Per leading index, whether a batch of Grams is finite: a Gram's diagonal holds every
+    row's squared norm, so a NaN or inf anywhere in Y shows there, and a finite diagonal
+    bounds every entry (Cauchy-Schwarz)."""
+    return torch.isfinite(t.diagonal(dim1=-2, dim2=-1)).flatten(1).all(1).cpu()
 
 
 def _zero_rows(t: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:

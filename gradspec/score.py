@@ -1,0 +1,148 @@
+"""Scoring a dataset: read in order, bucket by length, batch under a token budget, write in order."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from .data import Fields, Sample, humaneval_samples, read_samples
+from .engine import IGNORE_INDEX, SpectralEngine
+from .metrics import METRICS
+from .models import DEFAULT_MODEL, load_model
+from .output import SPECTRA, ScoreWriter, carried_name, column, read_scores
+from .templates import Tokenized, tokenize
+
+WINDOW = 256  # samples read, length-sorted and written together
+
+
+@dataclass
+class _Item:
+    sample: Sample
+    tokens: Tokenized
+
+
+def pad_batch(items: list[Tokenized], pad_id: int, device: str | torch.device) -> tuple[torch.Tensor, ...]:
+    """Right-padded input_ids, attention_mask and labels."""
+    T = max(t.num_tokens for t in items)
+    ids = torch.full((len(items), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(items), T), dtype=torch.long)
+    labels = torch.full((len(items), T), IGNORE_INDEX, dtype=torch.long)
+    for i, t in enumerate(items):
+        n = t.num_tokens
+        ids[i, :n] = torch.tensor(t.input_ids)
+        mask[i, :n] = 1
+        labels[i, :n] = torch.tensor(t.labels)
+    return ids.to(device), mask.to(device), labels.to(device)
+
+
+def token_batches(items: list[_Item], batch_tokens: int) -> Iterator[list[_Item]]:
+    """Length-sorted batches whose padded size (count x longest) stays within batch_tokens."""
+    batch: list[_Item] = []
+    for item in sorted(items, key=lambda it: it.tokens.num_tokens):
+        if batch and (len(batch) + 1) * item.tokens.num_tokens > batch_tokens:
+            yield batch
+            batch = []
+        batch.append(item)
+    if batch:
+        yield batch
+
+
+def _row(item: _Item, status: str, loss: float) -> dict[str, Any]:
+    row = {
+        "index": item.sample.index,
+        "status": status,
+        "loss": loss,
+        "num_tokens": item.tokens.num_tokens,
+        "num_response_tokens": item.tokens.num_response_tokens,
+    }
+    row.update({carried_name(k): v for k, v in item.sample.carried.items()})
+    return row
+
+
+def score_samples(
+    samples: Iterable[Sample], engine: SpectralEngine, tokenizer, writer: ScoreWriter | None,
+    template: str = "plain", max_length: int = 2048, batch_tokens: int = 8192, progress: bool = True,
+    total: int | None = None,
+) -> list[dict[str, Any]]:
+    """Scores samples window by window; rows go to the writer (or are returned when it is None)."""
+    device = next(engine.model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    kept: list[dict[str, Any]] = []
+    it = iter(samples)
+    bar = tqdm(total=total, unit="sample", disable=not progress, dynamic_ncols=True)
+    start, tokens = time.perf_counter(), 0
+    try:
+        while window := list(islice(it, WINDOW)):
+            items = [_Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in window]
+            rows = {it.sample.index: _row(it, it.tokens.status, math.nan) for it in items}
+            for batch in token_batches([i for i in items if i.tokens.status == "ok"], batch_tokens):
+                result = engine.score(*pad_batch([b.tokens for b in batch], pad_id, device))
+                for k, item in enumerate(batch):
+                    row = rows[item.sample.index]
+                    row["status"], row["loss"] = result.status(k), float(result.loss[k])
+                    for name, values in result.metrics.items():
+                        row.update({column(name, m): float(v) for m, v in zip(METRICS, values[k].tolist())})
+                    for name, sigmas in result.spectra.items():
+                        row[column(name, SPECTRA)] = sigmas[k].tolist()
+                    tokens += item.tokens.num_tokens
+                bar.update(len(batch))
+                elapsed = time.perf_counter() - start
+                bar.set_postfix(tok_s=f"{tokens / elapsed:.0f}", refresh=False)
+            bar.update(len(window) - sum(1 for i in items if i.tokens.status == "ok"))
+            ordered = [_fill(rows[s.index], engine, writer is not None) for s in window]
+            if writer is None:
+                kept.extend(ordered)
+            else:
+                writer.write(ordered)
+    finally:
+        bar.close()
+    return kept
+
+
+def _fill(row: dict[str, Any], engine: SpectralEngine, spectra: bool) -> dict[str, Any]:
+    """Unscored rows get NaN metrics (their status says why), so every row has every column."""
+    for name in engine.part_names:
+        for m in METRICS:
+            row.setdefault(column(name, m), math.nan)
+        if engine.keep_spectra:
+            row.setdefault(column(name, SPECTRA), [])
+    return row
+
+
+def score(
+    data: str | Path | None = None, model: str | None = None, out: str | Path | None = None, *,
+    template: str = "plain", modules: str | list[str] = "attn", max_length: int = 2048,
+    batch_tokens: int = 8192, device: str = "cpu", dtype: str = "float32", limit: int | None = None,
+    fields: Fields = Fields(), save_spectra: bool = False, backend: str = "auto", progress: bool = True,
+    trust_remote_code: bool = False,
+) -> pd.DataFrame:
+    """Scores a dataset file (default: HumanEval) with a model (default: SmolLM2-135M-Instruct).
+
+    With ``out``, rows are written to that Parquet file as they finish and the file is read
+    back at the end; the returned DataFrame is one row per input sample, in input order.
+    """
+    if out is not None and Path(out).exists():
+        raise FileExistsError(f"{out} exists; remove it or choose another --out")
+    net, tokenizer = load_model(model, device, dtype, trust_remote_code)
+    engine = SpectralEngine(net, modules, backend=backend, keep_spectra=save_spectra)
+    samples = humaneval_samples(limit) if data is None else read_samples(data, fields, limit)
+    run_info = {
+        "model": model or DEFAULT_MODEL, "data": str(data) if data else "humaneval", "template": template,
+        "modules": modules if isinstance(modules, str) else ",".join(modules), "max_length": max_length,
+        "dtype": dtype,
+    }
+    if out is None:
+        return pd.DataFrame(score_samples(samples, engine, tokenizer, None, template, max_length,
+                                          batch_tokens, progress, limit))
+    with ScoreWriter(out, engine.parts, save_spectra, run_info) as writer:
+        score_samples(samples, engine, tokenizer, writer, template, max_length, batch_tokens, progress, limit)
+    return read_scores(out)[0]
