@@ -1,0 +1,89 @@
+import os
+
+# Kernels are tested on the CPU through Triton's interpreter; it must be set before triton.jit runs.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from gradspec.engine import IGNORE_INDEX  # noqa: E402
+from gradspec.reference import reference_scores  # noqa: E402
+
+VOCAB = 49152  # SmolLM2's tokenizer, so tiny models can share it
+
+
+def tiny_model(kind: str, vocab: int = VOCAB, seed: int = 0) -> torch.nn.Module:
+    """Small random-init models of each supported layout."""
+    from transformers import (
+        GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM,
+        Qwen2Config, Qwen2ForCausalLM,
+    )
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  hidden_size=64, intermediate_size=80, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common)).eval()
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common)).eval()
+    if kind == "phi3":
+        return Phi3ForCausalLM(Phi3Config(**common)).eval()
+    if kind == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=48, n_layer=2, n_head=4, n_positions=512,
+                                          bos_token_id=1, eos_token_id=2)).eval()
+    raise ValueError(kind)
+
+
+def padded_batch(sequences: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0):
+    """Right-pad (input_ids, labels) pairs."""
+    T = max(len(ids) for ids, _ in sequences)
+    N = len(sequences)
+    ids = torch.full((N, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((N, T), dtype=torch.long)
+    labels = torch.full((N, T), IGNORE_INDEX, dtype=torch.long)
+    for i, (x, y) in enumerate(sequences):
+        ids[i, : len(x)], mask[i, : len(x)], labels[i, : len(x)] = x, 1, y
+    return ids, mask, labels
+
+
+def random_sequences(lengths: list[int], vocab: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token sequences whose second half is the response."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(3, vocab, (n,), generator=g)
+        labels = torch.full((n,), IGNORE_INDEX)
+        labels[n // 2 :] = ids[n // 2 :]
+        out.append((ids, labels))
+    return out
+
+
+def assert_matches_reference(model, scores, sequences, modules, rtol=1e-4):
+    """Every part's every metric within rtol of the one-sample full-SVD reference."""
+    from gradspec.metrics import METRICS
+
+    checked = 0
+    for i, (ids, labels) in enumerate(sequences):
+        loss, ref, _ = reference_scores(model, ids, labels, modules)
+        assert scores.status(i) == "ok"
+        assert scores.loss[i].item() == pytest.approx(loss, rel=1e-5)
+        assert set(ref) == set(scores.metrics)
+        for name, values in ref.items():
+            for j, metric in enumerate(METRICS):
+                got = scores.metrics[name][i, j].item()
+                assert got == pytest.approx(values[metric], rel=rtol), (i, name, metric)
+                checked += 1
+    assert checked > 0
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """SmolLM2-135M-Instruct, real weights (converted from the GGUF once, then cached)."""
+    from gradspec.models import load_model
+
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smol):
+    return smol[1]
