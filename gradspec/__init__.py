@@ -4,6 +4,6 @@ from .data import Fields, InputError
 from .engine import BatchScores, SpectralEngine
 from .metrics import METRICS
 from .output import read_scores
-from .score import score
+from .scoring import score
 
 __all__ = ["METRICS", "BatchScores", "Fields", "InputError", "SpectralEngine", "read_scores", "score"]

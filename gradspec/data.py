@@ -53,6 +53,19 @@ def read_records(path: str | Path) -> Iterator[tuple[str, dict]]:
         raise InputError(f"{path}: unknown format (expected .json, .jsonl, .parquet or a datasets folder)")
 
 
+def count_records(path: str | Path) -> int | None:
+    """Rows in a dataset file without parsing it (for progress and ETA); None when unknown."""
+    path = Path(path)
+    if path.suffix == ".jsonl" and path.is_file():
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip())
+    if path.suffix == ".parquet" and path.is_file():
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    return None
+
+
 def _read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -174,6 +187,9 @@ def read_samples(path: str | Path, fields: Fields = Fields(), limit: int | None 
         if limit is not None and index >= limit:
             return
         yield to_sample(index, where, record, fields)
+
+
+HUMANEVAL_SIZE = 164
 
 
 def humaneval_samples(limit: int | None = None) -> Iterator[Sample]:

@@ -50,6 +50,27 @@ def response_loss_per_sample(logits: torch.Tensor, labels: torch.Tensor) -> tupl
     return tok.sum(1) / count.clamp_min(1), count
 
 
+def response_losses(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample response loss with the LM head applied at labelled positions only.
+
+    Prompt positions need no logits: skipping them saves the head's forward and backward
+    there. Models that transform their logits (soft-capping, scaling) take the full path.
+    """
+    config = getattr(model, "config", None)
+    head = model.get_output_embeddings()
+    if head is None or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return response_loss_per_sample(logits, labels)
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    target = labels[:, 1:]
+    rows, cols = torch.nonzero(target != IGNORE_INDEX, as_tuple=True)
+    tok = nn.functional.cross_entropy(head(hidden[rows, cols]).float(), target[rows, cols], reduction="none")
+    count = torch.bincount(rows, minlength=len(labels))
+    total = torch.zeros(len(labels), dtype=tok.dtype, device=tok.device).index_add(0, rows, tok)
+    return total / count.clamp_min(1), count
+
+
 class SpectralEngine:
     """Scores tokenized batches for one model; reusable across batches and inside training loops."""
 
@@ -77,8 +98,7 @@ class SpectralEngine:
             raise ValueError("the batch must be right-padded (attention_mask a prefix of ones)")
         capture = _Capture(self.targets, lengths, self.backend)
         with capture.hooks(self.model):
-            logits = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-            loss, count = response_loss_per_sample(logits, labels)
+            loss, count = response_losses(self.model, input_ids, attention_mask, labels)
             finite = torch.isfinite(loss) & (count > 0)
             if finite.any():
                 loss[finite].sum().backward()
@@ -150,7 +170,8 @@ class _Capture:
     def reduce(self, finite: torch.Tensor, flags: list[set[str]], keep_spectra: bool):
         N = len(self.lengths)
         nan = float("nan")
-        metrics = {p.name: torch.full((N, len(METRICS)), nan, dtype=torch.float64) for t in self.targets for p in t.parts}
+        metrics = {p.name: torch.full((N, len(METRICS)), nan, dtype=torch.float64)
+                   for t in self.targets for p in t.parts}
         spectra: dict[str, list[np.ndarray]] = {name: [np.zeros(0)] * N for name in metrics} if keep_spectra else {}
 
         def record(part: Part, samples: list[int], sigma: torch.Tensor, m: torch.Tensor, ok: torch.Tensor) -> None:
@@ -167,10 +188,11 @@ class _Capture:
                     s = sigma[row].numpy()
                     spectra[part.name][i] = s[s > 0]
 
-        for (_, samples, T), (B, items) in self.core.items():
+        for (_, samples, _), (B, items) in self.core.items():
             A = torch.stack([a for _, a, _ in items], 1)
             ok = _finite_rows(B) & _finite_rows(A)
-            sigma, m = core_spectra(_zero_rows(B, ok), _zero_rows(A, ok), self.backend)
+            lengths = self.lengths[torch.tensor(samples, device=self.lengths.device)]
+            sigma, m = core_spectra(_zero_rows(B, ok), _zero_rows(A, ok), lengths, self.backend)
             for j, (part, _, inner) in enumerate(items):
                 record(part, list(samples), sigma[:, j], m[:, j], ok)
                 frob2 = m[:, j, METRICS.index("frobenius_norm")] ** 2

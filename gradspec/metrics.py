@@ -44,6 +44,11 @@ def metrics_from_singular_values(sigma: torch.Tensor) -> torch.Tensor:
     )
 
 
+def metrics_dict(row: torch.Tensor) -> dict[str, float]:
+    """One metrics row -> {metric name: value}."""
+    return dict(zip(METRICS, row.tolist(), strict=True))
+
+
 def singular_values_from_gram_eigenvalues(eigenvalues: torch.Tensor) -> torch.Tensor:
     """Eigenvalues of G G^T (any order) -> singular values of G, descending.
 

@@ -51,7 +51,9 @@ def default_model_path() -> Path:
     return target
 
 
-def load_model(name_or_path: str | None = None, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False):
+def load_model(
+    name_or_path: str | None = None, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False
+):
     """(model, tokenizer) from a local folder or hub cache name; None gives the default model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -104,7 +104,7 @@ def select_targets(model: nn.Module, modules: str | list[str] = "attn") -> list[
         d_in, d_out, transposed = shape
         sizes = _split_sizes(model, roles, d_out) if len(roles) > 1 else (d_out,)
         parts, start = [], 0
-        for role, size in zip(roles, sizes):
+        for role, size in zip(roles, sizes, strict=True):
             part_name = f"{name}.{role}" if len(roles) > 1 else name
             candidates.append(part_name)
             if _selected(part_name, role, patterns):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +56,14 @@ class ScoreWriter:
         if not rows:
             return
         if self.schema is None:
-            self.schema = self._schema(pa.Table.from_pylist(rows))
+            keys = dict.fromkeys(k for row in rows for k in row)  # all rows' columns, not the first's
+            self.schema = self._schema(pa.table({k: [row.get(k) for row in rows] for k in keys}))
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.writer = pq.ParquetWriter(self.path, self.schema)
+        new = sorted({k for row in rows for k in row} - set(self.schema.names))
+        if new:
+            warnings.warn(f"rows from index {rows[0]['index']}: input columns {new} were absent from the "
+                          "first rows and are not carried", stacklevel=2)
         try:
             table = pa.Table.from_pylist(rows, schema=self.schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as e:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .engine import response_loss_per_sample
-from .metrics import METRICS, metrics_from_singular_values
+from .metrics import metrics_dict, metrics_from_singular_values
 from .modules import select_targets
 
 
@@ -37,7 +37,7 @@ def reference_scores(
             for p in t.parts:
                 sigma = torch.linalg.svdvals(grad[p.start : p.start + p.d_out].double())
                 spectra[p.name] = sigma
-                metrics[p.name] = dict(zip(METRICS, metrics_from_singular_values(sigma).tolist()))
+                metrics[p.name] = metrics_dict(metrics_from_singular_values(sigma))
         return loss.item(), metrics, spectra
     finally:
         for w in weights:

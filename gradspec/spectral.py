@@ -26,7 +26,8 @@ def _load_extension():
         from . import _C
     except ImportError:
         return None
-    _C.bind_lapack(cython_lapack.__pyx_capi__["dsyevd"], cython_blas.__pyx_capi__["dgemm"])
+    lapack = cython_lapack.__pyx_capi__
+    _C.bind_lapack(lapack["dsyevd"], lapack["dpstrf"], cython_blas.__pyx_capi__["dgemm"])
     return _C
 
 
@@ -63,19 +64,28 @@ def gram_spectra(grams: torch.Tensor, backend: str = "auto") -> tuple[torch.Tens
     return sigma, metrics_from_singular_values(sigma)
 
 
-def core_spectra(B: torch.Tensor, A: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def core_spectra(
+    B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor | None = None, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """B = X X^T (N, T, T) and A_j = D_j D_j^T (N, M, T, T) -> sigma (N, M, T), metrics (N, M, n_metrics).
 
-    With B = U L U^T and F = U L^(1/2), the singular values of D_j^T X are the square
-    roots of the eigenvalues of F^T A_j F; directions of B below T * eps * max(L) are dropped.
+    For any F with B = F F^T, the singular values of D_j^T X are the square roots of the
+    eigenvalues of F^T A_j F. The extension takes F from a pivoted Cholesky; the torch path
+    from B's eigendecomposition, F = U L^(1/2), dropping directions below n * eps * max(L).
+    ``lengths`` (N,) are the tokens per sample: beyond them B and A are zero padding, which
+    the extension skips (the torch path computes through it: same result, more work).
     """
+    if lengths is None:
+        lengths = torch.full((B.shape[0],), B.shape[-1], dtype=torch.int64)
     if _use_extension(backend):
         with _BLAS.limit(limits=1, user_api="blas"):
-            sigma, metrics = _C.core_spectra(_as_numpy(B), _as_numpy(A), default_threads())
+            sigma, metrics = _C.core_spectra(
+                _as_numpy(B), _as_numpy(A), lengths.cpu().to(torch.int64).numpy(), default_threads()
+            )
         return torch.from_numpy(sigma), torch.from_numpy(metrics)
     B, A = B.cpu().double(), A.cpu().double()
     lam, U = torch.linalg.eigh(B)
-    cutoff = B.shape[-1] * torch.finfo(torch.float64).eps * lam[..., -1:].clamp_min(0)
+    cutoff = lengths.cpu()[:, None] * torch.finfo(torch.float64).eps * lam[..., -1:].clamp_min(0)
     F = U * torch.where(lam > cutoff, lam, 0.0).sqrt().unsqueeze(-2)
     core = F.unsqueeze(1).transpose(-1, -2) @ A @ F.unsqueeze(1)
     sigma = singular_values_from_gram_eigenvalues(torch.linalg.eigvalsh(core))

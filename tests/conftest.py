@@ -15,8 +15,14 @@ VOCAB = 49152  # SmolLM2's tokenizer, so tiny models can share it
 def tiny_model(kind: str, vocab: int = VOCAB, seed: int = 0) -> torch.nn.Module:
     """Small random-init models of each supported layout."""
     from transformers import (
-        GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM,
-        Qwen2Config, Qwen2ForCausalLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
     )
 
     torch.manual_seed(seed)
@@ -87,3 +93,12 @@ def smol():
 @pytest.fixture(scope="session")
 def tokenizer(smol):
     return smol[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer):
+    """A tiny random Llama with SmolLM2's tokenizer, saved like any local model."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama").save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

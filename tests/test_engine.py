@@ -103,3 +103,23 @@ def test_module_patterns_select_by_glob_and_role():
     model = tiny_model("llama", vocab=VOCAB)
     assert SpectralEngine(model, "*.1.*v_proj").part_names == ["model.layers.1.self_attn.v_proj"]
     assert len(SpectralEngine(model, "down,q").part_names) == 4
+
+
+@pytest.mark.parametrize("template", ["plain", "chat"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2", "phi3"])
+def test_engine_matches_reference_on_real_text(kind, template, tokenizer):
+    """Mixed-length HumanEval samples through both templates, on each tiny model layout."""
+    from conftest import VOCAB as SMOL_VOCAB
+
+    from gradspec.data import humaneval_samples
+    from gradspec.templates import tokenize
+
+    model = tiny_model(kind, vocab=SMOL_VOCAB)
+    short = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    conversations = [short] + [s.messages for s in humaneval_samples(3)]
+    seqs = []
+    for messages in conversations:
+        t = tokenize(messages, tokenizer, template, 2048)
+        seqs.append((torch.tensor(t.input_ids), torch.tensor(t.labels)))
+    scores = SpectralEngine(model, "all").score(*padded_batch(seqs, tokenizer.pad_token_id))
+    assert_matches_reference(model, scores, seqs, "all")

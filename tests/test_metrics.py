@@ -3,12 +3,17 @@ import math
 import pytest
 import torch
 
-from gradspec.metrics import METRICS, metrics_from_singular_values, singular_values_from_gram_eigenvalues
+from gradspec.metrics import (
+    METRICS,
+    metrics_dict,
+    metrics_from_singular_values,
+    singular_values_from_gram_eigenvalues,
+)
 
 
 def test_metrics_by_hand():
     sigma = torch.tensor([3.0, 1.0, 0.0])
-    m = dict(zip(METRICS, metrics_from_singular_values(sigma).tolist()))
+    m = metrics_dict(metrics_from_singular_values(sigma))
     p = [0.75, 0.25]
     assert m["nuclear_norm"] == pytest.approx(4.0)
     assert m["effective_rank"] == pytest.approx(math.exp(-sum(q * math.log(q) for q in p)))
@@ -24,7 +29,7 @@ def test_equal_singular_values_give_full_effective_rank():
 
 
 def test_zero_gradient_gives_nan_ratios_not_crash():
-    m = dict(zip(METRICS, metrics_from_singular_values(torch.zeros(4)).tolist()))
+    m = metrics_dict(metrics_from_singular_values(torch.zeros(4)))
     assert m["nuclear_norm"] == 0.0
     assert math.isnan(m["effective_rank"]) and math.isnan(m["stable_rank"]) and math.isnan(m["sigma1_ratio"])
 

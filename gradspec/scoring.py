@@ -14,14 +14,16 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from .data import Fields, Sample, humaneval_samples, read_samples
+from .data import HUMANEVAL_SIZE, Fields, Sample, count_records, humaneval_samples, read_samples
 from .engine import IGNORE_INDEX, SpectralEngine
-from .metrics import METRICS
+from .metrics import METRICS, metrics_dict
 from .models import DEFAULT_MODEL, load_model
 from .output import SPECTRA, ScoreWriter, carried_name, column, read_scores
 from .templates import Tokenized, tokenize
 
 WINDOW = 256  # samples read, length-sorted and written together
+BATCH_TOKENS = 4096  # padded tokens per batch
+MAX_PADDING = 0.2  # share of a batch's tokens that may be padding
 
 
 @dataclass
@@ -44,14 +46,19 @@ def pad_batch(items: list[Tokenized], pad_id: int, device: str | torch.device) -
     return ids.to(device), mask.to(device), labels.to(device)
 
 
-def token_batches(items: list[_Item], batch_tokens: int) -> Iterator[list[_Item]]:
-    """Length-sorted batches whose padded size (count x longest) stays within batch_tokens."""
+def token_batches(items: list[_Item], batch_tokens: int, max_padding: float = MAX_PADDING) -> Iterator[list[_Item]]:
+    """Length-sorted batches whose padded size (count x longest) stays within batch_tokens and
+    whose padding stays within max_padding of it: padded tokens cost full compute on a CPU."""
     batch: list[_Item] = []
+    real = 0
     for item in sorted(items, key=lambda it: it.tokens.num_tokens):
-        if batch and (len(batch) + 1) * item.tokens.num_tokens > batch_tokens:
+        n = item.tokens.num_tokens
+        padded = (len(batch) + 1) * n
+        if batch and (padded > batch_tokens or real + n < (1 - max_padding) * padded):
             yield batch
-            batch = []
+            batch, real = [], 0
         batch.append(item)
+        real += n
     if batch:
         yield batch
 
@@ -70,7 +77,7 @@ def _row(item: _Item, status: str, loss: float) -> dict[str, Any]:
 
 def score_samples(
     samples: Iterable[Sample], engine: SpectralEngine, tokenizer, writer: ScoreWriter | None,
-    template: str = "plain", max_length: int = 2048, batch_tokens: int = 8192, progress: bool = True,
+    template: str = "plain", max_length: int = 2048, batch_tokens: int = BATCH_TOKENS, progress: bool = True,
     total: int | None = None,
 ) -> list[dict[str, Any]]:
     """Scores samples window by window; rows go to the writer (or are returned when it is None)."""
@@ -90,7 +97,7 @@ def score_samples(
                     row = rows[item.sample.index]
                     row["status"], row["loss"] = result.status(k), float(result.loss[k])
                     for name, values in result.metrics.items():
-                        row.update({column(name, m): float(v) for m, v in zip(METRICS, values[k].tolist())})
+                        row.update({column(name, m): v for m, v in metrics_dict(values[k]).items()})
                     for name, sigmas in result.spectra.items():
                         row[column(name, SPECTRA)] = sigmas[k].tolist()
                     tokens += item.tokens.num_tokens
@@ -121,20 +128,22 @@ def _fill(row: dict[str, Any], engine: SpectralEngine, spectra: bool) -> dict[st
 def score(
     data: str | Path | None = None, model: str | None = None, out: str | Path | None = None, *,
     template: str = "plain", modules: str | list[str] = "attn", max_length: int = 2048,
-    batch_tokens: int = 8192, device: str = "cpu", dtype: str = "float32", limit: int | None = None,
+    batch_tokens: int = BATCH_TOKENS, device: str = "cpu", dtype: str = "float32", limit: int | None = None,
     fields: Fields = Fields(), save_spectra: bool = False, backend: str = "auto", progress: bool = True,
-    trust_remote_code: bool = False,
+    trust_remote_code: bool = False, overwrite: bool = False,
 ) -> pd.DataFrame:
     """Scores a dataset file (default: HumanEval) with a model (default: SmolLM2-135M-Instruct).
 
     With ``out``, rows are written to that Parquet file as they finish and the file is read
     back at the end; the returned DataFrame is one row per input sample, in input order.
     """
-    if out is not None and Path(out).exists():
-        raise FileExistsError(f"{out} exists; remove it or choose another --out")
+    if out is not None and Path(out).exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass --overwrite or choose another --out")
     net, tokenizer = load_model(model, device, dtype, trust_remote_code)
     engine = SpectralEngine(net, modules, backend=backend, keep_spectra=save_spectra)
     samples = humaneval_samples(limit) if data is None else read_samples(data, fields, limit)
+    known = HUMANEVAL_SIZE if data is None else count_records(data)
+    total = min((n for n in (known, limit) if n is not None), default=None)  # for the progress bar's ETA
     run_info = {
         "model": model or DEFAULT_MODEL, "data": str(data) if data else "humaneval", "template": template,
         "modules": modules if isinstance(modules, str) else ",".join(modules), "max_length": max_length,
@@ -142,7 +151,7 @@ def score(
     }
     if out is None:
         return pd.DataFrame(score_samples(samples, engine, tokenizer, None, template, max_length,
-                                          batch_tokens, progress, limit))
+                                          batch_tokens, progress, total))
     with ScoreWriter(out, engine.parts, save_spectra, run_info) as writer:
-        score_samples(samples, engine, tokenizer, writer, template, max_length, batch_tokens, progress, limit)
+        score_samples(samples, engine, tokenizer, writer, template, max_length, batch_tokens, progress, total)
     return read_scores(out)[0]
