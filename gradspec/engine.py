@@ -9,6 +9,8 @@ X X^T and D D^T when T is smallest, else the Gram of the materialised G.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -122,10 +124,15 @@ class _Capture:
         self.core: dict[tuple, tuple[torch.Tensor, list]] = {}
         self.materialised: list[tuple[Part, torch.Tensor, torch.Tensor]] = []  # (part, samples, Gram of G)
 
-    def hooks(self, model: nn.Module):
+    @contextmanager
+    def hooks(self, model: nn.Module) -> Iterator[None]:
         handles = [model.get_input_embeddings().register_forward_hook(_require_grad)]
         handles += [t.module.register_forward_hook(self._forward_hook(t)) for t in self.targets]
-        return _Handles(handles)
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
     def _forward_hook(self, target: Target):
         def hook(module, args, output):
@@ -226,14 +233,3 @@ def _require_grad(module, args, output):
     """Make the embeddings' output require grad, so the backward reaches every hooked module."""
     output.requires_grad_(True)
 
-
-class _Handles:
-    def __init__(self, handles) -> None:
-        self.handles = handles
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self.handles:
-            h.remove()

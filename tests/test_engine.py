@@ -123,3 +123,15 @@ def test_engine_matches_reference_on_real_text(kind, template, tokenizer):
         seqs.append((torch.tensor(t.input_ids), torch.tensor(t.labels)))
     scores = SpectralEngine(model, "all").score(*padded_batch(seqs, tokenizer.pad_token_id))
     assert_matches_reference(model, scores, seqs, "all")
+
+
+def test_bfloat16_model_runs_with_fp64_reductions():
+    """Low-precision models still get fp64 Grams and core problems; values near the fp32 ones."""
+    model = tiny_model("llama", vocab=VOCAB)
+    batch = padded_batch(random_sequences([9, 40], VOCAB))
+    fp32 = SpectralEngine(model, "attn").score(*batch)
+    bf16 = SpectralEngine(model.to(torch.bfloat16), "attn").score(*batch)
+    assert [bf16.status(i) for i in range(2)] == ["ok", "ok"]
+    for name in fp32.metrics:
+        assert bf16.metrics[name].dtype == torch.float64
+        torch.testing.assert_close(bf16.metrics[name], fp32.metrics[name], rtol=0.1, atol=1e-6)
