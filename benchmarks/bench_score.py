@@ -39,13 +39,13 @@ def test_floor_forward_backward(setup, record):
             logits = model(inputs_embeds=embeds, attention_mask=mask, use_cache=False).logits
             response_loss_per_sample(logits, labels)[0].sum().backward()
 
-    record("floor", run, rounds=3)
+    record("floor", run, rounds=5)
 
 
 def test_gradspec(setup, record):
     model, batches, _ = setup
     engine = SpectralEngine(model, "attn")
-    record("gradspec", lambda: [engine.score(*b) for b in batches], rounds=3)
+    record("gradspec", lambda: [engine.score(*b) for b in batches], rounds=5)
 
 
 def test_reference(setup, record):

@@ -24,12 +24,14 @@ namespace {
 
 using dsyevd_t = void(char*, char*, int*, double*, int*, double*, double*, int*, int*, int*, int*);
 using dpstrf_t = void(char*, int*, double*, int*, int*, int*, double*, double*, int*);
+using dsyrk_t = void(char*, char*, int*, int*, double*, double*, int*, double*, double*, int*);
 using dgemm_t = void(char*, char*, int*, int*, int*, double*, double*, int*, double*, int*, double*,
                      double*, int*);
 
 dsyevd_t* dsyevd_ = nullptr;
 dgemm_t* dgemm_ = nullptr;
 dpstrf_t* dpstrf_ = nullptr;
+dsyrk_t* dsyrk_ = nullptr;
 
 // Order matches gradspec.metrics.METRICS.
 constexpr int kNumMetrics = 6;
@@ -41,14 +43,16 @@ F* pointer_from_capsule(const py::capsule& cap) {
   return reinterpret_cast<F*>(p);
 }
 
-void bind_lapack(const py::capsule& dsyevd, const py::capsule& dpstrf, const py::capsule& dgemm) {
+void bind_lapack(const py::capsule& dsyevd, const py::capsule& dpstrf, const py::capsule& dgemm,
+                 const py::capsule& dsyrk) {
   dsyevd_ = pointer_from_capsule<dsyevd_t>(dsyevd);
   dpstrf_ = pointer_from_capsule<dpstrf_t>(dpstrf);
   dgemm_ = pointer_from_capsule<dgemm_t>(dgemm);
+  dsyrk_ = pointer_from_capsule<dsyrk_t>(dsyrk);
 }
 
 void require_bound() {
-  if (dsyevd_ == nullptr || dpstrf_ == nullptr || dgemm_ == nullptr)
+  if (dsyevd_ == nullptr || dpstrf_ == nullptr || dgemm_ == nullptr || dsyrk_ == nullptr)
     throw std::runtime_error("gradspec._C: LAPACK not bound; call bind_lapack first");
 }
 
@@ -132,6 +136,15 @@ void parallel_for(int n, int threads, const std::function<void(int, SymmetricEig
 }
 
 using Array = py::array_t<double, py::array::c_style | py::array::forcecast>;
+using Lengths = py::array_t<int64_t, py::array::c_style | py::array::forcecast>;
+
+const int64_t* checked_lengths(const Lengths& lengths, int N, int T) {
+  if (lengths.ndim() != 1 || lengths.shape(0) != N) throw std::invalid_argument("lengths must have shape (N,)");
+  const int64_t* len = lengths.data();
+  for (int i = 0; i < N; ++i)
+    if (len[i] < 0 || len[i] > T) throw std::invalid_argument("lengths must lie in [0, T]");
+  return len;
+}
 
 // Spectra of G from Grams G G^T (or G^T G): grams is (N, n, n).
 py::tuple gram_spectra(Array grams, int threads) {
@@ -158,18 +171,13 @@ py::tuple gram_spectra(Array grams, int threads) {
 // (dpstrf), which is rank-revealing for PSD B and ~25x cheaper than an eigendecomposition;
 // one factorisation serves all M modules that share the input X. Sample i uses the
 // leading lengths[i] x lengths[i] blocks (the rest is padding), so padding costs nothing.
-py::tuple core_spectra(Array B, Array A, py::array_t<int64_t, py::array::c_style | py::array::forcecast> lengths,
-                       int threads) {
+py::tuple core_spectra(Array B, Array A, Lengths lengths, int threads) {
   require_bound();
   if (B.ndim() != 3 || B.shape(1) != B.shape(2)) throw std::invalid_argument("B must have shape (N, T, T)");
   if (A.ndim() != 4 || A.shape(0) != B.shape(0) || A.shape(2) != B.shape(1) || A.shape(3) != B.shape(1))
     throw std::invalid_argument("A must have shape (N, M, T, T) matching B");
-  if (lengths.ndim() != 1 || lengths.shape(0) != B.shape(0))
-    throw std::invalid_argument("lengths must have shape (N,)");
   const int N = static_cast<int>(B.shape(0)), M = static_cast<int>(A.shape(1)), T = static_cast<int>(B.shape(1));
-  const int64_t* len = lengths.data();
-  for (int i = 0; i < N; ++i)
-    if (len[i] < 0 || len[i] > T) throw std::invalid_argument("lengths must lie in [0, T]");
+  const int64_t* len = checked_lengths(lengths, N, T);
   Array sigma({N, M, T}), metrics({N, M, kNumMetrics});
   const double* b_in = B.data();
   const double* a_in = A.data();
@@ -217,13 +225,48 @@ py::tuple core_spectra(Array B, Array A, py::array_t<int64_t, py::array::c_style
   return py::make_tuple(sigma, metrics);
 }
 
+// fp64 Gram of each sample's valid rows, Y_i[:n] Y_i[:n]^T, with BLAS dsyrk (half the work of a
+// GEMM, none spent on padding). Y may be strided (a view of a fused projection's output).
+template <typename Scalar>
+py::array_t<double> segment_gram(py::array_t<Scalar> Y, Lengths lengths, int threads) {
+  require_bound();
+  if (Y.ndim() != 3) throw std::invalid_argument("Y must have shape (N, T, d)");
+  const int N = static_cast<int>(Y.shape(0)), T = static_cast<int>(Y.shape(1)), d = static_cast<int>(Y.shape(2));
+  const int64_t* len = checked_lengths(lengths, N, T);
+  const auto ys = Y.strides();
+  const char* base = reinterpret_cast<const char*>(Y.data());
+  py::array_t<double> out({N, T, T});
+  double* o = out.mutable_data();
+  std::fill(o, o + static_cast<size_t>(N) * T * T, 0.0);
+  parallel_for(N, threads, [&](int i, SymmetricEigen&) {
+    const int n = static_cast<int>(len[i]);
+    if (n == 0) return;
+    std::vector<double> y(static_cast<size_t>(n) * d);  // row-major n x d == column-major d x n
+    for (int t = 0; t < n; ++t)
+      for (int k = 0; k < d; ++k)
+        y[static_cast<size_t>(t) * d + k] =
+            *reinterpret_cast<const Scalar*>(base + i * ys[0] + t * ys[1] + k * ys[2]);
+    char lower = 'L', trans = 'T';
+    int n_ = n, d_ = d, ld = T;
+    double one = 1.0, zero = 0.0;
+    double* g = o + static_cast<size_t>(i) * T * T;
+    dsyrk_(&lower, &trans, &n_, &d_, &one, y.data(), &d_, &zero, g, &ld);
+    for (int c = 0; c < n; ++c)  // mirror the lower triangle (column-major) into the upper
+      for (int r = c + 1; r < n; ++r) g[static_cast<size_t>(r) * T + c] = g[static_cast<size_t>(c) * T + r];
+  });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "gradspec batched spectral reductions (LAPACK via SciPy, threads over the batch)";
   m.attr("NUM_METRICS") = kNumMetrics;
-  m.def("bind_lapack", &bind_lapack, py::arg("dsyevd"), py::arg("dpstrf"), py::arg("dgemm"),
-        "Bind LAPACK dsyevd, dpstrf and BLAS dgemm from SciPy's cython_lapack / cython_blas capsules.");
+  m.def("bind_lapack", &bind_lapack, py::arg("dsyevd"), py::arg("dpstrf"), py::arg("dgemm"), py::arg("dsyrk"),
+        "Bind LAPACK dsyevd, dpstrf and BLAS dgemm, dsyrk from SciPy's cython_lapack / cython_blas capsules.");
+  m.def("segment_gram", &segment_gram<float>, py::arg("Y"), py::arg("lengths"), py::arg("threads"),
+        "fp64 Gram Y_i Y_i^T over each sample's first lengths[i] rows of Y (N, T, d), zero-padded to (N, T, T).");
+  m.def("segment_gram", &segment_gram<double>, py::arg("Y"), py::arg("lengths"), py::arg("threads"));
   m.def("gram_spectra", &gram_spectra, py::arg("grams"), py::arg("threads"),
         "Singular values (descending) and metrics of G from a batch (N, n, n) of its Grams.");
   m.def("core_spectra", &core_spectra, py::arg("B"), py::arg("A"), py::arg("lengths"), py::arg("threads"),

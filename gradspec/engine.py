@@ -17,10 +17,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .kernels import segment_gram
 from .metrics import METRICS
 from .modules import Part, Target, select_targets
-from .spectral import core_spectra, gram_spectra
+from .spectral import core_spectra, gram_spectra, segment_gram
 
 IGNORE_INDEX = -100
 FROBENIUS_CHECK_RTOL = 1e-3  # ||G||_F^2 from the spectrum vs <D D^T, X X^T>
@@ -153,7 +152,7 @@ class _Capture:
                 if key not in self.core:
                     self.core[key] = (self._x_gram(X, samples, T, target.d_in), [])
                 B, items = self.core[key]
-                A, inner = segment_gram(D[samples, :T], self.lengths[samples], B)
+                A, inner = segment_gram(D[samples, :T], self.lengths[samples], B, self.backend)
                 items.append((part, A, inner))
             if not core.all():
                 samples = torch.nonzero(~core).flatten()
@@ -169,7 +168,7 @@ class _Capture:
         if key not in self.x_grams:
             wide = torch.nonzero(self.lengths < d_in).flatten()
             T_all = int(self.lengths[wide].max())
-            self.x_grams[key] = (wide, segment_gram(X[wide, :T_all], self.lengths[wide])[0])
+            self.x_grams[key] = (wide, segment_gram(X[wide, :T_all], self.lengths[wide], backend=self.backend)[0])
         wide, gram = self.x_grams[key]
         rows = torch.searchsorted(wide, samples)
         return gram[rows, :T, :T]

@@ -1,8 +1,9 @@
 """Batched spectra of per-sample gradients from small symmetric Grams.
 
-Two entry points, each with the C++ extension (gradspec._C: LAPACK via SciPy, threads
-over the batch) and a torch fallback that gives the same numbers:
+Each entry point has the C++ extension (gradspec._C: LAPACK via SciPy, threads over the
+batch) and a torch fallback that gives the same numbers:
 
+- ``segment_gram``: the per-sample Grams X X^T and D D^T (the Triton kernel on CUDA);
 - ``gram_spectra``: from Grams of the materialised G (used when d_in or d_out is the smallest size);
 - ``core_spectra``: from B = X X^T and A = D D^T, T x T (used when the token count is smallest).
 """
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 from threadpoolctl import ThreadpoolController
 
+from . import kernels
 from .metrics import metrics_from_singular_values, singular_values_from_gram_eigenvalues
 
 
@@ -26,8 +28,8 @@ def _load_extension():
         from . import _C
     except ImportError:
         return None
-    lapack = cython_lapack.__pyx_capi__
-    _C.bind_lapack(lapack["dsyevd"], lapack["dpstrf"], cython_blas.__pyx_capi__["dgemm"])
+    lapack, blas = cython_lapack.__pyx_capi__, cython_blas.__pyx_capi__
+    _C.bind_lapack(lapack["dsyevd"], lapack["dpstrf"], blas["dgemm"], blas["dsyrk"])
     return _C
 
 
@@ -52,6 +54,24 @@ def _use_extension(backend: str) -> bool:
     if backend != "auto":
         raise ValueError(f"backend must be 'auto', 'cpp' or 'torch', got {backend!r}")
     return HAS_EXTENSION
+
+
+def segment_gram(
+    Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None = None, backend: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-sample Gram Y_i Y_i^T over valid tokens (N, T, T), and <Gram_i, other_i> when other is given.
+
+    CUDA: the Triton kernel (fp32 accumulation). CPU: the extension's dsyrk in fp64 (half a
+    GEMM's work, none on padding), else the fp64 torch reference.
+    """
+    if Y.is_cuda and kernels.triton is not None:
+        return kernels.segment_gram_triton(Y, lengths, other)
+    if Y.is_cuda or not _use_extension(backend):
+        return kernels.segment_gram_torch(Y, lengths, other)
+    Y = Y.detach() if Y.dtype in (torch.float32, torch.float64) else Y.detach().float()
+    with _BLAS.limit(limits=1, user_api="blas"):
+        gram = torch.from_numpy(_C.segment_gram(Y.numpy(), lengths.to(torch.int64).numpy(), default_threads()))
+    return gram, None if other is None else (gram * other.to(gram)).sum((1, 2))
 
 
 def gram_spectra(grams: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@ Frobenius inner product <Y_i Y_i^T, other_i> (for Y = D and other = X X^T this i
 ||D^T X||_F^2 = ||G||_F^2, a free cross-check of the spectra).
 
 ``segment_gram_triton`` is the GPU kernel (fp32 accumulation); ``segment_gram_torch``
-is the reference it is tested against (fp64), and the path used off CUDA.
+is the reference it is tested against (fp64). gradspec.spectral.segment_gram picks a path.
 """
 
 from __future__ import annotations
@@ -84,12 +84,3 @@ def segment_gram_triton(
         HAS_OTHER=other is not None, BLOCK_T=block_t, BLOCK_D=block_d,
     )
     return gram, (None if other is None else partial.sum((1, 2)))
-
-
-def segment_gram(
-    Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The Triton kernel on CUDA, the fp64 torch path elsewhere."""
-    if Y.is_cuda and triton is not None:
-        return segment_gram_triton(Y, lengths, other)
-    return segment_gram_torch(Y, lengths, other)

@@ -1,12 +1,13 @@
 import pytest
 import torch
 
-from gradspec.kernels import segment_gram, segment_gram_torch, segment_gram_triton
-from gradspec.kernels.segment_gram import triton
+from gradspec import spectral
+from gradspec.kernels import segment_gram_torch, segment_gram_triton, triton
 
-pytestmark = pytest.mark.skipif(triton is None, reason="triton not installed")
+needs_triton = pytest.mark.skipif(triton is None, reason="triton not installed")
 
 
+@needs_triton
 @pytest.mark.parametrize("shape", [(3, 37, 50), (2, 8, 16), (1, 65, 33)])
 def test_triton_kernel_matches_torch(shape):
     """Runs under TRITON_INTERPRET=1 on the CPU (set in conftest)."""
@@ -23,6 +24,7 @@ def test_triton_kernel_matches_torch(shape):
         assert gram[i, n:].abs().sum() == 0 and gram[i, :, n:].abs().sum() == 0
 
 
+@needs_triton
 def test_inner_product_is_frobenius_norm_of_gradient():
     g = torch.Generator().manual_seed(0)
     X, D = torch.randn(2, 9, 12, generator=g), torch.randn(2, 9, 5, generator=g)
@@ -34,7 +36,19 @@ def test_inner_product_is_frobenius_norm_of_gradient():
         assert inner[i].item() == pytest.approx(G.square().sum().item(), rel=1e-5)
 
 
-def test_dispatch_uses_fp64_torch_on_cpu():
-    Y = torch.randn(1, 4, 3)
-    gram, inner = segment_gram(Y, torch.tensor([4]))
-    assert gram.dtype == torch.float64 and inner is None
+BACKENDS = ["torch", pytest.param("cpp", marks=pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_cpu_paths_match_reference_in_fp64(backend, dtype):
+    g = torch.Generator().manual_seed(1)
+    Y = torch.randn(3, 20, 7, 2, generator=g).to(dtype)[..., 0]  # strided, like a fused module's part
+    lengths = torch.tensor([20, 3, 0])
+    other = torch.randn(3, 20, 20, generator=g, dtype=torch.float64)
+    gram, inner = spectral.segment_gram(Y, lengths, other, backend)
+    want, want_inner = segment_gram_torch(Y, lengths, other)
+    assert gram.dtype == torch.float64
+    torch.testing.assert_close(gram, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(inner, want_inner, rtol=1e-12, atol=1e-12)
+    assert spectral.segment_gram(Y, lengths, None, backend)[1] is None
