@@ -242,10 +242,16 @@ py::array_t<double> segment_gram(py::array_t<Scalar> Y, Lengths lengths, int thr
     const int n = static_cast<int>(len[i]);
     if (n == 0) return;
     std::vector<double> y(static_cast<size_t>(n) * d);  // row-major n x d == column-major d x n
-    for (int t = 0; t < n; ++t)
-      for (int k = 0; k < d; ++k)
-        y[static_cast<size_t>(t) * d + k] =
-            *reinterpret_cast<const Scalar*>(base + i * ys[0] + t * ys[1] + k * ys[2]);
+    for (int t = 0; t < n; ++t) {
+      const char* row = base + i * ys[0] + t * ys[1];
+      double* dst = y.data() + static_cast<size_t>(t) * d;
+      if (ys[2] == static_cast<py::ssize_t>(sizeof(Scalar))) {  // contiguous features: a vectorisable copy
+        const Scalar* src = reinterpret_cast<const Scalar*>(row);
+        for (int k = 0; k < d; ++k) dst[k] = src[k];
+      } else {
+        for (int k = 0; k < d; ++k) dst[k] = *reinterpret_cast<const Scalar*>(row + k * ys[2]);
+      }
+    }
     char lower = 'L', trans = 'T';
     int n_ = n, d_ = d, ld = T;
     double one = 1.0, zero = 0.0;
