@@ -1,14 +1,15 @@
 // Batched spectral reductions for gradspec.
 //
-// Every matrix handed in is a small symmetric PSD Gram (fp64). Eigenvalues come
-// from LAPACK's dsyevd and the products from BLAS's dgemm, both taken as function
-// pointers from SciPy (scipy.linalg.cython_lapack / cython_blas), so the build needs
-// no LAPACK headers or libraries and no torch. Work is spread over the batch on
-// std::threads with the GIL released.
+// Every matrix handed in is a small symmetric PSD Gram (fp64). Eigenvalues come from
+// LAPACK's dsyevd, factors from dpstrf and products from BLAS's dgemm/dsyrk, all bound at
+// import time as function pointers (SciPy's cython_lapack / cython_blas, or the MKL that
+// torch exports), so the build needs no LAPACK headers or libraries and no torch. Work is
+// spread over the batch on std::threads with the GIL released.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <atomic>
 #include <cmath>
 #include <functional>
@@ -36,19 +37,19 @@ dsyrk_t* dsyrk_ = nullptr;
 // Order matches gradspec.metrics.METRICS.
 constexpr int kNumMetrics = 6;
 
-template <typename F>
-F* pointer_from_capsule(const py::capsule& cap) {
-  void* p = PyCapsule_GetPointer(cap.ptr(), PyCapsule_GetName(cap.ptr()));
-  if (p == nullptr) throw py::error_already_set();
-  return reinterpret_cast<F*>(p);
-}
+using set_threads_t = void(int);
+set_threads_t* omp_set_num_threads_ = nullptr;
 
-void bind_lapack(const py::capsule& dsyevd, const py::capsule& dpstrf, const py::capsule& dgemm,
-                 const py::capsule& dsyrk) {
-  dsyevd_ = pointer_from_capsule<dsyevd_t>(dsyevd);
-  dpstrf_ = pointer_from_capsule<dpstrf_t>(dpstrf);
-  dgemm_ = pointer_from_capsule<dgemm_t>(dgemm);
-  dsyrk_ = pointer_from_capsule<dsyrk_t>(dsyrk);
+// Addresses of the BLAS/LAPACK routines, resolved in Python (SciPy's capsules, or the MKL that
+// torch's CPU build exports). omp_set_num_threads is the OpenMP runtime that MKL threads with
+// (0 when MKL is not used).
+void bind_lapack(uintptr_t dsyevd, uintptr_t dpstrf, uintptr_t dgemm, uintptr_t dsyrk,
+                 uintptr_t omp_set_num_threads) {
+  dsyevd_ = reinterpret_cast<dsyevd_t*>(dsyevd);
+  dpstrf_ = reinterpret_cast<dpstrf_t*>(dpstrf);
+  dgemm_ = reinterpret_cast<dgemm_t*>(dgemm);
+  dsyrk_ = reinterpret_cast<dsyrk_t*>(dsyrk);
+  omp_set_num_threads_ = reinterpret_cast<set_threads_t*>(omp_set_num_threads);
 }
 
 void require_bound() {
@@ -56,23 +57,31 @@ void require_bound() {
     throw std::runtime_error("gradspec._C: LAPACK not bound; call bind_lapack first");
 }
 
-// Eigen-solver with reusable workspace: one per thread.
+// Eigen-solver with reusable workspace: one per thread. The workspace query is cached per
+// (n, vectors): at n = 64 it costs as much as the solve.
 struct SymmetricEigen {
-  std::vector<double> work;
+  std::vector<double> work, scratch, values;
   std::vector<int> iwork;
+  int lwork = 0, liwork = 0, cached_n = -1;
+  bool cached_vectors = false;
 
   // Eigenvalues (ascending) of the n x n symmetric matrix a, overwritten by the
   // eigenvectors (column-major) when vectors is true.
   void operator()(double* a, int n, double* w, bool vectors) {
     if (n == 0) return;
     char jobz = vectors ? 'V' : 'N', uplo = 'U';
-    int lwork = -1, liwork = -1, info = 0, iw = 0;
-    double wq = 0;
-    dsyevd_(&jobz, &uplo, &n, a, &n, w, &wq, &lwork, &iw, &liwork, &info);
-    lwork = static_cast<int>(wq) + 1;
-    liwork = std::max(iw, 1);
-    if (static_cast<int>(work.size()) < lwork) work.resize(lwork);
-    if (static_cast<int>(iwork.size()) < liwork) iwork.resize(liwork);
+    int info = 0;
+    if (n != cached_n || vectors != cached_vectors) {
+      int query = -1, iw = 0;
+      double wq = 0;
+      dsyevd_(&jobz, &uplo, &n, a, &n, w, &wq, &query, &iw, &query, &info);
+      lwork = static_cast<int>(wq) + 1;
+      liwork = std::max(iw, 1);
+      if (static_cast<int>(work.size()) < lwork) work.resize(lwork);
+      if (static_cast<int>(iwork.size()) < liwork) iwork.resize(liwork);
+      cached_n = n;
+      cached_vectors = vectors;
+    }
     dsyevd_(&jobz, &uplo, &n, a, &n, w, work.data(), &lwork, iwork.data(), &liwork, &info);
     if (info != 0) throw std::runtime_error("dsyevd failed with info=" + std::to_string(info));
   }
@@ -116,6 +125,9 @@ void parallel_for(int n, int threads, const std::function<void(int, SymmetricEig
   std::atomic<int> next{0};
   std::vector<std::string> errors(threads);
   auto worker = [&](int t) {
+    // The pool supplies the parallelism: OpenMP (hence MKL) stays single-threaded on these
+    // threads. The setting is per thread, and these threads are the pool's own.
+    if (omp_set_num_threads_) omp_set_num_threads_(1);
     SymmetricEigen solver;
     try {
       for (int i = next++; i < n; i = next++) task(i, solver);
@@ -127,8 +139,7 @@ void parallel_for(int n, int threads, const std::function<void(int, SymmetricEig
   {
     py::gil_scoped_release release;
     std::vector<std::thread> pool;
-    for (int t = 1; t < threads; ++t) pool.emplace_back(worker, t);
-    worker(0);
+    for (int t = 0; t < threads; ++t) pool.emplace_back(worker, t);
     for (auto& th : pool) th.join();
   }
   for (const auto& e : errors)
@@ -157,10 +168,11 @@ py::tuple gram_spectra(Array grams, int threads) {
   double* s_out = sigma.mutable_data();
   double* m_out = metrics.mutable_data();
   parallel_for(N, threads, [&](int i, SymmetricEigen& eig) {
-    std::vector<double> a(in + static_cast<size_t>(i) * n * n, in + static_cast<size_t>(i + 1) * n * n);
-    std::vector<double> w(n);
-    eig(a.data(), n, w.data(), false);
-    metrics_from_eigenvalues(w.data(), n, s_out + static_cast<size_t>(i) * n, m_out + static_cast<size_t>(i) * kNumMetrics);
+    eig.scratch.assign(in + static_cast<size_t>(i) * n * n, in + static_cast<size_t>(i + 1) * n * n);
+    eig.values.resize(n);
+    eig(eig.scratch.data(), n, eig.values.data(), false);
+    metrics_from_eigenvalues(eig.values.data(), n, s_out + static_cast<size_t>(i) * n,
+                             m_out + static_cast<size_t>(i) * kNumMetrics);
   });
   return py::make_tuple(sigma, metrics);
 }
@@ -269,7 +281,8 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "gradspec batched spectral reductions (LAPACK via SciPy, threads over the batch)";
   m.attr("NUM_METRICS") = kNumMetrics;
   m.def("bind_lapack", &bind_lapack, py::arg("dsyevd"), py::arg("dpstrf"), py::arg("dgemm"), py::arg("dsyrk"),
-        "Bind LAPACK dsyevd, dpstrf and BLAS dgemm, dsyrk from SciPy's cython_lapack / cython_blas capsules.");
+        py::arg("omp_set_num_threads") = 0,
+        "Bind LAPACK dsyevd, dpstrf and BLAS dgemm, dsyrk by address (Fortran calling convention, 32-bit ints).");
   m.def("segment_gram", &segment_gram<float>, py::arg("Y"), py::arg("lengths"), py::arg("threads"),
         "fp64 Gram Y_i Y_i^T over each sample's first lengths[i] rows of Y (N, T, d), zero-padded to (N, T, T).");
   m.def("segment_gram", &segment_gram<double>, py::arg("Y"), py::arg("lengths"), py::arg("threads"));

@@ -73,3 +73,19 @@ def test_extension_rejects_bad_shapes():
 def test_unknown_backend():
     with pytest.raises(ValueError, match="backend"):
         spectral.gram_spectra(torch.zeros(1, 2, 2), "magic")
+
+
+@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+def test_scipy_lapack_alone_gives_the_same_spectra():
+    """Where torch exports no MKL, the extension runs on SciPy's OpenBLAS alone."""
+    X, D = _problem(seed=5)
+    B, A = X @ X.transpose(-1, -2), D @ D.transpose(-1, -2)
+    G = (D.transpose(-1, -2) @ X.unsqueeze(1)).flatten(0, 1)
+    default = spectral.core_spectra(B, A, LENGTHS, "cpp"), spectral.gram_spectra(G @ G.transpose(-1, -2), "cpp")
+    try:
+        spectral._C.bind_lapack(**spectral.lapack_addresses(prefer_mkl=False))
+        scipy_only = spectral.core_spectra(B, A, LENGTHS, "cpp"), spectral.gram_spectra(G @ G.transpose(-1, -2), "cpp")
+    finally:
+        spectral._C.bind_lapack(**spectral.lapack_addresses())
+    for (_, m_default), (_, m_scipy) in zip(default, scipy_only, strict=True):
+        torch.testing.assert_close(m_scipy, m_default, rtol=1e-9, atol=1e-12)
