@@ -1,0 +1,170 @@
+"""GPU suite: gradspec vs a training step vs the reference, on random-init models with real shapes.
+
+    python benchmarks/gpu_suite.py --out gpu_results      # on a GPU: < 8 minutes
+    python benchmarks/gpu_suite.py --smoke --out /tmp/s   # tiny shapes on the CPU (run by the tests)
+
+For each model shape (SmolLM2-135M, Qwen2.5-1.5B, Llama-3-8B; random weights, no downloads),
+sequence length T and module set, it times on one batch (about --batch-tokens tokens):
+gradspec's engine, a plain training step (forward + backward with weight gradients), and
+``gradspec.reference`` per sample, and records peak memory. The reference's SVDs are timed
+on the first layer's modules and scaled to all modules (a 7B model's 4096x4096 SVDs take
+minutes per sample). Writes results.json and results.md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from gradspec.engine import IGNORE_INDEX, SpectralEngine, response_loss_per_sample
+from gradspec.modules import select_targets
+from gradspec.reference import reference_scores
+
+# Real shapes of the three models (from their published configs).
+SHAPES = {
+    "SmolLM2-135M": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, vocab_size=49152)),
+    "Qwen2.5-1.5B": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                   num_attention_heads=12, num_key_value_heads=2, vocab_size=151936)),
+    "Llama-3-8B": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)),
+}
+SMOKE_SHAPES = {"tiny": ("llama", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256))}
+
+
+def build_model(kind: str, shape: dict, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
+    config = config_cls(**shape, max_position_embeddings=4096)
+    with torch.device(device):
+        model = model_cls(config).to(dtype)
+    return model.eval()
+
+
+def make_batch(n: int, T: int, vocab: int, device: str) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(T)
+    ids = torch.randint(3, vocab, (n, T), generator=g)
+    labels = ids.clone()
+    labels[:, : T // 2] = IGNORE_INDEX  # the second half is the response
+    return ids.to(device), torch.ones_like(ids).to(device), labels.to(device)
+
+
+def timed(fn, device: str, reps: int) -> tuple[float, float]:
+    """(median seconds, peak GiB allocated) over reps runs after one warm-up."""
+    fn()
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else float("nan")
+    return sorted(times)[len(times) // 2], peak
+
+
+def train_step(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> None:
+    ids, mask, labels = batch
+    model.requires_grad_(True)
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    response_loss_per_sample(logits, labels)[0].sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def reference_seconds_per_sample(model, batch, modules: str) -> float:
+    """Forward/backward of one sample plus the first layer's SVDs, scaled to all modules."""
+    ids, _, labels = batch
+    n_parts = sum(len(t.parts) for t in select_targets(model, modules))
+    first = ",".join(p.name for t in select_targets(model, modules) for p in t.parts if ".0." in p.name)
+    start = time.perf_counter()
+    reference_scores(model, ids[0], labels[0], first)
+    elapsed = time.perf_counter() - start
+    start = time.perf_counter()
+    reference_scores(model, ids[0], labels[0], first.split(",")[0])  # forward/backward + one SVD
+    one = time.perf_counter() - start
+    n_first = len(first.split(","))
+    per_svd = max(elapsed - one, 0.0) / max(n_first - 1, 1)
+    return one + per_svd * (n_parts - 1)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    lengths = [16, 32] if args.smoke else [256, 512, 1024]
+    dtype = torch.float32 if args.smoke else getattr(torch, args.dtype)
+    rows, start = [], time.perf_counter()
+    for name, (kind, shape) in shapes.items():
+        model = build_model(kind, shape, args.device, dtype)
+        for T in lengths:
+            n = max(1, args.batch_tokens // T)
+            batch = make_batch(n, T, shape["vocab_size"], args.device)
+            for modules in ("attn", "all"):
+                row = dict(model=name, T=T, batch=n, modules=modules, dtype=str(dtype).removeprefix("torch."))
+                if time.perf_counter() - start > args.budget_s:
+                    rows.append({**row, "skipped": "time budget"})
+                    continue
+                engine = SpectralEngine(model, modules)
+                g_s, g_mem = timed(partial(engine.score, *batch), args.device, args.reps)
+                t_s, t_mem = timed(partial(train_step, model, batch), args.device, args.reps)
+                model.requires_grad_(False)
+                r_s = reference_seconds_per_sample(model, batch, modules)
+                tokens = n * T
+                rows.append({**row,
+                             "gradspec_samples_s": n / g_s, "gradspec_tokens_s": tokens / g_s,
+                             "train_step_tokens_s": tokens / t_s, "reference_samples_s": 1 / r_s,
+                             "vs_train_step": t_s / g_s, "vs_reference": (n / g_s) * r_s,
+                             "gradspec_peak_gib": g_mem, "train_step_peak_gib": t_mem})
+                print(json.dumps(rows[-1]), flush=True)
+        del model
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows
+
+
+def markdown(rows: list[dict], device: str) -> str:
+    head = ("| model | T | batch | modules | gradspec tok/s | train-step tok/s | gradspec / train step "
+            "| gradspec / reference | peak GiB (gradspec, train) |\n|---|---:|---:|---|---:|---:|---:|---:|---:|")
+    lines = [f"Device: {device}", "", head]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['model']} | {r['T']} | {r['batch']} | {r['modules']} | skipped: {r['skipped']} |||||")
+            continue
+        lines.append(f"| {r['model']} | {r['T']} | {r['batch']} | {r['modules']} | {r['gradspec_tokens_s']:.0f} "
+                     f"| {r['train_step_tokens_s']:.0f} | {r['vs_train_step']:.2f}x | {r['vs_reference']:.0f}x "
+                     f"| {r['gradspec_peak_gib']:.1f}, {r['train_step_peak_gib']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="gpu_results")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, seconds")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch-tokens", type=int, default=8192)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=420.0, help="skip the remaining configurations after this")
+    args = p.parse_args(argv)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if args.smoke:
+        args.batch_tokens, args.reps = 64, 1
+    rows = run(args)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"device": device, "rows": rows}, indent=1))
+    (out / "results.md").write_text(markdown(rows, device))
+    print(markdown(rows, device))
+
+
+if __name__ == "__main__":
+    main()
