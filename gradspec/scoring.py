@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Iterable, Iterator
@@ -15,11 +16,13 @@ import torch
 from tqdm import tqdm
 
 from .data import HUMANEVAL_SIZE, Fields, Sample, count_records, humaneval_samples, read_samples
-from .engine import IGNORE_INDEX, SpectralEngine
+from .engine import IGNORE_INDEX, BatchScores, SpectralEngine
 from .metrics import METRICS, metrics_dict
 from .models import DEFAULT_MODEL, load_model
 from .output import SPECTRA, ScoreWriter, carried_name, column, read_scores
 from .templates import Tokenized, tokenize
+
+log = logging.getLogger("gradspec")
 
 WINDOW = 256  # samples read, length-sorted and written together
 BATCH_TOKENS = 4096  # padded tokens per batch
@@ -63,6 +66,27 @@ def token_batches(items: list[_Item], batch_tokens: int, max_padding: float = MA
         yield batch
 
 
+def score_with_split(
+    engine: SpectralEngine, batch: list[_Item], pad_id: int, device: torch.device
+) -> list[tuple[_Item, BatchScores | None, int]]:
+    """(item, scores, row in scores) for each item. Out of memory: split the batch in half and
+    retry each half; a single sample that still does not fit gets None (flagged by the caller)."""
+    try:
+        result = engine.score(*pad_batch([b.tokens for b in batch], pad_id, device))
+    except torch.OutOfMemoryError:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if len(batch) == 1:
+            log.warning("sample %d does not fit in memory (%d tokens); flagged out_of_memory",
+                        batch[0].sample.index, batch[0].tokens.num_tokens)
+            return [(batch[0], None, 0)]
+        log.warning("out of memory on a batch of %d; retrying it in two halves", len(batch))
+        half = len(batch) // 2
+        return (score_with_split(engine, batch[:half], pad_id, device)
+                + score_with_split(engine, batch[half:], pad_id, device))
+    return [(item, result, k) for k, item in enumerate(batch)]
+
+
 def _row(item: _Item, status: str, loss: float) -> dict[str, Any]:
     row = {
         "index": item.sample.index,
@@ -92,9 +116,11 @@ def score_samples(
             items = [_Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in window]
             rows = {it.sample.index: _row(it, it.tokens.status, math.nan) for it in items}
             for batch in token_batches([i for i in items if i.tokens.status == "ok"], batch_tokens):
-                result = engine.score(*pad_batch([b.tokens for b in batch], pad_id, device))
-                for k, item in enumerate(batch):
+                for item, result, k in score_with_split(engine, batch, pad_id, device):
                     row = rows[item.sample.index]
+                    if result is None:
+                        row["status"] = "out_of_memory"
+                        continue
                     row["status"], row["loss"] = result.status(k), float(result.loss[k])
                     for name, values in result.metrics.items():
                         row.update({column(name, m): v for m, v in metrics_dict(values[k]).items()})

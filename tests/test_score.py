@@ -4,6 +4,7 @@ import math
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 import gradspec
 from gradspec import scoring
@@ -103,3 +104,26 @@ def test_token_batches_respect_budget_and_padding():
         sizes = [i.tokens.num_tokens for i in b]
         assert len(b) == 1 or (len(b) * max(sizes) <= 160 and sum(sizes) >= 0.8 * len(b) * max(sizes))
     assert [[i.tokens.num_tokens for i in b] for b in batches] == [[5, 6, 7, 8], [50, 51, 52], [100], [300]]
+
+
+def test_out_of_memory_splits_the_batch_then_flags(tmp_path, tiny_model_dir, monkeypatch, caplog):
+    """A batch that runs out of memory is retried in halves; a lone sample that still does not
+    fit (here: the longest) gets status out_of_memory, and the others are scored as usual."""
+    real_score = gradspec.SpectralEngine.score
+
+    def score_or_oom(self, input_ids, attention_mask, labels):
+        if input_ids.shape[0] > 1 or input_ids.shape[1] > 30:
+            raise torch.OutOfMemoryError("simulated")
+        return real_score(self, input_ids, attention_mask, labels)
+
+    rows = [{"instruction": "Hi", "output": "Hello"}, {"instruction": "Yo", "output": "Hey there"},
+            {"instruction": "a long one " * 20, "output": "reply"}]
+    data = _write_jsonl(tmp_path / "d.jsonl", rows)
+    want = gradspec.score(data, str(tiny_model_dir), None, progress=False)
+    monkeypatch.setattr(gradspec.SpectralEngine, "score", score_or_oom)
+    with caplog.at_level("WARNING", logger="gradspec"):
+        got = gradspec.score(data, str(tiny_model_dir), None, progress=False)
+    assert got["status"].tolist() == ["ok", "ok", "out_of_memory"]
+    assert "retrying it in two halves" in caplog.text
+    cols = [c for c in got.columns if "/" in c]
+    pd.testing.assert_frame_equal(got.loc[:1, cols], want.loc[:1, cols], rtol=1e-5)
