@@ -141,7 +141,9 @@ class _Capture:
         return hook
 
     def _on_grad(self, target: Target, grad: torch.Tensor) -> None:
-        X = self.inputs[target.name]
+        # Reduced as soon as the gradient arrives; the input is released here (its storage goes
+        # once every module reading it is done), so only the T x T products stay in flight.
+        X = self.inputs.pop(target.name)
         for part in target.parts:
             D = grad[..., part.start : part.start + part.d_out]
             core = self.lengths < min(target.d_in, part.d_out)
