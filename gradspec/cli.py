@@ -27,6 +27,10 @@ def _score_parser(sub) -> None:
     p.add_argument("--limit", type=int, help="score only the first N samples")
     p.add_argument("--save-spectra", action="store_true", help="also store each module's singular values")
     p.add_argument("--backend", choices=("auto", "cpp", "torch"), default="auto", help="eigen-solver backend")
+    p.add_argument("--method", choices=("exact", "lowrank"), default="exact",
+                   help="lowrank: approximate top --rank singular values (nuclear norm and effective rank biased low)")
+    p.add_argument("--rank", type=int, default=64, help="singular values kept by --method lowrank")
+    p.add_argument("--seed", type=int, default=0, help="seed of --method lowrank's random sketch")
     p.add_argument("--instruction-field", default="instruction")
     p.add_argument("--input-field", default="input")
     p.add_argument("--output-field", default="output")
@@ -48,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             max_length=args.max_length, batch_tokens=args.batch_tokens, device=args.device, dtype=args.dtype,
             limit=args.limit, fields=fields, save_spectra=args.save_spectra, backend=args.backend,
             progress=not args.quiet, trust_remote_code=args.trust_remote_code, overwrite=args.overwrite,
+            method=args.method, rank=args.rank, seed=args.seed,
         )
     except (InputError, ValueError, FileExistsError, RuntimeError) as e:
         print(f"gradspec: error: {e}", file=sys.stderr)

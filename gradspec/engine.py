@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .lowrank import LOWRANK_METRICS, lowrank_metrics, sketch_matrix, sketch_singular_values
 from .metrics import METRICS
 from .modules import Part, Target, select_targets
 from .spectral import core_spectra, gram_spectra, segment_gram
@@ -27,7 +28,7 @@ FROBENIUS_CHECK_RTOL = 1e-3  # ||G||_F^2 from the spectrum vs <D D^T, X X^T>
 
 @dataclass
 class BatchScores:
-    """Per-sample results of one batch; metrics[part] is (N, len(METRICS)) in METRICS order."""
+    """Per-sample results of one batch; metrics[part] is (N, n) in the engine's metric_names order."""
 
     loss: torch.Tensor
     num_response_tokens: torch.Tensor
@@ -78,7 +79,11 @@ class SpectralEngine:
     def __init__(
         self, model: nn.Module, modules: str | list[str] = "attn",
         backend: str = "auto", keep_spectra: bool = False,
+        method: str = "exact", rank: int = 64, power_iters: int = 2, seed: int = 0,
     ) -> None:
+        """method="lowrank" approximates the top `rank` singular values (see gradspec.lowrank)."""
+        if method not in ("exact", "lowrank"):
+            raise ValueError(f"method must be 'exact' or 'lowrank', got {method!r}")
         model.eval()
         model.requires_grad_(False)
         self.model = model
@@ -86,6 +91,8 @@ class SpectralEngine:
         self.parts: list[Part] = [p for t in self.targets for p in t.parts]
         self.backend = backend
         self.keep_spectra = keep_spectra
+        self.sketch = _Sketch(rank, power_iters, seed) if method == "lowrank" else None
+        self.metric_names = METRICS if self.sketch is None else LOWRANK_METRICS
 
     @property
     def part_names(self) -> list[str]:
@@ -97,7 +104,7 @@ class SpectralEngine:
         positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
         if not torch.equal(attention_mask.bool(), positions[None, :] < lengths[:, None]):
             raise ValueError("the batch must be right-padded (attention_mask a prefix of ones)")
-        capture = _Capture(self.targets, lengths, self.backend)
+        capture = _Capture(self.targets, lengths, self.backend, self.sketch)
         with capture.hooks(self.model):
             loss, count = response_losses(self.model, input_ids, attention_mask, labels)
             finite = torch.isfinite(loss) & (count > 0)
@@ -110,13 +117,31 @@ class SpectralEngine:
         return BatchScores(loss.detach().double().cpu(), count.cpu(), flags, metrics, spectra)
 
 
+class _Sketch:
+    """Settings of the low-rank method, and one seeded test matrix per module part."""
+
+    def __init__(self, rank: int, power_iters: int, seed: int) -> None:
+        if rank < 1 or power_iters < 0:
+            raise ValueError(f"--rank must be >= 1 and power iterations >= 0, got {rank}, {power_iters}")
+        self.rank, self.power_iters, self.seed = rank, power_iters, seed
+        self.omegas: dict[str, torch.Tensor] = {}
+
+    def omega(self, part: Part, d_in: int) -> torch.Tensor:
+        if part.name not in self.omegas:
+            seed = self.seed * 1_000_003 + len(self.omegas)
+            self.omegas[part.name] = sketch_matrix(d_in, part.d_out, self.rank, seed)
+        return self.omegas[part.name]
+
+
 class _Capture:
     """Hook state for one batch: inputs in the forward, reductions as gradients arrive."""
 
-    def __init__(self, targets: list[Target], lengths: torch.Tensor, backend: str) -> None:
+    def __init__(self, targets: list[Target], lengths: torch.Tensor, backend: str, sketch: _Sketch | None) -> None:
         self.targets = targets
         self.lengths = lengths
         self.backend = backend
+        self.sketch = sketch
+        self.sketched: list[tuple[Part, torch.Tensor, torch.Tensor]] = []  # (part, top-k sigma, ||G||_F^2)
         self.inputs: dict[str, torch.Tensor] = {}
         self.x_grams: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # input -> (samples, X X^T)
         # (input, samples, T) -> (X X^T, [(part, D D^T, <D D^T, X X^T>)])
@@ -146,6 +171,11 @@ class _Capture:
         X = self.inputs.pop(target.name)
         for part in target.parts:
             D = grad[..., part.start : part.start + part.d_out]
+            if self.sketch is not None:
+                s = self.sketch
+                omega = s.omega(part, target.d_in)
+                self.sketched.append((part, *sketch_singular_values(X, D, self.lengths, omega, s.rank, s.power_iters)))
+                continue
             core = self.lengths < min(target.d_in, part.d_out)
             if core.any():
                 samples = torch.nonzero(core).flatten()
@@ -178,7 +208,8 @@ class _Capture:
     def reduce(self, finite: torch.Tensor, flags: list[set[str]], keep_spectra: bool):
         N = len(self.lengths)
         nan = float("nan")
-        metrics = {p.name: torch.full((N, len(METRICS)), nan, dtype=torch.float64)
+        names = METRICS if self.sketch is None else LOWRANK_METRICS
+        metrics = {p.name: torch.full((N, len(names)), nan, dtype=torch.float64)
                    for t in self.targets for p in t.parts}
         spectra: dict[str, list[np.ndarray]] = {name: [np.zeros(0)] * N for name in metrics} if keep_spectra else {}
 
@@ -207,6 +238,9 @@ class _Capture:
                 bad = ok & ~torch.isclose(frob2, inner.cpu().double(), rtol=FROBENIUS_CHECK_RTOL, atol=1e-30)
                 for row in torch.nonzero(bad).flatten().tolist():
                     flags[samples[row]].add("frobenius_check_failed")
+        everyone = list(range(N))
+        for part, sigma, frob2 in self.sketched:
+            record(part, everyone, sigma, lowrank_metrics(sigma, frob2), torch.isfinite(frob2))
         for part, samples, gram in self.materialised:
             ok = _finite_rows(gram)
             sigma, m = gram_spectra(_zero_rows(gram, ok), self.backend)

@@ -44,9 +44,9 @@ def metrics_from_singular_values(sigma: torch.Tensor) -> torch.Tensor:
     )
 
 
-def metrics_dict(row: torch.Tensor) -> dict[str, float]:
+def metrics_dict(row: torch.Tensor, names: tuple[str, ...] = METRICS) -> dict[str, float]:
     """One metrics row -> {metric name: value}."""
-    return dict(zip(METRICS, row.tolist(), strict=True))
+    return dict(zip(names, row.tolist(), strict=True))
 
 
 def singular_values_from_gram_eigenvalues(eigenvalues: torch.Tensor) -> torch.Tensor:

@@ -31,13 +31,16 @@ def carried_name(name: str) -> str:
 class ScoreWriter:
     """Appends rows to a Parquet file; the schema is fixed by the first rows written."""
 
-    def __init__(self, path: str | Path, parts: list[Part], save_spectra: bool, run_info: dict[str, Any]) -> None:
+    def __init__(
+        self, path: str | Path, parts: list[Part], metrics: tuple[str, ...], save_spectra: bool,
+        run_info: dict[str, Any],
+    ) -> None:
         self.path = Path(path)
         self.parts = parts
         self.save_spectra = save_spectra
         self.metadata = {
             "parts": [{"name": p.name, "role": p.role, "layer": layer_index(p.name)} for p in parts],
-            "metrics": list(METRICS),
+            "metrics": list(metrics),
             **run_info,
         }
         self.schema: pa.Schema | None = None

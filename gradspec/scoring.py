@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from .data import HUMANEVAL_SIZE, Fields, Sample, count_records, humaneval_samples, read_samples
 from .engine import IGNORE_INDEX, BatchScores, SpectralEngine
-from .metrics import METRICS, metrics_dict
+from .metrics import metrics_dict
 from .models import DEFAULT_MODEL, load_model
 from .output import SPECTRA, ScoreWriter, carried_name, column, read_scores
 from .templates import Tokenized, tokenize
@@ -117,15 +117,7 @@ def score_samples(
             rows = {it.sample.index: _row(it, it.tokens.status, math.nan) for it in items}
             for batch in token_batches([i for i in items if i.tokens.status == "ok"], batch_tokens):
                 for item, result, k in score_with_split(engine, batch, pad_id, device):
-                    row = rows[item.sample.index]
-                    if result is None:
-                        row["status"] = "out_of_memory"
-                        continue
-                    row["status"], row["loss"] = result.status(k), float(result.loss[k])
-                    for name, values in result.metrics.items():
-                        row.update({column(name, m): v for m, v in metrics_dict(values[k]).items()})
-                    for name, sigmas in result.spectra.items():
-                        row[column(name, SPECTRA)] = sigmas[k].tolist()
+                    _fill_scores(rows[item.sample.index], result, k, engine.metric_names)
                     tokens += item.tokens.num_tokens
                 bar.update(len(batch))
                 elapsed = time.perf_counter() - start
@@ -141,10 +133,22 @@ def score_samples(
     return kept
 
 
+def _fill_scores(row: dict[str, Any], result: BatchScores | None, k: int, names: tuple[str, ...]) -> None:
+    """Row k of a batch's scores into its output row (None: the sample did not fit in memory)."""
+    if result is None:
+        row["status"] = "out_of_memory"
+        return
+    row["status"], row["loss"] = result.status(k), float(result.loss[k])
+    for name, values in result.metrics.items():
+        row.update({column(name, m): v for m, v in metrics_dict(values[k], names).items()})
+    for name, sigmas in result.spectra.items():
+        row[column(name, SPECTRA)] = sigmas[k].tolist()
+
+
 def _fill(row: dict[str, Any], engine: SpectralEngine, spectra: bool) -> dict[str, Any]:
     """Unscored rows get NaN metrics (their status says why), so every row has every column."""
     for name in engine.part_names:
-        for m in METRICS:
+        for m in engine.metric_names:
             row.setdefault(column(name, m), math.nan)
         if engine.keep_spectra:
             row.setdefault(column(name, SPECTRA), [])
@@ -156,7 +160,8 @@ def score(
     template: str = "plain", modules: str | list[str] = "attn", max_length: int = 2048,
     batch_tokens: int = BATCH_TOKENS, device: str = "cpu", dtype: str = "float32", limit: int | None = None,
     fields: Fields = Fields(), save_spectra: bool = False, backend: str = "auto", progress: bool = True,
-    trust_remote_code: bool = False, overwrite: bool = False,
+    trust_remote_code: bool = False, overwrite: bool = False, method: str = "exact", rank: int = 64,
+    seed: int = 0,
 ) -> pd.DataFrame:
     """Scores a dataset file (default: HumanEval) with a model (default: SmolLM2-135M-Instruct).
 
@@ -166,18 +171,19 @@ def score(
     if out is not None and Path(out).exists() and not overwrite:
         raise FileExistsError(f"{out} exists; pass --overwrite or choose another --out")
     net, tokenizer = load_model(model, device, dtype, trust_remote_code)
-    engine = SpectralEngine(net, modules, backend=backend, keep_spectra=save_spectra)
+    engine = SpectralEngine(net, modules, backend=backend, keep_spectra=save_spectra, method=method, rank=rank,
+                            seed=seed)
     samples = humaneval_samples(limit) if data is None else read_samples(data, fields, limit)
     known = HUMANEVAL_SIZE if data is None else count_records(data)
     total = min((n for n in (known, limit) if n is not None), default=None)  # for the progress bar's ETA
     run_info = {
         "model": model or DEFAULT_MODEL, "data": str(data) if data else "humaneval", "template": template,
         "modules": modules if isinstance(modules, str) else ",".join(modules), "max_length": max_length,
-        "dtype": dtype,
+        "dtype": dtype, "method": method, **({"rank": rank, "seed": seed} if method == "lowrank" else {}),
     }
     if out is None:
         return pd.DataFrame(score_samples(samples, engine, tokenizer, None, template, max_length,
                                           batch_tokens, progress, total))
-    with ScoreWriter(out, engine.parts, save_spectra, run_info) as writer:
+    with ScoreWriter(out, engine.parts, engine.metric_names, save_spectra, run_info) as writer:
         score_samples(samples, engine, tokenizer, writer, template, max_length, batch_tokens, progress, total)
     return read_scores(out)[0]

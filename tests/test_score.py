@@ -127,3 +127,13 @@ def test_out_of_memory_splits_the_batch_then_flags(tmp_path, tiny_model_dir, mon
     assert "retrying it in two halves" in caplog.text
     cols = [c for c in got.columns if "/" in c]
     pd.testing.assert_frame_equal(got.loc[:1, cols], want.loc[:1, cols], rtol=1e-5)
+
+
+def test_lowrank_method_writes_topk_energy(tmp_path, tiny_model_dir):
+    data = _write_jsonl(tmp_path / "d.jsonl", ROWS[:2])
+    out = tmp_path / "s.parquet"
+    df = gradspec.score(data, str(tiny_model_dir), out, method="lowrank", rank=4, progress=False)
+    q = "model.layers.0.self_attn.q_proj"
+    assert df[f"{q}/topk_energy"].between(0, 1 + 1e-9).all()
+    _, long = gradspec.read_scores(out)
+    assert "topk_energy" in set(long["metric"])

@@ -1,0 +1,58 @@
+"""Approximate top-k spectra without materialising G: a randomized range finder on G = D^T X.
+
+Halko, Martinsson & Tropp (2011), algorithm 4.4: sketch Y = G Omega = D^T (X Omega), refine with
+power iterations, then take the singular values of the small k x d_in matrix Q^T G = (D Q)^T X.
+The top singular values (so the spectral norm) come out close to exact; the nuclear norm and the
+effective rank see only the top k and are biased low (measured on SmolLM2 in benchmarks/RESULTS.md),
+which is why this mode is opt-in and never the default. ||G||_F is exact, so the stable rank is
+too, and ``topk_energy`` (sum of the top-k sigma^2 over ||G||_F^2) says how much the top k hold.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .metrics import METRICS, metrics_from_singular_values
+
+LOWRANK_METRICS: tuple[str, ...] = METRICS + ("topk_energy",)
+OVERSAMPLING = 8  # extra sketch columns beyond the rank kept: sharper top-k at little cost
+
+
+def sketch_matrix(d_in: int, d_out: int, rank: int, seed: int) -> torch.Tensor:
+    """The Gaussian Omega (d_in, k) for one module: fixed by the seed, so a sample's result does
+    not depend on its batch."""
+    k = min(rank + OVERSAMPLING, d_in, d_out)
+    return torch.randn(d_in, k, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def sketch_singular_values(
+    X: torch.Tensor, D: torch.Tensor, lengths: torch.Tensor, omega: torch.Tensor, rank: int, power_iters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """X (N, T, d_in), D (N, T, d_out), omega (d_in, k) -> top-`rank` singular values of each
+    D_i^T X_i (N, rank) and the exact ||D_i^T X_i||_F^2 (N,), in fp64."""
+    valid = (torch.arange(X.shape[1], device=X.device)[None, :] < lengths[:, None].to(X.device))[..., None]
+    Xv, Dv = X.double() * valid, D.double() * valid
+    d_in, d_out = X.shape[-1], D.shape[-1]
+    Y = Dv.transpose(1, 2) @ (Xv @ omega.to(X.device))  # G Omega: (N, d_out, k)
+    for _ in range(power_iters):
+        Y = torch.linalg.qr(Y).Q
+        Z = torch.linalg.qr(Xv.transpose(1, 2) @ (Dv @ Y)).Q  # G^T Y: (N, d_in, k)
+        Y = Dv.transpose(1, 2) @ (Xv @ Z)
+    Q = torch.linalg.qr(Y).Q
+    sigma = torch.linalg.svdvals((Dv @ Q).transpose(1, 2) @ Xv)[:, :rank]  # of Q^T G: (N, k, d_in)
+    T = X.shape[1]
+    if T < min(d_in, d_out):  # ||G||_F^2 = <D D^T, X X^T>, cheaper than G when T is small
+        frob2 = ((Dv @ Dv.transpose(1, 2)) * (Xv @ Xv.transpose(1, 2))).sum((1, 2))
+    else:
+        frob2 = (Dv.transpose(1, 2) @ Xv).square().sum((1, 2))
+    return sigma.cpu(), frob2.cpu()
+
+
+def lowrank_metrics(sigma: torch.Tensor, frob2: torch.Tensor) -> torch.Tensor:
+    """(N, rank) top singular values and exact ||G||_F^2 -> (N, len(LOWRANK_METRICS))."""
+    m = metrics_from_singular_values(sigma)
+    frobenius, spectral = METRICS.index("frobenius_norm"), METRICS.index("spectral_norm")
+    m[:, frobenius] = frob2.sqrt()
+    m[:, METRICS.index("stable_rank")] = frob2 / m[:, spectral].square()
+    energy = sigma.square().sum(-1) / frob2
+    return torch.cat([m, energy[:, None]], dim=1)
