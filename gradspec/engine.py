@@ -10,6 +10,7 @@ X X^T and D D^T when T is smallest, else the Gram of the materialised G.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -93,6 +94,7 @@ class SpectralEngine:
         self.keep_spectra = keep_spectra
         self.sketch = _Sketch(rank, power_iters, seed) if method == "lowrank" else None
         self.metric_names = METRICS if self.sketch is None else LOWRANK_METRICS
+        self._eigen_worker: ThreadPoolExecutor | None = None
 
     @property
     def part_names(self) -> list[str]:
@@ -100,6 +102,19 @@ class SpectralEngine:
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> BatchScores:
         """Right-padded batch; labels are input_ids with IGNORE_INDEX outside the response."""
+        return self._finish(*self._forward_backward(input_ids, attention_mask, labels))
+
+    def submit(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+    ) -> Future[BatchScores]:
+        """``score`` with its eigen stage on a worker thread: the forward, the backward and the
+        Grams run now; the caller can start the next batch (on the GPU, or other cores) while the
+        CPU solves this one's eigenproblems."""
+        if self._eigen_worker is None:
+            self._eigen_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradspec-eigen")
+        return self._eigen_worker.submit(self._finish, *self._forward_backward(input_ids, attention_mask, labels))
+
+    def _forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
         lengths = attention_mask.sum(1)
         positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
         if not torch.equal(attention_mask.bool(), positions[None, :] < lengths[:, None]):
@@ -110,11 +125,15 @@ class SpectralEngine:
             finite = torch.isfinite(loss) & (count > 0)
             if finite.any():
                 loss[finite].sum().backward()
+        capture.to_host()
+        return capture, loss.detach().double().cpu(), count.cpu(), finite.cpu()
+
+    def _finish(self, capture: _Capture, loss: torch.Tensor, count: torch.Tensor, finite: torch.Tensor) -> BatchScores:
         flags: list[set[str]] = [set() for _ in range(len(loss))]
         for i in torch.nonzero(~finite).flatten().tolist():
             flags[i].add("no_response_tokens" if count[i] == 0 else "nonfinite_loss")
-        metrics, spectra = capture.reduce(finite.cpu(), flags, self.keep_spectra)
-        return BatchScores(loss.detach().double().cpu(), count.cpu(), flags, metrics, spectra)
+        metrics, spectra = capture.reduce(finite, flags, self.keep_spectra)
+        return BatchScores(loss, count, flags, metrics, spectra)
 
 
 class _Sketch:
@@ -204,6 +223,16 @@ class _Capture:
         wide, gram = self.x_grams[key]
         rows = torch.searchsorted(wide, samples)
         return gram[rows, :T, :T]
+
+    def to_host(self) -> None:
+        """Move what the eigen stage needs to the CPU, on the caller's thread (so the copies do
+        not queue behind the next batch's GPU work), and drop the rest."""
+        self.inputs.clear()
+        self.x_grams.clear()
+        self.lengths = self.lengths.cpu()
+        self.core = {key: (B.cpu(), [(part, A.cpu(), inner.cpu()) for part, A, inner in items])
+                     for key, (B, items) in self.core.items()}
+        self.materialised = [(part, samples, gram.cpu()) for part, samples, gram in self.materialised]
 
     def reduce(self, finite: torch.Tensor, flags: list[set[str]], keep_spectra: bool):
         N = len(self.lengths)

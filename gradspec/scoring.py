@@ -6,6 +6,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -66,13 +67,13 @@ def token_batches(items: list[_Item], batch_tokens: int, max_padding: float = MA
         yield batch
 
 
-def score_with_split(
+def submit_with_split(
     engine: SpectralEngine, batch: list[_Item], pad_id: int, device: torch.device
-) -> list[tuple[_Item, BatchScores | None, int]]:
-    """(item, scores, row in scores) for each item. Out of memory: split the batch in half and
-    retry each half; a single sample that still does not fit gets None (flagged by the caller)."""
+) -> list[tuple[_Item, Future[BatchScores] | None, int]]:
+    """(item, future scores, row in them) for each item. Out of memory: split the batch in half
+    and retry each half; a single sample that still does not fit gets None (flagged by the caller)."""
     try:
-        result = engine.score(*pad_batch([b.tokens for b in batch], pad_id, device))
+        result = engine.submit(*pad_batch([b.tokens for b in batch], pad_id, device))
     except torch.OutOfMemoryError:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -82,8 +83,8 @@ def score_with_split(
             return [(batch[0], None, 0)]
         log.warning("out of memory on a batch of %d; retrying it in two halves", len(batch))
         half = len(batch) // 2
-        return (score_with_split(engine, batch[:half], pad_id, device)
-                + score_with_split(engine, batch[half:], pad_id, device))
+        return (submit_with_split(engine, batch[:half], pad_id, device)
+                + submit_with_split(engine, batch[half:], pad_id, device))
     return [(item, result, k) for k, item in enumerate(batch)]
 
 
@@ -115,13 +116,15 @@ def score_samples(
         while window := list(islice(it, WINDOW)):
             items = [_Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in window]
             rows = {it.sample.index: _row(it, it.tokens.status, math.nan) for it in items}
+            # One batch in flight: its eigen stage runs while the next batch's forward and backward do.
+            pending: list[tuple[_Item, Future[BatchScores] | None, int]] = []
             for batch in token_batches([i for i in items if i.tokens.status == "ok"], batch_tokens):
-                for item, result, k in score_with_split(engine, batch, pad_id, device):
-                    _fill_scores(rows[item.sample.index], result, k, engine.metric_names)
-                    tokens += item.tokens.num_tokens
+                submitted = submit_with_split(engine, batch, pad_id, device)
+                tokens += _collect(pending, rows, engine.metric_names)
+                pending = submitted
                 bar.update(len(batch))
-                elapsed = time.perf_counter() - start
-                bar.set_postfix(tok_s=f"{tokens / elapsed:.0f}", refresh=False)
+                bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}", refresh=False)
+            tokens += _collect(pending, rows, engine.metric_names)
             bar.update(len(window) - sum(1 for i in items if i.tokens.status == "ok"))
             ordered = [_fill(rows[s.index], engine, writer is not None) for s in window]
             if writer is None:
@@ -131,6 +134,14 @@ def score_samples(
     finally:
         bar.close()
     return kept
+
+
+def _collect(pending: list[tuple[_Item, Future[BatchScores] | None, int]], rows: dict[int, dict[str, Any]],
+             names: tuple[str, ...]) -> int:
+    """Waits for submitted batches and fills their rows; returns the tokens they held."""
+    for item, future, k in pending:
+        _fill_scores(rows[item.sample.index], None if future is None else future.result(), k, names)
+    return sum(item.tokens.num_tokens for item, _, _ in pending)
 
 
 def _fill_scores(row: dict[str, Any], result: BatchScores | None, k: int, names: tuple[str, ...]) -> None:

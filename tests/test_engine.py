@@ -135,3 +135,17 @@ def test_bfloat16_model_runs_with_fp64_reductions():
     for name in fp32.metrics:
         assert bf16.metrics[name].dtype == torch.float64
         torch.testing.assert_close(bf16.metrics[name], fp32.metrics[name], rtol=0.1, atol=1e-6)
+
+
+def test_submit_overlaps_batches_and_equals_score():
+    model = tiny_model("llama", vocab=VOCAB)
+    engine = SpectralEngine(model, "all")
+    batches = [padded_batch(random_sequences(lengths, VOCAB, seed=s)) for s, lengths in
+               enumerate([[8, 40], [70, 12, 33], [5]])]
+    futures = [engine.submit(*b) for b in batches]  # all in flight before any result is read
+    for batch, future in zip(batches, futures, strict=True):
+        want = engine.score(*batch)
+        got = future.result()
+        assert got.flags == want.flags
+        for name in want.metrics:
+            torch.testing.assert_close(got.metrics[name], want.metrics[name], rtol=1e-12, atol=0)

@@ -109,18 +109,18 @@ def test_token_batches_respect_budget_and_padding():
 def test_out_of_memory_splits_the_batch_then_flags(tmp_path, tiny_model_dir, monkeypatch, caplog):
     """A batch that runs out of memory is retried in halves; a lone sample that still does not
     fit (here: the longest) gets status out_of_memory, and the others are scored as usual."""
-    real_score = gradspec.SpectralEngine.score
+    real_submit = gradspec.SpectralEngine.submit
 
-    def score_or_oom(self, input_ids, attention_mask, labels):
+    def submit_or_oom(self, input_ids, attention_mask, labels):
         if input_ids.shape[0] > 1 or input_ids.shape[1] > 30:
             raise torch.OutOfMemoryError("simulated")
-        return real_score(self, input_ids, attention_mask, labels)
+        return real_submit(self, input_ids, attention_mask, labels)
 
     rows = [{"instruction": "Hi", "output": "Hello"}, {"instruction": "Yo", "output": "Hey there"},
             {"instruction": "a long one " * 20, "output": "reply"}]
     data = _write_jsonl(tmp_path / "d.jsonl", rows)
     want = gradspec.score(data, str(tiny_model_dir), None, progress=False)
-    monkeypatch.setattr(gradspec.SpectralEngine, "score", score_or_oom)
+    monkeypatch.setattr(gradspec.SpectralEngine, "submit", submit_or_oom)
     with caplog.at_level("WARNING", logger="gradspec"):
         got = gradspec.score(data, str(tiny_model_dir), None, progress=False)
     assert got["status"].tolist() == ["ok", "ok", "out_of_memory"]
