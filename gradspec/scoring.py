@@ -88,11 +88,12 @@ def submit_with_split(
     return [(item, result, k) for k, item in enumerate(batch)]
 
 
-def _row(item: _Item, status: str, loss: float) -> dict[str, Any]:
+def _row(item: _Item) -> dict[str, Any]:
+    """An output row before scoring: the tokenizer's status, no loss yet."""
     row = {
         "index": item.sample.index,
-        "status": status,
-        "loss": loss,
+        "status": item.tokens.status,
+        "loss": math.nan,
         "num_tokens": item.tokens.num_tokens,
         "num_response_tokens": item.tokens.num_response_tokens,
     }
@@ -109,13 +110,13 @@ def score_samples(
     device = next(engine.model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     kept: list[dict[str, Any]] = []
-    it = iter(samples)
+    stream = iter(samples)
     bar = tqdm(total=total, unit="sample", disable=not progress, dynamic_ncols=True)
     start, tokens = time.perf_counter(), 0
     try:
-        while window := list(islice(it, WINDOW)):
+        while window := list(islice(stream, WINDOW)):
             items = [_Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in window]
-            rows = {it.sample.index: _row(it, it.tokens.status, math.nan) for it in items}
+            rows = {item.sample.index: _row(item) for item in items}
             # One batch in flight: its eigen stage runs while the next batch's forward and backward do.
             pending: list[tuple[_Item, Future[BatchScores] | None, int]] = []
             for batch in token_batches([i for i in items if i.tokens.status == "ok"], batch_tokens):
@@ -126,7 +127,7 @@ def score_samples(
                 bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}", refresh=False)
             tokens += _collect(pending, rows, engine.metric_names)
             bar.update(len(window) - sum(1 for i in items if i.tokens.status == "ok"))
-            ordered = [_fill(rows[s.index], engine, writer is not None) for s in window]
+            ordered = [_fill(rows[s.index], engine) for s in window]
             if writer is None:
                 kept.extend(ordered)
             else:
@@ -156,7 +157,7 @@ def _fill_scores(row: dict[str, Any], result: BatchScores | None, k: int, names:
         row[column(name, SPECTRA)] = sigmas[k].tolist()
 
 
-def _fill(row: dict[str, Any], engine: SpectralEngine, spectra: bool) -> dict[str, Any]:
+def _fill(row: dict[str, Any], engine: SpectralEngine) -> dict[str, Any]:
     """Unscored rows get NaN metrics (their status says why), so every row has every column."""
     for name in engine.part_names:
         for m in engine.metric_names:
