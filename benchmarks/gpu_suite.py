@@ -34,6 +34,9 @@ SHAPES = {
     "Llama-3-8B": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)),
 }
+# (samples, tokens, features) for the segment-Gram kernel against its torch path.
+KERNEL_SHAPES = [(16, 256, 576), (16, 512, 1536), (8, 1024, 4096), (32, 256, 14336)]
+SMOKE_KERNEL_SHAPES = [(2, 16, 32)]
 SMOKE_SHAPES = {"tiny": ("llama", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=256))}
 
@@ -130,6 +133,24 @@ def run(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def kernel_rows(args: argparse.Namespace) -> list[dict]:
+    """The Triton segment Gram vs the fp64 torch path the engine uses without it, per shape."""
+    from gradspec.kernels import segment_gram_torch, segment_gram_triton
+
+    rows = []
+    for N, T, d in SMOKE_KERNEL_SHAPES if args.smoke else KERNEL_SHAPES:
+        Y = torch.randn(N, T, d, generator=torch.Generator().manual_seed(d)).to(args.device)
+        lengths = torch.full((N,), T, device=args.device)
+        triton_s, _ = timed(partial(segment_gram_triton, Y, lengths, None), args.device, args.reps)
+        torch_s, _ = timed(partial(segment_gram_torch, Y, lengths, None), args.device, args.reps)
+        want = segment_gram_torch(Y, lengths)[0]
+        err = ((segment_gram_triton(Y, lengths)[0].double() - want).abs().max() / want.abs().max()).item()
+        rows.append({"kernel": "segment_gram", "N": N, "T": T, "d": d, "triton_ms": triton_s * 1e3,
+                     "torch_fp64_ms": torch_s * 1e3, "speedup": torch_s / triton_s, "max_rel_err": err})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def markdown(rows: list[dict], device: str) -> str:
     head = ("| model | T | batch | modules | gradspec tok/s | train-step tok/s | gradspec / train step "
             "| gradspec / reference | peak GiB (gradspec, train) |\n|---|---:|---:|---|---:|---:|---:|---:|---:|")
@@ -158,12 +179,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.batch_tokens, args.reps = 64, 1
     rows = run(args)
+    kernels = kernel_rows(args)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"device": device, "rows": rows}, indent=1))
-    (out / "results.md").write_text(markdown(rows, device))
-    print(markdown(rows, device))
+    (out / "results.json").write_text(json.dumps({"device": device, "rows": rows, "kernels": kernels}, indent=1))
+    table = markdown(rows, device) + "\n| kernel | N | T | d | Triton ms | torch fp64 ms | speed-up | max rel err |\n"
+    table += "|---|---:|---:|---:|---:|---:|---:|---:|\n" + "".join(
+        f"| {k['kernel']} | {k['N']} | {k['T']} | {k['d']} | {k['triton_ms']:.2f} | {k['torch_fp64_ms']:.2f} "
+        f"| {k['speedup']:.1f}x | {k['max_rel_err']:.1e} |\n" for k in kernels)
+    (out / "results.md").write_text(table)
+    print(table)
 
 
 if __name__ == "__main__":
