@@ -9,11 +9,11 @@ import pytest
 import torch
 from conftest import MEDIANS
 
+from gradspec.batching import BATCH_TOKENS, Item, pad_batch, token_batches
 from gradspec.data import humaneval_samples
 from gradspec.engine import SpectralEngine, response_loss_per_sample
 from gradspec.models import load_model
 from gradspec.reference import reference_scores
-from gradspec.scoring import BATCH_TOKENS, _Item, pad_batch, token_batches
 from gradspec.templates import tokenize
 
 N_SAMPLES = 16
@@ -22,7 +22,7 @@ N_SAMPLES = 16
 @pytest.fixture(scope="module")
 def setup():
     model, tok = load_model()
-    items = [_Item(s, tokenize(s.messages, tok, "plain", 2048)) for s in humaneval_samples(N_SAMPLES)]
+    items = [Item(s, tokenize(s.messages, tok, "plain", 2048)) for s in humaneval_samples(N_SAMPLES)]
     batches = [pad_batch([i.tokens for i in b], tok.pad_token_id, "cpu") for b in token_batches(items, BATCH_TOKENS)]
     singles = [(torch.tensor(i.tokens.input_ids), torch.tensor(i.tokens.labels)) for i in items]
     return model, batches, singles

@@ -15,12 +15,12 @@ import copy
 
 import torch
 
+from gradspec.batching import pad_batch
 from gradspec.data import humaneval_samples
 from gradspec.engine import SpectralEngine
 from gradspec.metrics import METRICS
 from gradspec.models import load_model
 from gradspec.reference import reference_scores
-from gradspec.scoring import pad_batch
 from gradspec.templates import tokenize
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .batching import BATCH_TOKENS
 from .data import Fields, InputError
 from .models import DTYPES
-from .scoring import BATCH_TOKENS, score
+from .scoring import score
 from .templates import TEMPLATES
 
 

@@ -36,6 +36,7 @@ class BatchScores:
     flags: list[set[str]]
     metrics: dict[str, torch.Tensor]
     spectra: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    token_stats: dict[str, torch.Tensor] = field(default_factory=dict)  # mean_entropy, token_accuracy
 
     def status(self, i: int) -> str:
         return ";".join(sorted(self.flags[i])) or "ok"
@@ -53,25 +54,41 @@ def response_loss_per_sample(logits: torch.Tensor, labels: torch.Tensor) -> tupl
     return tok.sum(1) / count.clamp_min(1), count
 
 
-def response_losses(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample response loss with the LM head applied at labelled positions only.
+def response_losses(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
+    token_stats: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-sample mean response loss and labelled-token count, with the LM head applied at
+    labelled positions only; with token_stats also the mean predictive entropy and the
+    teacher-forced token accuracy over those positions.
 
     Prompt positions need no logits: skipping them saves the head's forward and backward
     there. Models that transform their logits (soft-capping, scaling) take the full path.
     """
     config = getattr(model, "config", None)
     head = model.get_output_embeddings()
-    if head is None or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        return response_loss_per_sample(logits, labels)
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     target = labels[:, 1:]
     rows, cols = torch.nonzero(target != IGNORE_INDEX, as_tuple=True)
-    tok = nn.functional.cross_entropy(head(hidden[rows, cols]).float(), target[rows, cols], reduction="none")
+    if head is None or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[rows, cols]
+    else:
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        logits = head(hidden.last_hidden_state[rows, cols])
+    logits, wanted = logits.float(), target[rows, cols]
     count = torch.bincount(rows, minlength=len(labels))
-    total = torch.zeros(len(labels), dtype=tok.dtype, device=tok.device).index_add(0, rows, tok)
-    return total / count.clamp_min(1), count
+
+    def per_sample(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(len(labels), dtype=values.dtype, device=values.device).index_add(0, rows, values) / (
+            count.clamp_min(1))
+
+    loss = per_sample(nn.functional.cross_entropy(logits, wanted, reduction="none"))
+    stats: dict[str, torch.Tensor] = {}
+    if token_stats:
+        with torch.no_grad():
+            logp = torch.log_softmax(logits, -1)
+            stats["mean_entropy"] = per_sample(-(logp.exp() * logp).sum(-1)).double().cpu()
+            stats["token_accuracy"] = per_sample((logits.argmax(-1) == wanted).float()).double().cpu()
+    return loss, count, stats
 
 
 class SpectralEngine:
@@ -80,9 +97,10 @@ class SpectralEngine:
     def __init__(
         self, model: nn.Module, modules: str | list[str] = "attn",
         backend: str = "auto", keep_spectra: bool = False,
-        method: str = "exact", rank: int = 64, power_iters: int = 2, seed: int = 0,
+        method: str = "exact", rank: int = 64, power_iters: int = 2, seed: int = 0, token_stats: bool = False,
     ) -> None:
-        """method="lowrank" approximates the top `rank` singular values (see gradspec.lowrank)."""
+        """method="lowrank" approximates the top `rank` singular values (see gradspec.lowrank);
+        token_stats adds each sample's mean predictive entropy and token accuracy."""
         if method not in ("exact", "lowrank"):
             raise ValueError(f"method must be 'exact' or 'lowrank', got {method!r}")
         model.eval()
@@ -94,6 +112,7 @@ class SpectralEngine:
         self.keep_spectra = keep_spectra
         self.sketch = _Sketch(rank, power_iters, seed) if method == "lowrank" else None
         self.metric_names = METRICS if self.sketch is None else LOWRANK_METRICS
+        self.token_stats = token_stats
         self._eigen_worker: ThreadPoolExecutor | None = None
 
     @property
@@ -121,19 +140,22 @@ class SpectralEngine:
             raise ValueError("the batch must be right-padded (attention_mask a prefix of ones)")
         capture = _Capture(self.targets, lengths, self.backend, self.sketch)
         with capture.hooks(self.model):
-            loss, count = response_losses(self.model, input_ids, attention_mask, labels)
+            loss, count, stats = response_losses(self.model, input_ids, attention_mask, labels, self.token_stats)
             finite = torch.isfinite(loss) & (count > 0)
             if finite.any():
                 loss[finite].sum().backward()
         capture.to_host()
-        return capture, loss.detach().double().cpu(), count.cpu(), finite.cpu()
+        return capture, loss.detach().double().cpu(), count.cpu(), finite.cpu(), stats
 
-    def _finish(self, capture: _Capture, loss: torch.Tensor, count: torch.Tensor, finite: torch.Tensor) -> BatchScores:
+    def _finish(
+        self, capture: _Capture, loss: torch.Tensor, count: torch.Tensor, finite: torch.Tensor,
+        stats: dict[str, torch.Tensor],
+    ) -> BatchScores:
         flags: list[set[str]] = [set() for _ in range(len(loss))]
         for i in torch.nonzero(~finite).flatten().tolist():
             flags[i].add("no_response_tokens" if count[i] == 0 else "nonfinite_loss")
         metrics, spectra = capture.reduce(finite, flags, self.keep_spectra)
-        return BatchScores(loss, count, flags, metrics, spectra)
+        return BatchScores(loss, count, flags, metrics, spectra, stats)
 
 
 class _Sketch:

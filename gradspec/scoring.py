@@ -5,9 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -16,60 +15,22 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
+from .batching import BATCH_TOKENS, Item, pad_batch, token_batches
 from .data import HUMANEVAL_SIZE, Fields, Sample, count_records, humaneval_samples, read_samples
-from .engine import IGNORE_INDEX, BatchScores, SpectralEngine
+from .engine import BatchScores, SpectralEngine
 from .metrics import metrics_dict
 from .models import DEFAULT_MODEL, load_model
 from .output import SPECTRA, ScoreWriter, carried_name, column, read_scores
-from .templates import Tokenized, tokenize
+from .templates import tokenize
 
 log = logging.getLogger("gradspec")
 
 WINDOW = 256  # samples read, length-sorted and written together
-BATCH_TOKENS = 4096  # padded tokens per batch
-MAX_PADDING = 0.2  # share of a batch's tokens that may be padding
-
-
-@dataclass
-class _Item:
-    sample: Sample
-    tokens: Tokenized
-
-
-def pad_batch(items: list[Tokenized], pad_id: int, device: str | torch.device) -> tuple[torch.Tensor, ...]:
-    """Right-padded input_ids, attention_mask and labels."""
-    T = max(t.num_tokens for t in items)
-    ids = torch.full((len(items), T), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(items), T), dtype=torch.long)
-    labels = torch.full((len(items), T), IGNORE_INDEX, dtype=torch.long)
-    for i, t in enumerate(items):
-        n = t.num_tokens
-        ids[i, :n] = torch.tensor(t.input_ids)
-        mask[i, :n] = 1
-        labels[i, :n] = torch.tensor(t.labels)
-    return ids.to(device), mask.to(device), labels.to(device)
-
-
-def token_batches(items: list[_Item], batch_tokens: int, max_padding: float = MAX_PADDING) -> Iterator[list[_Item]]:
-    """Length-sorted batches whose padded size (count x longest) stays within batch_tokens and
-    whose padding stays within max_padding of it: padded tokens cost full compute on a CPU."""
-    batch: list[_Item] = []
-    real = 0
-    for item in sorted(items, key=lambda it: it.tokens.num_tokens):
-        n = item.tokens.num_tokens
-        padded = (len(batch) + 1) * n
-        if batch and (padded > batch_tokens or real + n < (1 - max_padding) * padded):
-            yield batch
-            batch, real = [], 0
-        batch.append(item)
-        real += n
-    if batch:
-        yield batch
 
 
 def submit_with_split(
-    engine: SpectralEngine, batch: list[_Item], pad_id: int, device: torch.device
-) -> list[tuple[_Item, Future[BatchScores] | None, int]]:
+    engine: SpectralEngine, batch: list[Item], pad_id: int, device: torch.device
+) -> list[tuple[Item, Future[BatchScores] | None, int]]:
     """(item, future scores, row in them) for each item. Out of memory: split the batch in half
     and retry each half; a single sample that still does not fit gets None (flagged by the caller)."""
     try:
@@ -88,7 +49,7 @@ def submit_with_split(
     return [(item, result, k) for k, item in enumerate(batch)]
 
 
-def _row(item: _Item) -> dict[str, Any]:
+def _row(item: Item) -> dict[str, Any]:
     """An output row before scoring: the tokenizer's status, no loss yet."""
     row = {
         "index": item.sample.index,
@@ -115,10 +76,10 @@ def score_samples(
     start, tokens = time.perf_counter(), 0
     try:
         while window := list(islice(stream, WINDOW)):
-            items = [_Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in window]
+            items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in window]
             rows = {item.sample.index: _row(item) for item in items}
             # One batch in flight: its eigen stage runs while the next batch's forward and backward do.
-            pending: list[tuple[_Item, Future[BatchScores] | None, int]] = []
+            pending: list[tuple[Item, Future[BatchScores] | None, int]] = []
             for batch in token_batches([i for i in items if i.tokens.status == "ok"], batch_tokens):
                 submitted = submit_with_split(engine, batch, pad_id, device)
                 tokens += _collect(pending, rows, engine.metric_names)
@@ -137,7 +98,7 @@ def score_samples(
     return kept
 
 
-def _collect(pending: list[tuple[_Item, Future[BatchScores] | None, int]], rows: dict[int, dict[str, Any]],
+def _collect(pending: list[tuple[Item, Future[BatchScores] | None, int]], rows: dict[int, dict[str, Any]],
              names: tuple[str, ...]) -> int:
     """Waits for submitted batches and fills their rows; returns the tokens they held."""
     for item, future, k in pending:

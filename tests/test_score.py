@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gradspec
-from gradspec import scoring
+from gradspec import batching, scoring
 from gradspec.cli import main
 from gradspec.data import InputError
 from gradspec.metrics import METRICS
@@ -97,8 +97,8 @@ def test_token_batches_respect_budget_and_padding():
     from gradspec.templates import Tokenized
 
     lengths = [5, 100, 7, 6, 50, 52, 8, 51, 300]
-    items = [scoring._Item(Sample(i, []), Tokenized([0] * n, [0] * n, "ok")) for i, n in enumerate(lengths)]
-    batches = list(scoring.token_batches(items, batch_tokens=160, max_padding=0.2))
+    items = [batching.Item(Sample(i, []), Tokenized([0] * n, [0] * n, "ok")) for i, n in enumerate(lengths)]
+    batches = list(batching.token_batches(items, batch_tokens=160, max_padding=0.2))
     assert sorted(i.sample.index for b in batches for i in b) == list(range(len(lengths)))
     for b in batches:
         sizes = [i.tokens.num_tokens for i in b]

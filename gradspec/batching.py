@@ -1,0 +1,54 @@
+"""Batching tokenized samples: length-sorted, under a token budget, with little padding."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .data import Sample
+from .engine import IGNORE_INDEX
+from .templates import Tokenized
+
+BATCH_TOKENS = 4096  # padded tokens per batch
+MAX_PADDING = 0.2  # share of a batch's tokens that may be padding
+
+
+@dataclass
+class Item:
+    """A sample with its tokens."""
+
+    sample: Sample
+    tokens: Tokenized
+
+
+def pad_batch(items: list[Tokenized], pad_id: int, device: str | torch.device) -> tuple[torch.Tensor, ...]:
+    """Right-padded input_ids, attention_mask and labels."""
+    T = max(t.num_tokens for t in items)
+    ids = torch.full((len(items), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(items), T), dtype=torch.long)
+    labels = torch.full((len(items), T), IGNORE_INDEX, dtype=torch.long)
+    for i, t in enumerate(items):
+        n = t.num_tokens
+        ids[i, :n] = torch.tensor(t.input_ids)
+        mask[i, :n] = 1
+        labels[i, :n] = torch.tensor(t.labels)
+    return ids.to(device), mask.to(device), labels.to(device)
+
+
+def token_batches(items: list[Item], batch_tokens: int, max_padding: float = MAX_PADDING) -> Iterator[list[Item]]:
+    """Length-sorted batches whose padded size (count x longest) stays within batch_tokens and
+    whose padding stays within max_padding of it: padded tokens cost full compute on a CPU."""
+    batch: list[Item] = []
+    real = 0
+    for item in sorted(items, key=lambda it: it.tokens.num_tokens):
+        n = item.tokens.num_tokens
+        padded = (len(batch) + 1) * n
+        if batch and (padded > batch_tokens or real + n < (1 - max_padding) * padded):
+            yield batch
+            batch, real = [], 0
+        batch.append(item)
+        real += n
+    if batch:
+        yield batch
