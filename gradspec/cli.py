@@ -32,6 +32,8 @@ def _score_parser(sub) -> None:
                    help="lowrank: approximate top --rank singular values (nuclear norm and effective rank biased low)")
     p.add_argument("--rank", type=int, default=64, help="singular values kept by --method lowrank")
     p.add_argument("--seed", type=int, default=0, help="seed of --method lowrank's random sketch")
+    p.add_argument("--classic", action="store_true",
+                   help="also perplexity, IFD, Superfiltering IFD, mean entropy, token accuracy, response length")
     p.add_argument("--instruction-field", default="instruction")
     p.add_argument("--input-field", default="input")
     p.add_argument("--output-field", default="output")
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             max_length=args.max_length, batch_tokens=args.batch_tokens, device=args.device, dtype=args.dtype,
             limit=args.limit, fields=fields, save_spectra=args.save_spectra, backend=args.backend,
             progress=not args.quiet, trust_remote_code=args.trust_remote_code, overwrite=args.overwrite,
-            method=args.method, rank=args.rank, seed=args.seed,
+            method=args.method, rank=args.rank, seed=args.seed, classic=args.classic,
         )
     except (InputError, ValueError, FileExistsError, RuntimeError) as e:
         print(f"gradspec: error: {e}", file=sys.stderr)

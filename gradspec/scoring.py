@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from .batching import BATCH_TOKENS, Item, pad_batch, token_batches
+from .classic import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
 from .data import HUMANEVAL_SIZE, Fields, Sample, count_records, humaneval_samples, read_samples
 from .engine import BatchScores, SpectralEngine
 from .metrics import metrics_dict
@@ -87,6 +88,9 @@ def score_samples(
                 bar.update(len(batch))
                 bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}", refresh=False)
             tokens += _collect(pending, rows, engine.metric_names)
+            if engine.token_stats:
+                _add_classic(engine, tokenizer, [i for i in items if i.tokens.status == "ok"], rows,
+                             max_length, batch_tokens)
             bar.update(len(window) - sum(1 for i in items if i.tokens.status == "ok"))
             ordered = [_fill(rows[s.index], engine) for s in window]
             if writer is None:
@@ -96,6 +100,19 @@ def score_samples(
     finally:
         bar.close()
     return kept
+
+
+def _add_classic(engine: SpectralEngine, tokenizer, items: list[Item], rows: dict[int, dict[str, Any]],
+                 max_length: int, batch_tokens: int) -> None:
+    """IFD and friends for the scored rows: one extra no-grad pass over the responses alone."""
+    alone = losses_alone(engine.model, tokenizer, [i.sample for i in items], max_length, batch_tokens)
+    for item in items:
+        row = rows[item.sample.index]
+        row["response_chars"] = len(response_text(item.sample))
+        if math.isfinite(row["loss"]):
+            row.update(loss_ratios(row["loss"], alone[item.sample.index]))
+            if not math.isfinite(row["ifd"]):
+                row["status"] = "ifd_undefined" if row["status"] == "ok" else row["status"] + ";ifd_undefined"
 
 
 def _collect(pending: list[tuple[Item, Future[BatchScores] | None, int]], rows: dict[int, dict[str, Any]],
@@ -116,10 +133,14 @@ def _fill_scores(row: dict[str, Any], result: BatchScores | None, k: int, names:
         row.update({column(name, m): v for m, v in metrics_dict(values[k], names).items()})
     for name, sigmas in result.spectra.items():
         row[column(name, SPECTRA)] = sigmas[k].tolist()
+    row.update({name: float(values[k]) for name, values in result.token_stats.items()})
 
 
 def _fill(row: dict[str, Any], engine: SpectralEngine) -> dict[str, Any]:
     """Unscored rows get NaN metrics (their status says why), so every row has every column."""
+    if engine.token_stats:
+        for name in CLASSIC_COLUMNS:
+            row.setdefault(name, math.nan)
     for name in engine.part_names:
         for m in engine.metric_names:
             row.setdefault(column(name, m), math.nan)
@@ -134,7 +155,7 @@ def score(
     batch_tokens: int = BATCH_TOKENS, device: str = "cpu", dtype: str = "float32", limit: int | None = None,
     fields: Fields = Fields(), save_spectra: bool = False, backend: str = "auto", progress: bool = True,
     trust_remote_code: bool = False, overwrite: bool = False, method: str = "exact", rank: int = 64,
-    seed: int = 0,
+    seed: int = 0, classic: bool = False,
 ) -> pd.DataFrame:
     """Scores a dataset file (default: HumanEval) with a model (default: SmolLM2-135M-Instruct).
 
@@ -145,7 +166,7 @@ def score(
         raise FileExistsError(f"{out} exists; pass --overwrite or choose another --out")
     net, tokenizer = load_model(model, device, dtype, trust_remote_code)
     engine = SpectralEngine(net, modules, backend=backend, keep_spectra=save_spectra, method=method, rank=rank,
-                            seed=seed)
+                            seed=seed, token_stats=classic)
     samples = humaneval_samples(limit) if data is None else read_samples(data, fields, limit)
     known = HUMANEVAL_SIZE if data is None else count_records(data)
     total = min((n for n in (known, limit) if n is not None), default=None)  # for the progress bar's ETA

@@ -1,0 +1,59 @@
+"""Classic per-sample data-quality scores, computed in the same run as the spectra.
+
+- ``perplexity``: exp of the response loss given the prompt.
+- ``loss_response_alone``: mean loss of the response tokenized on its own (no prompt), from an
+  extra forward pass without gradients.
+- ``ifd``: Cherry-LLM's Instruction-Following Difficulty, loss given the prompt / loss alone.
+- ``superfiltering_ifd``: the perplexity ratio used by Superfiltering, exp(loss given prompt - loss alone).
+- ``mean_entropy``, ``token_accuracy``: mean predictive entropy (nats) and teacher-forced accuracy
+  over the response tokens (from the scoring forward itself).
+- ``response_chars``: characters in the response (``num_response_tokens`` counts its tokens).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .batching import Item, pad_batch, token_batches
+from .data import Sample
+from .engine import response_losses
+from .templates import Tokenized
+
+CLASSIC_COLUMNS = ("perplexity", "loss_response_alone", "ifd", "superfiltering_ifd", "mean_entropy",
+                   "token_accuracy", "response_chars")
+
+
+def response_text(sample: Sample) -> str:
+    """The text the model is scored on: the assistant turns, joined by newlines."""
+    return "\n".join(m["content"] for m in sample.messages if m["role"] == "assistant")
+
+
+@torch.no_grad()
+def losses_alone(
+    model: torch.nn.Module, tokenizer, samples: list[Sample], max_length: int, batch_tokens: int
+) -> dict[int, float]:
+    """Sample index -> mean next-token loss of its response tokenized alone (NaN if under 2 tokens)."""
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    items = []
+    for s in samples:
+        ids = tokenizer(response_text(s))["input_ids"][:max_length]
+        items.append(Item(s, Tokenized(ids, list(ids), "ok")))
+    out = {}
+    for batch in token_batches(items, batch_tokens):
+        loss, count, _ = response_losses(model, *pad_batch([b.tokens for b in batch], pad_id, device))
+        for item, value, n in zip(batch, loss.tolist(), count.tolist(), strict=True):
+            out[item.sample.index] = value if n > 0 else math.nan
+    return out
+
+
+def loss_ratios(loss: float, loss_alone: float) -> dict[str, float]:
+    """The columns derived from the loss given the prompt and the loss of the response alone."""
+    return {
+        "perplexity": math.exp(loss),
+        "loss_response_alone": loss_alone,
+        "ifd": loss / loss_alone if loss_alone > 0 else math.nan,
+        "superfiltering_ifd": math.exp(loss - loss_alone),
+    }
