@@ -1,4 +1,4 @@
-"""gradspec command line: ``gradspec score``."""
+"""gradspec command line: ``gradspec score`` and ``gradspec select``."""
 
 from __future__ import annotations
 
@@ -42,11 +42,49 @@ def _score_parser(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def _select_parser(sub) -> None:
+    p = sub.add_parser("select", help="keep the best (or worst) rows of a dataset by their scores")
+    p.add_argument("--scores", required=True, help="a score file from gradspec score")
+    p.add_argument("--data", help="the scored input (default: the one the score file names)")
+    p.add_argument("--out", required=True, help="where to write the chosen rows, in the input's format")
+    p.add_argument("--by", required=True,
+                   help="a column, a metric averaged over modules (effective_rank), or weighted z-scores "
+                        "('effective_rank:1,nuclear_norm:-1')")
+    p.add_argument("--bottom", action="store_true", help="keep the lowest scores (default: the highest)")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--fraction", type=float)
+    size.add_argument("--count", type=int)
+    p.add_argument("--length-buckets", type=int, default=0, help="choose within this many length quantiles")
+
+
+def _select(args: argparse.Namespace) -> int:
+    from .output import read_metadata, read_scores
+    from .select import choose, criteria, write_selection
+
+    data = args.data or read_metadata(args.scores).get("data")
+    if not data or data == "humaneval":
+        raise ValueError(f"{args.scores} does not name a data file to select from; pass --data")
+    scores = read_scores(args.scores)[0]
+    chosen = choose(scores, args.by, top=not args.bottom, fraction=args.fraction, count=args.count,
+                    length_buckets=args.length_buckets)
+    columns = ["gradspec_score", *dict.fromkeys(name for name, _ in criteria(args.by)), "loss", "num_tokens"]
+    n = write_selection(data, chosen, args.out, columns)
+    print(f"wrote {n} of {len(scores)} rows ({(scores['status'] != 'ok').sum()} not scored) to {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gradspec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _score_parser(sub)
+    _select_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "select":
+        try:
+            return _select(args)
+        except (InputError, ValueError, OSError) as e:
+            print(f"gradspec: error: {e}", file=sys.stderr)
+            return 2
 
     fields = Fields(args.instruction_field, args.input_field, args.output_field, args.messages_field)
     try:

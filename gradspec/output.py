@@ -89,11 +89,15 @@ class ScoreWriter:
         self.close()
 
 
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """What a score file says of its run: model, data, template, modules, parts, metrics, ..."""
+    return json.loads((pq.read_schema(path).metadata or {}).get(_METADATA_KEY, b"{}"))
+
+
 def read_scores(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(wide, long): the file as a DataFrame, and one row per (sample, layer, module, metric)."""
-    table = pq.read_table(path)
-    meta = json.loads((table.schema.metadata or {}).get(_METADATA_KEY, b"{}"))
-    wide = table.to_pandas()
+    meta = read_metadata(path)
+    wide = pq.read_table(path).to_pandas()
     parts = meta.get("parts", [])
     metrics = meta.get("metrics", list(METRICS))
     frames = []
