@@ -1,4 +1,4 @@
-"""gradspec command line: ``gradspec score`` and ``gradspec select``."""
+"""gradspec command line: ``gradspec score``, ``gradspec select`` and ``gradspec report``."""
 
 from __future__ import annotations
 
@@ -57,6 +57,25 @@ def _select_parser(sub) -> None:
     p.add_argument("--length-buckets", type=int, default=0, help="choose within this many length quantiles")
 
 
+def _report_parser(sub) -> None:
+    p = sub.add_parser("report", help="compare labelled score files: figures and a Markdown summary")
+    p.add_argument("groups", nargs="+", metavar="LABEL=SCORES", help="e.g. high=high.parquet low=low.parquet")
+    p.add_argument("--out", default="report", help="output folder (default: report)")
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .report import write_report
+
+    groups = {}
+    for spec in args.groups:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path:
+            raise ValueError(f"{spec!r}: expected LABEL=SCORES, e.g. high=high.parquet")
+        groups[label] = path
+    print(f"wrote {write_report(groups, args.out)}")
+    return 0
+
+
 def _select(args: argparse.Namespace) -> int:
     from .output import read_metadata, read_scores
     from .select import choose, criteria, write_selection
@@ -78,10 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _score_parser(sub)
     _select_parser(sub)
+    _report_parser(sub)
     args = parser.parse_args(argv)
-    if args.command == "select":
+    if args.command in ("select", "report"):
         try:
-            return _select(args)
+            return (_select if args.command == "select" else _report)(args)
         except (InputError, ValueError, OSError) as e:
             print(f"gradspec: error: {e}", file=sys.stderr)
             return 2

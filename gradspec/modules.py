@@ -35,6 +35,7 @@ class Part:
     role: str
     start: int  # first output feature of this part in its module's output
     d_out: int
+    d_in: int
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ def select_targets(model: nn.Module, modules: str | list[str] = "attn") -> list[
             part_name = f"{name}.{role}" if len(roles) > 1 else name
             candidates.append(part_name)
             if _selected(part_name, role, patterns):
-                parts.append(Part(part_name, role, start, size))
+                parts.append(Part(part_name, role, start, size, d_in))
             start += size
         if parts:
             targets.append(Target(name, module, d_in, tuple(parts), transposed))

@@ -39,7 +39,8 @@ class ScoreWriter:
         self.parts = parts
         self.save_spectra = save_spectra
         self.metadata = {
-            "parts": [{"name": p.name, "role": p.role, "layer": layer_index(p.name)} for p in parts],
+            "parts": [{"name": p.name, "role": p.role, "layer": layer_index(p.name), "d_in": p.d_in,
+                       "d_out": p.d_out} for p in parts],
             "metrics": list(metrics),
             **run_info,
         }
