@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .kernels import token_mask
 from .lowrank import LOWRANK_METRICS, lowrank_metrics, sketch_matrix, sketch_singular_values
 from .metrics import METRICS
 from .modules import Part, Target, select_targets
@@ -135,10 +136,9 @@ class SpectralEngine:
 
     def _forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
         lengths = attention_mask.sum(1)
-        positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-        if not torch.equal(attention_mask.bool(), positions[None, :] < lengths[:, None]):
+        if not torch.equal(attention_mask.bool(), token_mask(lengths, attention_mask.shape[1], attention_mask.device)):
             raise ValueError("the batch must be right-padded (attention_mask a prefix of ones)")
-        capture = _Capture(self.targets, lengths, self.backend, self.sketch)
+        capture = _Capture(self.targets, lengths, self.backend, self.sketch, self.metric_names)
         with capture.hooks(self.model):
             loss, count, stats = response_losses(self.model, input_ids, attention_mask, labels, self.token_stats)
             finite = torch.isfinite(loss) & (count > 0)
@@ -177,8 +177,12 @@ class _Sketch:
 class _Capture:
     """Hook state for one batch: inputs in the forward, reductions as gradients arrive."""
 
-    def __init__(self, targets: list[Target], lengths: torch.Tensor, backend: str, sketch: _Sketch | None) -> None:
+    def __init__(
+        self, targets: list[Target], lengths: torch.Tensor, backend: str, sketch: _Sketch | None,
+        metric_names: tuple[str, ...],
+    ) -> None:
         self.targets = targets
+        self.metric_names = metric_names
         self.lengths = lengths
         self.backend = backend
         self.sketch = sketch
@@ -229,8 +233,7 @@ class _Capture:
                 items.append((part, A, inner))
             if not core.all():
                 samples = torch.nonzero(~core).flatten()
-                valid = (torch.arange(X.shape[1], device=X.device)[None, :] < self.lengths[samples, None])[..., None]
-                Xs = X[samples].double() * valid
+                Xs = X[samples].double() * token_mask(self.lengths[samples], X.shape[1], X.device)[..., None]
                 G = D[samples].double().transpose(1, 2) @ Xs  # (n, d_out, d_in)
                 gram = G @ G.transpose(1, 2) if part.d_out <= target.d_in else G.transpose(1, 2) @ G
                 self.materialised.append((part, samples.cpu(), gram))
@@ -259,8 +262,7 @@ class _Capture:
     def reduce(self, finite: torch.Tensor, flags: list[set[str]], keep_spectra: bool):
         N = len(self.lengths)
         nan = float("nan")
-        names = METRICS if self.sketch is None else LOWRANK_METRICS
-        metrics = {p.name: torch.full((N, len(names)), nan, dtype=torch.float64)
+        metrics = {p.name: torch.full((N, len(self.metric_names)), nan, dtype=torch.float64)
                    for t in self.targets for p in t.parts}
         spectra: dict[str, list[np.ndarray]] = {name: [np.zeros(0)] * N for name in metrics} if keep_spectra else {}
 
@@ -286,7 +288,7 @@ class _Capture:
             for j, (part, _, inner) in enumerate(items):
                 record(part, list(samples), sigma[:, j], m[:, j], ok)
                 frob2 = m[:, j, METRICS.index("frobenius_norm")] ** 2
-                bad = ok & ~torch.isclose(frob2, inner.cpu().double(), rtol=FROBENIUS_CHECK_RTOL, atol=1e-30)
+                bad = ok & ~torch.isclose(frob2, inner.double(), rtol=FROBENIUS_CHECK_RTOL, atol=1e-30)
                 for row in torch.nonzero(bad).flatten().tolist():
                     flags[samples[row]].add("frobenius_check_failed")
         everyone = list(range(N))

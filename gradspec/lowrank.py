@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from .kernels import token_mask
 from .metrics import METRICS, metrics_from_singular_values
 
 LOWRANK_METRICS: tuple[str, ...] = METRICS + ("topk_energy",)
@@ -30,7 +31,7 @@ def sketch_singular_values(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """X (N, T, d_in), D (N, T, d_out), omega (d_in, k) -> top-`rank` singular values of each
     D_i^T X_i (N, rank) and the exact ||D_i^T X_i||_F^2 (N,), in fp64."""
-    valid = (torch.arange(X.shape[1], device=X.device)[None, :] < lengths[:, None].to(X.device))[..., None]
+    valid = token_mask(lengths, X.shape[1], X.device)[..., None]
     Xv, Dv = X.double() * valid, D.double() * valid
     d_in, d_out = X.shape[-1], D.shape[-1]
     Y = Dv.transpose(1, 2) @ (Xv @ omega.to(X.device))  # G Omega: (N, d_out, k)

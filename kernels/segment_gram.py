@@ -17,13 +17,17 @@ except ImportError:  # triton is optional: the torch path serves without it
     triton = None
 
 
+def token_mask(lengths: torch.Tensor, T: int, device: torch.device | str) -> torch.Tensor:
+    """(N, T) bool: True at each sample's valid (unpadded) tokens."""
+    return torch.arange(T, device=device)[None, :] < lengths.to(device)[:, None]
+
+
 def segment_gram_torch(
     Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Y (N, T, d), lengths (N,) -> Gram (N, T, T) in fp64, zero beyond each length; inner (N,) or None."""
     T = Y.shape[1]
-    valid = torch.arange(T, device=Y.device)[None, :] < lengths.to(Y.device)[:, None]
-    Yv = Y.to(torch.float64) * valid[..., None]
+    Yv = Y.to(torch.float64) * token_mask(lengths, T, Y.device)[..., None]
     gram = Yv @ Yv.transpose(1, 2)
     inner = None if other is None else (gram * other.to(gram)).sum((1, 2))
     return gram, inner
