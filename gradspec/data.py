@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,9 @@ from typing import Any
 
 class InputError(ValueError):
     """Bad input, with the file and line or row it came from."""
+
+
+ON_ERROR = ("fail", "skip")  # what a malformed row does: stop the run, or skip and report the row
 
 
 @dataclass(frozen=True)
@@ -34,27 +37,39 @@ class Sample:
     index: int
     messages: list[dict[str, str]]
     carried: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None  # why the row could not be read (on_error="skip")
 
 
-def read_records(path: str | Path) -> Iterator[tuple[str, dict]]:
-    """(location, record) pairs; location is 'file:line' or 'file row i'."""
+Record = dict | InputError | None  # a record, a problem confined to it, or None: not wanted, not parsed
+
+
+def read_records(path: str | Path, wanted: Callable[[int], bool] | None = None) -> Iterator[tuple[str, Record]]:
+    """(location, record) pairs, one per input row, read as a stream (a JSON list is read whole).
+
+    location is 'file:line' or 'file row i'. Rows that wanted(index) rejects are not parsed; a
+    problem confined to one row comes back in its place, so the caller decides to stop or skip.
+    """
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: no such file or folder")
     if path.is_dir():
         yield from _read_dataset_folder(path)
     elif path.suffix == ".jsonl":
-        yield from _read_jsonl(path)
+        yield from _read_jsonl(path, wanted or _everything)
     elif path.suffix == ".json":
         yield from _read_json(path)
     elif path.suffix == ".parquet":
-        yield from _read_parquet(path)
+        yield from _read_parquet(path, wanted or _everything)
     else:
         raise InputError(f"{path}: unknown format (expected .json, .jsonl, .parquet or a datasets folder)")
 
 
-def count_records(path: str | Path) -> int | None:
-    """Rows in a dataset file without parsing it (for progress and ETA); None when unknown."""
+def _everything(index: int) -> bool:
+    return True
+
+
+def count_records(path: str | Path) -> int:
+    """Rows in a dataset without parsing them (a JSON list is parsed)."""
     path = Path(path)
     if path.suffix == ".jsonl" and path.is_file():
         with open(path, "rb") as f:
@@ -63,27 +78,32 @@ def count_records(path: str | Path) -> int | None:
         import pyarrow.parquet as pq
 
         return pq.ParquetFile(path).metadata.num_rows
-    return None
+    return sum(1 for _ in read_records(path))
 
 
-def _read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
+def _read_jsonl(path: Path, wanted: Callable[[int], bool]) -> Iterator[tuple[str, Record]]:
+    index = 0
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
             where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise InputError(f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
-            if not line.strip():
+            index += 1
+            if not wanted(index - 1):
+                yield where, None
                 continue
             try:
-                record = json.loads(line)
+                record = _require_object(json.loads(raw.decode("utf-8")), where)
+            except UnicodeDecodeError as e:
+                record = InputError(f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})")
             except json.JSONDecodeError as e:
-                raise InputError(f"{where}: malformed JSON: {e.msg} (column {e.colno})") from None
-            yield where, _require_object(record, where)
+                record = InputError(f"{where}: malformed JSON: {e.msg} (column {e.colno})")
+            except InputError as e:
+                record = e
+            yield where, record
 
 
-def _read_json(path: Path) -> Iterator[tuple[str, dict]]:
+def _read_json(path: Path) -> Iterator[tuple[str, Record]]:
     try:
         data = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -96,17 +116,22 @@ def _read_json(path: Path) -> Iterator[tuple[str, dict]]:
         raise InputError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
     for i, record in enumerate(data):
         where = f"{path} element {i}"
-        yield where, _require_object(record, where)
+        try:
+            yield where, _require_object(record, where)
+        except InputError as e:
+            yield where, e
 
 
-def _read_parquet(path: Path) -> Iterator[tuple[str, dict]]:
+def _read_parquet(path: Path, wanted: Callable[[int], bool]) -> Iterator[tuple[str, Record]]:
     import pyarrow.parquet as pq
 
     row = 0
     for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-        for record in batch.to_pylist():
-            yield f"{path} row {row}", record
-            row += 1
+        rows = range(row, row + batch.num_rows)
+        records = batch.to_pylist() if any(wanted(i) for i in rows) else [None] * batch.num_rows
+        for i, record in zip(rows, records, strict=True):
+            yield f"{path} row {i}", record if wanted(i) else None
+        row += batch.num_rows
 
 
 def _read_dataset_folder(path: Path) -> Iterator[tuple[str, dict]]:
@@ -181,12 +206,31 @@ def _is_scalar(value: Any) -> bool:
     return value is None or isinstance(value, (str, int, float, bool))
 
 
-def read_samples(path: str | Path, fields: Fields = Fields(), limit: int | None = None) -> Iterator[Sample]:
-    """Samples in input order, index = 0-based position in the input."""
-    for index, (where, record) in enumerate(read_records(path)):
+def read_samples(
+    path: str | Path, fields: Fields = Fields(), limit: int | None = None,
+    wanted: Callable[[int], bool] | None = None, on_error: str = "fail",
+) -> Iterator[Sample]:
+    """Samples in input order, index = 0-based position in the input; only those wanted.
+
+    A bad row raises InputError (on_error="fail") or becomes a Sample whose error says what
+    is wrong and where (on_error="skip").
+    """
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+    for index, (where, record) in enumerate(read_records(path, wanted)):
         if limit is not None and index >= limit:
             return
-        yield to_sample(index, where, record, fields)
+        if record is None or (wanted is not None and not wanted(index)):
+            continue
+        try:
+            if isinstance(record, InputError):
+                raise record
+            sample = to_sample(index, where, record, fields)
+        except InputError as e:
+            if on_error == "fail":
+                raise
+            sample = Sample(index, [], error=str(e))
+        yield sample
 
 
 HUMANEVAL_SIZE = 164

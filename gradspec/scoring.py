@@ -1,13 +1,17 @@
-"""Scoring a dataset: read in order, bucket by length, batch under a token budget, write in order."""
+"""Scoring a dataset chunk by chunk: read in order, bucket by length, batch under a token budget, write in order."""
 
 from __future__ import annotations
 
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
-from itertools import islice
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from importlib.metadata import version
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +22,15 @@ from tqdm import tqdm
 from .batching import BATCH_TOKENS, Item, pad_batch, token_batches
 from .classic import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
 from .data import HUMANEVAL_SIZE, Fields, Sample, count_records, humaneval_samples, read_samples
+from .distributed import Group, local_device, torchrun_shard
 from .engine import BatchScores, SpectralEngine
 from .metrics import metrics_dict
 from .models import DEFAULT_MODEL, load_model
-from .output import SPECTRA, ScoreWriter, carried_name, column, read_scores
+from .output import SPECTRA, carried_name, column, file_metadata, read_scores
+from .parts import CHUNK_ROWS, INPUT_ERROR, RunFolder, Shard
 from .templates import tokenize
 
 log = logging.getLogger("gradspec")
-
-WINDOW = 256  # samples read, length-sorted and written together
 
 
 def submit_with_split(
@@ -63,43 +67,65 @@ def _row(item: Item) -> dict[str, Any]:
     return row
 
 
-def score_samples(
-    samples: Iterable[Sample], engine: SpectralEngine, tokenizer, writer: ScoreWriter | None,
-    template: str = "plain", max_length: int = 2048, batch_tokens: int = BATCH_TOKENS, progress: bool = True,
-    total: int | None = None,
-) -> list[dict[str, Any]]:
-    """Scores samples window by window; rows go to the writer (or are returned when it is None)."""
+def _error_row(sample: Sample) -> dict[str, Any]:
+    """A row skipped for bad input (on_error="skip"): why, and nothing scored."""
+    log.warning("skipped: %s", sample.error)
+    return {"index": sample.index, "status": INPUT_ERROR, "error": sample.error, "loss": math.nan,
+            "num_tokens": 0, "num_response_tokens": 0}
+
+
+class _Progress:
+    """A progress bar with samples/s, tokens/s and the ETA."""
+
+    def __init__(self, total: int | None, enabled: bool) -> None:
+        self.bar = tqdm(total=total, unit="sample", disable=not enabled, dynamic_ncols=True)
+        self.start, self.tokens = time.perf_counter(), 0
+
+    def advance(self, samples: int, tokens: int = 0) -> None:
+        self.tokens += tokens
+        self.bar.update(samples)
+        self.bar.set_postfix(tok_s=f"{self.tokens / (time.perf_counter() - self.start):.0f}", refresh=False)
+
+
+def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, template: str, max_length: int,
+                 batch_tokens: int, progress: _Progress) -> list[dict[str, Any]]:
+    """Output rows of consecutive samples, in their order; batches within are sorted by length."""
     device = next(engine.model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    kept: list[dict[str, Any]] = []
-    stream = iter(samples)
-    bar = tqdm(total=total, unit="sample", disable=not progress, dynamic_ncols=True)
-    start, tokens = time.perf_counter(), 0
+    items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples if s.error is None]
+    rows = {item.sample.index: _row(item) for item in items}
+    rows.update({s.index: _error_row(s) for s in samples if s.error is not None})
+    scorable = [i for i in items if i.tokens.scorable]
+    # One batch in flight: its eigen stage runs while the next batch's forward and backward do.
+    pending: list[tuple[Item, Future[BatchScores] | None, int]] = []
+    for batch in token_batches(scorable, batch_tokens):
+        submitted = submit_with_split(engine, batch, pad_id, device)
+        progress.advance(len(pending), _collect(pending, rows, engine.metric_names))
+        pending = submitted
+    progress.advance(len(pending), _collect(pending, rows, engine.metric_names))
+    if engine.token_stats:
+        _add_classic(engine, tokenizer, scorable, rows, max_length, batch_tokens)
+    progress.advance(len(samples) - len(scorable))
+    return [_fill(rows[s.index], engine) for s in samples]
+
+
+def score_samples(
+    samples: Iterable[Sample], engine: SpectralEngine, tokenizer, write: Callable[[int, list[dict[str, Any]]], None],
+    chunk_rows: int = CHUNK_ROWS, template: str = "plain", max_length: int = 2048,
+    batch_tokens: int = BATCH_TOKENS, progress: bool = True, total: int | None = None,
+) -> Counter[str]:
+    """Scores samples chunk by chunk (chunk = index // chunk_rows); write(chunk, rows) gets each
+    chunk's rows in input order. Returns how many rows got each status."""
+    statuses: Counter[str] = Counter()
+    bar = _Progress(total, progress)
     try:
-        while window := list(islice(stream, WINDOW)):
-            items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in window]
-            rows = {item.sample.index: _row(item) for item in items}
-            # One batch in flight: its eigen stage runs while the next batch's forward and backward do.
-            pending: list[tuple[Item, Future[BatchScores] | None, int]] = []
-            for batch in token_batches([i for i in items if i.tokens.status == "ok"], batch_tokens):
-                submitted = submit_with_split(engine, batch, pad_id, device)
-                tokens += _collect(pending, rows, engine.metric_names)
-                pending = submitted
-                bar.update(len(batch))
-                bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}", refresh=False)
-            tokens += _collect(pending, rows, engine.metric_names)
-            if engine.token_stats:
-                _add_classic(engine, tokenizer, [i for i in items if i.tokens.status == "ok"], rows,
-                             max_length, batch_tokens)
-            bar.update(len(window) - sum(1 for i in items if i.tokens.status == "ok"))
-            ordered = [_fill(rows[s.index], engine) for s in window]
-            if writer is None:
-                kept.extend(ordered)
-            else:
-                writer.write(ordered)
+        for chunk, group in groupby(samples, key=lambda s: s.index // chunk_rows):
+            rows = _score_chunk(list(group), engine, tokenizer, template, max_length, batch_tokens, bar)
+            write(chunk, rows)
+            statuses.update(row["status"] for row in rows)
     finally:
-        bar.close()
-    return kept
+        bar.bar.close()
+    return statuses
 
 
 def _add_classic(engine: SpectralEngine, tokenizer, items: list[Item], rows: dict[int, dict[str, Any]],
@@ -128,7 +154,8 @@ def _fill_scores(row: dict[str, Any], result: BatchScores | None, k: int, names:
     if result is None:
         row["status"] = "out_of_memory"
         return
-    row["status"], row["loss"] = result.status(k), float(result.loss[k])
+    flags = [f for f in (row["status"], result.status(k)) if f != "ok"]
+    row["status"], row["loss"] = ";".join(flags) or "ok", float(result.loss[k])
     for name, values in result.metrics.items():
         row.update({column(name, m): v for m, v in metrics_dict(values[k], names).items()})
     for name, sigmas in result.spectra.items():
@@ -149,35 +176,132 @@ def _fill(row: dict[str, Any], engine: SpectralEngine) -> dict[str, Any]:
     return row
 
 
+@dataclass(frozen=True)
+class ScoreConfig:
+    """Everything that decides a run's output; a run resumes only under the same config."""
+
+    data: str | None = None  # None: HumanEval
+    model: str | None = None  # None: SmolLM2-135M-Instruct
+    template: str = "plain"
+    modules: str = "attn"
+    max_length: int = 2048
+    dtype: str = "float32"
+    method: str = "exact"
+    rank: int = 64
+    seed: int = 0
+    classic: bool = False
+    save_spectra: bool = False
+    fields: Fields = Fields()
+    limit: int | None = None
+    chunk_rows: int = CHUNK_ROWS
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest and file metadata: the config, the data file's size and the version."""
+        info = {**asdict(self), "model": self.model or DEFAULT_MODEL, "data": self.data or "humaneval",
+                "version": version("gradspec")}
+        if self.data is not None:
+            info["data"] = str(Path(self.data).resolve())
+            info["data_bytes"] = Path(self.data).stat().st_size if Path(self.data).is_file() else None
+        if self.method != "lowrank":
+            del info["rank"], info["seed"]
+        return info
+
+    def records(self) -> int:
+        """Rows the run covers: the input's, up to the limit."""
+        n = HUMANEVAL_SIZE if self.data is None else count_records(self.data)
+        return n if self.limit is None else min(n, self.limit)
+
+    def samples(self, wanted: Callable[[int], bool] | None = None, on_error: str = "fail") -> Iterator[Sample]:
+        if self.data is not None:
+            return read_samples(self.data, self.fields, self.limit, wanted, on_error)
+        return (s for s in humaneval_samples(self.limit) if wanted is None or wanted(s.index))
+
+
+def _engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: bool):
+    net, tokenizer = load_model(config.model, device, config.dtype, trust_remote_code)
+    engine = SpectralEngine(net, config.modules, backend=backend, keep_spectra=config.save_spectra,
+                            method=config.method, rank=config.rank, seed=config.seed, token_stats=config.classic)
+    return engine, tokenizer
+
+
+def run(
+    config: ScoreConfig, out: str | Path, *, device: str = "cpu", backend: str = "auto",
+    batch_tokens: int = BATCH_TOKENS, progress: bool = True, trust_remote_code: bool = False,
+    resume: bool = False, overwrite: bool = False, shard: Shard | None = None, on_error: str = "fail",
+    merge: bool = True,
+) -> Counter[str]:
+    """Scores this process's chunks into the run folder of out, then merges them into out when
+    this process is the whole run (or rank 0 of torchrun's) and merge is on.
+
+    Under torchrun every rank takes its own shard; shard splits the data between independent
+    processes (e.g. a Slurm array) that share the folder; `gradspec merge` joins their parts.
+    Returns how many rows of each status this process wrote.
+    """
+    ranks = torchrun_shard()
+    if ranks is not None and shard is not None:
+        raise ValueError("--shard and torchrun both split the data; use one of them")
+    mine = ranks or shard or Shard()
+    with Group() if ranks else nullcontext() as group:
+        engine, tokenizer = _engine(config, local_device(device) if ranks else device, backend, trust_remote_code)
+        folder, info = RunFolder(out), config.describe()
+        if group is None:
+            folder.start(info, resume, overwrite, shared=mine.count > 1)
+        else:  # rank 0 prepares the folder; the others check it, or stop with rank 0's error
+            problem = None
+            if group.rank == 0:
+                try:
+                    folder.start(info, resume, overwrite, shared=False)
+                except (FileExistsError, ValueError) as e:
+                    problem = e
+            problem = group.share(problem)
+            if problem is not None:
+                raise problem
+            folder.start(info, resume=True, overwrite=False, shared=True)
+        records, done = config.records(), folder.done()
+
+        def wanted(index: int) -> bool:
+            chunk = index // config.chunk_rows
+            return mine.owns(chunk) and chunk not in done
+
+        total = sum(1 for i in range(records) if wanted(i))
+        metadata = file_metadata(engine.parts, engine.metric_names, info)
+        statuses = score_samples(
+            config.samples(wanted, on_error), engine, tokenizer,
+            lambda chunk, rows: folder.write_part(chunk, rows, metadata), config.chunk_rows, config.template,
+            config.max_length, batch_tokens, progress and (ranks is None or mine.index == 0), total,
+        )
+        if group is not None:
+            group.wait()
+        if merge and mine.index == 0 and (group is not None or mine.count == 1):
+            folder.merge(records, config.chunk_rows)
+    return statuses
+
+
 def score(
     data: str | Path | None = None, model: str | None = None, out: str | Path | None = None, *,
     template: str = "plain", modules: str | list[str] = "attn", max_length: int = 2048,
     batch_tokens: int = BATCH_TOKENS, device: str = "cpu", dtype: str = "float32", limit: int | None = None,
     fields: Fields = Fields(), save_spectra: bool = False, backend: str = "auto", progress: bool = True,
-    trust_remote_code: bool = False, overwrite: bool = False, method: str = "exact", rank: int = 64,
-    seed: int = 0, classic: bool = False,
+    trust_remote_code: bool = False, overwrite: bool = False, resume: bool = False, method: str = "exact",
+    rank: int = 64, seed: int = 0, classic: bool = False, on_error: str = "fail", chunk_rows: int = CHUNK_ROWS,
 ) -> pd.DataFrame:
     """Scores a dataset file (default: HumanEval) with a model (default: SmolLM2-135M-Instruct).
 
-    With ``out``, rows are written to that Parquet file as they finish and the file is read
-    back at the end; the returned DataFrame is one row per input sample, in input order.
+    Returns one row per input sample, in input order. With ``out``, rows are written to that
+    Parquet file chunk by chunk (see ``run``: resume, shards, torchrun) and read back at the end.
     """
-    if out is not None and Path(out).exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass --overwrite or choose another --out")
-    net, tokenizer = load_model(model, device, dtype, trust_remote_code)
-    engine = SpectralEngine(net, modules, backend=backend, keep_spectra=save_spectra, method=method, rank=rank,
-                            seed=seed, token_stats=classic)
-    samples = humaneval_samples(limit) if data is None else read_samples(data, fields, limit)
-    known = HUMANEVAL_SIZE if data is None else count_records(data)
-    total = min((n for n in (known, limit) if n is not None), default=None)  # for the progress bar's ETA
-    run_info = {
-        "model": model or DEFAULT_MODEL, "data": str(data) if data else "humaneval", "template": template,
-        "modules": modules if isinstance(modules, str) else ",".join(modules), "max_length": max_length,
-        "dtype": dtype, "method": method, **({"rank": rank, "seed": seed} if method == "lowrank" else {}),
-    }
-    if out is None:
-        return pd.DataFrame(score_samples(samples, engine, tokenizer, None, template, max_length,
-                                          batch_tokens, progress, total))
-    with ScoreWriter(out, engine.parts, engine.metric_names, save_spectra, run_info) as writer:
-        score_samples(samples, engine, tokenizer, writer, template, max_length, batch_tokens, progress, total)
-    return read_scores(out)[0]
+    config = ScoreConfig(
+        None if data is None else str(data), model, template,
+        modules if isinstance(modules, str) else ",".join(modules), max_length, dtype, method, rank, seed,
+        classic, save_spectra, fields, limit, chunk_rows,
+    )
+    settings = {"device": device, "backend": backend, "batch_tokens": batch_tokens, "progress": progress,
+                "trust_remote_code": trust_remote_code}
+    if out is not None:
+        run(config, out, resume=resume, overwrite=overwrite, on_error=on_error, **settings)
+        return read_scores(out)[0]
+    engine, tokenizer = _engine(config, device, backend, trust_remote_code)
+    rows: list[dict[str, Any]] = []
+    score_samples(config.samples(on_error=on_error), engine, tokenizer, lambda _, chunk: rows.extend(chunk),
+                  config.chunk_rows, template, max_length, batch_tokens, progress, config.records())
+    return pd.DataFrame(rows)

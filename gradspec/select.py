@@ -90,9 +90,11 @@ def write_selection(data: str | Path, chosen: pd.DataFrame, out: str | Path, col
         raise ValueError(f"--out {out} must keep the input's format ({data.suffix or 'a datasets folder'})")
     extra = chosen.set_index("index")[columns]
     records, seen = [], 0
-    for index, (_, record) in enumerate(read_records(data)):
+    for index, (_, record) in enumerate(read_records(data, wanted=extra.index.__contains__)):
         seen = index + 1
-        if index in extra.index:
+        if isinstance(record, InputError):
+            raise record
+        if record is not None and index in extra.index:
             record.update({c: _plain(v) for c, v in extra.loc[index].items()})
             records.append(record)
     if len(records) != len(extra):

@@ -19,7 +19,11 @@ TEMPLATES = ("plain", "chat")
 class Tokenized:
     input_ids: list[int]
     labels: list[int]
-    status: str  # "ok", "empty_response" or "truncated"
+    status: str  # "ok", "empty_prompt" (scored), "empty_response" or "prompt_too_long" (not scored)
+
+    @property
+    def scorable(self) -> bool:
+        return self.status in ("ok", "empty_prompt")
 
     @property
     def num_tokens(self) -> int:
@@ -70,10 +74,11 @@ def tokenize(messages: list[dict[str, str]], tokenizer, template: str = "plain",
     labels = [IGNORE_INDEX] * len(ids)
     for start, end in spans:
         labels[start:end] = ids[start:end]
-    empty = all(not m["content"].strip() for m in messages if m["role"] == "assistant")
     out = Tokenized(ids[:max_length], labels[:max_length], "ok")
-    if empty:
+    if all(not m["content"].strip() for m in messages if m["role"] == "assistant"):
         out.status = "empty_response"
     elif out.num_response_tokens == 0:
-        out.status = "truncated"
+        out.status = "prompt_too_long"
+    elif all(not m["content"].strip() for m in messages if m["role"] != "assistant"):
+        out.status = "empty_prompt"
     return out

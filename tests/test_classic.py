@@ -60,6 +60,6 @@ def test_one_token_response_flags_ifd_undefined(tmp_path, tiny_model_dir):
     data.write_text(json.dumps({"instruction": "What is 2+2?", "output": "4"}) + "\n"
                     + json.dumps({"instruction": "x " * 300, "output": "cut"}) + "\n")
     df = gradspec.score(data, str(tiny_model_dir), None, classic=True, max_length=64, progress=False)
-    assert df["status"].tolist() == ["ifd_undefined", "truncated"]
+    assert df["status"].tolist() == ["ifd_undefined", "prompt_too_long"]
     assert math.isnan(df.loc[0, "ifd"]) and math.isfinite(df.loc[0, "perplexity"])
     assert df.loc[1, ["ifd", "perplexity", "mean_entropy"]].isna().all()

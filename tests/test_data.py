@@ -105,4 +105,17 @@ def test_count_records(tmp_path):
     pq.write_table(pa.table(_columns(ROWS)), tmp_path / "d.parquet")
     (tmp_path / "d.json").write_text(json.dumps(ROWS))
     assert count_records(tmp_path / "d.jsonl") == 2 and count_records(tmp_path / "d.parquet") == 2
-    assert count_records(tmp_path / "d.json") is None
+    assert count_records(tmp_path / "d.json") == 2
+
+
+def test_unwanted_rows_are_not_parsed_and_skip_keeps_going(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n{broken\n\n" + json.dumps(ROWS[1]) + "\n")
+    assert [s.index for s in read_samples(path, wanted=lambda i: i != 1)] == [0, 2]  # line 2 never parsed
+    pq.write_table(pa.table(_columns(ROWS)), tmp_path / "d.parquet")
+    assert [s.index for s in read_samples(tmp_path / "d.parquet", wanted=lambda i: i == 1)] == [1]
+    samples = list(read_samples(path, on_error="skip"))
+    assert [(s.index, s.error) for s in samples] == [(0, None), (1, f"{path}:2: malformed JSON: Expecting "
+                                                     "property name enclosed in double quotes (column 2)"), (2, None)]
+    with pytest.raises(ValueError, match="on_error must be one of"):
+        list(read_samples(path, on_error="ignore"))

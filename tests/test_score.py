@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gradspec
-from gradspec import batching, scoring
+from gradspec import batching
 from gradspec.cli import main
 from gradspec.data import InputError
 from gradspec.metrics import METRICS
@@ -32,7 +32,7 @@ def test_score_writes_one_row_per_sample_in_order(tmp_path, tiny_model_dir):
     df = gradspec.score(data, str(tiny_model_dir), out, max_length=64, batch_tokens=100,
                         modules="all", save_spectra=True, progress=False)
     assert df["index"].tolist() == [0, 1, 2, 3, 4]
-    assert df["status"].tolist() == ["ok", "ok", "empty_response", "truncated", "ok"]
+    assert df["status"].tolist() == ["ok", "ok", "empty_response", "prompt_too_long", "ok"]
     assert df["reward"].tolist() == [0.7, 1.0, -1.0, 0.1, 0.3]
     assert df["id"].isna().tolist() == [True, False, True, True, True]
     q = "model.layers.0.self_attn.q_proj"
@@ -59,15 +59,14 @@ def test_scores_match_the_engine_whatever_the_batching(tmp_path, tiny_model_dir)
     pd.testing.assert_frame_equal(small[cols], large[cols], rtol=1e-5)
 
 
-def test_bad_line_keeps_rows_already_written(tmp_path, tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(scoring, "WINDOW", 2)
+def test_bad_line_keeps_rows_already_written(tmp_path, tiny_model_dir):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2] + ROWS[4:]) + "{broken\n")
     out = tmp_path / "s.parquet"
     with pytest.raises(InputError, match=rf"{path}:4: malformed JSON"):
-        gradspec.score(path, str(tiny_model_dir), out, progress=False)
-    kept = pq.read_table(out).to_pandas()
-    assert kept["index"].tolist() == [0, 1] and (kept["status"] == "ok").all()
+        gradspec.score(path, str(tiny_model_dir), out, progress=False, chunk_rows=2)
+    kept = pq.read_table(tmp_path / "s.parquet.parts" / "00000000.parquet").to_pandas()
+    assert kept["index"].tolist() == [0, 1] and (kept["status"] == "ok").all() and not out.exists()
 
 
 def test_carried_columns_that_clash_are_renamed(tmp_path, tiny_model_dir):

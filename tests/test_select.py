@@ -13,7 +13,7 @@ from gradspec.select import choose, combined_score, criterion_values
 def _scores():
     return pd.DataFrame({
         "index": range(6),
-        "status": ["ok", "ok", "ok", "truncated", "ok", "ok"],
+        "status": ["ok", "ok", "ok", "prompt_too_long", "ok", "ok"],
         "num_tokens": [10, 20, 30, 40, 50, 60],
         "loss": [1.0, 2.0, 3.0, np.nan, 5.0, 6.0],
         "a.q/effective_rank": [1.0, 5.0, 3.0, np.nan, 2.0, 4.0],

@@ -45,7 +45,7 @@ def test_right_truncation_and_flags(tokenizer):
     assert len(t.input_ids) == start + 2 and t.status == "ok" and t.num_response_tokens == 2
     long_prompt = [{"role": "user", "content": "word " * 50}, ALPACA[1]]
     cut = tokenize(long_prompt, tokenizer, "plain", max_length=20)
-    assert cut.status == "truncated" and cut.num_response_tokens == 0
+    assert cut.status == "prompt_too_long" and cut.num_response_tokens == 0
     empty = tokenize([ALPACA[0], {"role": "assistant", "content": "  "}], tokenizer, "chat")
     assert empty.status == "empty_response"
 
