@@ -5,8 +5,9 @@
   extra forward pass without gradients.
 - ``ifd``: Cherry-LLM's Instruction-Following Difficulty, loss given the prompt / loss alone.
 - ``superfiltering_ifd``: the perplexity ratio used by Superfiltering, exp(loss given prompt - loss alone).
-- ``mean_entropy``, ``token_accuracy``: mean predictive entropy (nats) and teacher-forced accuracy
-  over the response tokens (from the scoring forward itself).
+- ``mean_entropy``, ``token_accuracy``, ``mean_token_prob``: mean predictive entropy (nats),
+  teacher-forced accuracy and mean probability of the target token over the response tokens
+  (from the scoring forward itself).
 - ``response_chars``: characters in the response (``num_response_tokens`` counts its tokens).
 """
 
@@ -22,7 +23,7 @@ from .engine import response_losses
 from .templates import Tokenized
 
 CLASSIC_COLUMNS = ("perplexity", "loss_response_alone", "ifd", "superfiltering_ifd", "mean_entropy",
-                   "token_accuracy", "response_chars")
+                   "token_accuracy", "mean_token_prob", "response_chars")
 
 
 def response_text(sample: Sample) -> str:

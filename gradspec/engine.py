@@ -37,7 +37,7 @@ class BatchScores:
     flags: list[set[str]]
     metrics: dict[str, torch.Tensor]
     spectra: dict[str, list[np.ndarray]] = field(default_factory=dict)
-    token_stats: dict[str, torch.Tensor] = field(default_factory=dict)  # mean_entropy, token_accuracy
+    token_stats: dict[str, torch.Tensor] = field(default_factory=dict)  # see response_losses
 
     def status(self, i: int) -> str:
         return ";".join(sorted(self.flags[i])) or "ok"
@@ -60,8 +60,8 @@ def response_losses(
     token_stats: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Per-sample mean response loss and labelled-token count, with the LM head applied at
-    labelled positions only; with token_stats also the mean predictive entropy and the
-    teacher-forced token accuracy over those positions.
+    labelled positions only; with token_stats also the mean predictive entropy, the
+    teacher-forced token accuracy and the mean probability of the target token over those positions.
 
     Prompt positions need no logits: skipping them saves the head's forward and backward
     there. Models that transform their logits (soft-capping, scaling) take the full path.
@@ -89,6 +89,8 @@ def response_losses(
             logp = torch.log_softmax(logits, -1)
             stats["mean_entropy"] = per_sample(-(logp.exp() * logp).sum(-1)).double().cpu()
             stats["token_accuracy"] = per_sample((logits.argmax(-1) == wanted).float()).double().cpu()
+            target_logp = logp.gather(1, wanted[:, None]).squeeze(1)
+            stats["mean_token_prob"] = per_sample(target_logp.exp()).double().cpu()
     return loss, count, stats
 
 
