@@ -1,4 +1,4 @@
-"""gradspec command line: ``gradspec score``, ``merge``, ``select`` and ``report``."""
+"""gradspec command line: ``gradspec score``, ``merge``, ``select``, ``report``, ``train`` and ``dynamics``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from .models import DTYPES
 from .parts import CHUNK_ROWS, INPUT_ERROR, RunFolder, Shard
 from .scoring import ScoreConfig, run
 from .templates import TEMPLATES
+from .train import LOSSES
 
 
 def _shard(text: str) -> Shard:
@@ -83,6 +84,65 @@ def _report_parser(sub) -> None:
     p.add_argument("--out", default="report", help="output folder (default: report)")
 
 
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="small SFT run with --loss ntp|wit|sftmix, the spectral monitor and dynamics")
+    p.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--data", help="training data, as for score (default: HumanEval)")
+    p.add_argument("--out", default="gradspec-train", help="folder for model/, dynamics.parquet, monitor.parquet")
+    p.add_argument("--loss", choices=LOSSES, default="ntp")
+    p.add_argument("--prompt-weight", type=float, default=0.3, help="WIT's weight of prompt tokens")
+    p.add_argument("--response-weight", type=float, default=1.0, help="WIT's weight of response tokens")
+    p.add_argument("--alpha", type=float, help="SFTMix: Beta(alpha, alpha) for the Mixup weight (default 0.5)")
+    p.add_argument("--mu", type=float, help="SFTMix: weight of the Mixup term (default 0.2)")
+    p.add_argument("--reference-dynamics", help="SFTMix: dynamics file giving the confidence "
+                                                 "(default: perplexity under the starting model)")
+    p.add_argument("--template", choices=TEMPLATES, default="plain")
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--limit", type=int, help="train on the first N samples")
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (default: the epochs)")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--learning-rate", type=float, default=2e-5)
+    p.add_argument("--monitor-every", type=int, default=5, help="spectra of the training batch every N steps")
+    p.add_argument("--modules", default="attn", help="modules the monitor scores (as for score)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .train import TrainConfig, train
+
+    options = {k: v for k, v in vars(args).items() if k != "command"}
+    out = train(TrainConfig(**options))
+    print(f"wrote {out / 'model'}, {out / 'dynamics.parquet'} and {out / 'monitor.parquet'}")
+    return 0
+
+
+def _dynamics_parser(sub) -> None:
+    p = sub.add_parser("dynamics", help="per-sample training dynamics from saved checkpoints")
+    p.add_argument("--checkpoints", nargs="+", required=True, help="checkpoint folders, in training order")
+    p.add_argument("--data", required=True, help="the training data, as for score")
+    p.add_argument("--out", default="dynamics.parquet")
+    p.add_argument("--template", choices=TEMPLATES, default="plain")
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--learned-accuracy", type=float,
+                   help="token accuracy from which a sample counts as learned (default 0.9)")
+    p.add_argument("--device", default="cpu")
+
+
+def _dynamics(args: argparse.Namespace) -> int:
+    from .data import read_samples
+    from .dynamics import LEARNED_ACCURACY, from_checkpoints, summarise, write_dynamics
+
+    samples = list(read_samples(args.data, limit=args.limit))
+    measured = from_checkpoints(args.checkpoints, samples, args.template, args.max_length, args.device)
+    threshold = LEARNED_ACCURACY if args.learned_accuracy is None else args.learned_accuracy
+    write_dynamics(summarise(measured, threshold), args.out, args.checkpoints, threshold)
+    print(f"wrote {args.out}: {len(samples)} samples x {len(args.checkpoints)} checkpoints")
+    return 0
+
+
 def _merge_parser(sub) -> None:
     p = sub.add_parser("merge", help="join the parts of a sharded or --no-merge run into one file")
     p.add_argument("--out", required=True, help="the --out the run was given")
@@ -136,8 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     _select_parser(sub)
     _report_parser(sub)
     _merge_parser(sub)
+    _train_parser(sub)
+    _dynamics_parser(sub)
     args = parser.parse_args(argv)
-    command = {"score": _score, "select": _select, "report": _report, "merge": _merge}[args.command]
+    command = {"score": _score, "select": _select, "report": _report, "merge": _merge, "train": _train,
+               "dynamics": _dynamics}[args.command]
     try:
         return command(args)
     except (InputError, ValueError, OSError, RuntimeError) as e:

@@ -92,6 +92,18 @@ def read_dynamics(path: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
     return table.to_pandas(), json.loads(table.schema.metadata[METADATA_KEY])
 
 
+def from_checkpoints(checkpoints: list[str], samples: list[Sample], template: str = "plain",
+                     max_length: int = 2048, device: str = "cpu") -> dict[str, dict[int, dict[str, float]]]:
+    """The measures of every sample at each saved checkpoint (folders, in training order)."""
+    from .models import load_model
+
+    out = {}
+    for path in checkpoints:
+        model, tokenizer = load_model(path, device)
+        out[path] = measure(model, tokenizer, samples, template, max_length)
+    return out
+
+
 class DynamicsCallback(TrainerCallback):
     """Measures every training sample at the end of each epoch; writes the dynamics at the end."""
 

@@ -140,7 +140,7 @@ class SpectralEngine:
         lengths = attention_mask.sum(1)
         if not torch.equal(attention_mask.bool(), token_mask(lengths, attention_mask.shape[1], attention_mask.device)):
             raise ValueError("the batch must be right-padded (attention_mask a prefix of ones)")
-        capture = _Capture(self.targets, lengths, self.backend, self.sketch, self.metric_names)
+        capture = Capture(self.targets, lengths, self.backend, self.sketch, self.metric_names)
         with capture.hooks(self.model):
             loss, count, stats = response_losses(self.model, input_ids, attention_mask, labels, self.token_stats)
             finite = torch.isfinite(loss) & (count > 0)
@@ -150,7 +150,7 @@ class SpectralEngine:
         return capture, loss.detach().double().cpu(), count.cpu(), finite.cpu(), stats
 
     def _finish(
-        self, capture: _Capture, loss: torch.Tensor, count: torch.Tensor, finite: torch.Tensor,
+        self, capture: Capture, loss: torch.Tensor, count: torch.Tensor, finite: torch.Tensor,
         stats: dict[str, torch.Tensor],
     ) -> BatchScores:
         flags: list[set[str]] = [set() for _ in range(len(loss))]
@@ -176,14 +176,18 @@ class _Sketch:
         return self.omegas[part.name]
 
 
-class _Capture:
-    """Hook state for one batch: inputs in the forward, reductions as gradients arrive."""
+class Capture:
+    """Hook state for one batch: inputs in the forward, reductions as gradients arrive.
+
+    scale multiplies each sample's output gradient (e.g. from a training loss's share back to
+    the sample's own mean loss)."""
 
     def __init__(
         self, targets: list[Target], lengths: torch.Tensor, backend: str, sketch: _Sketch | None,
-        metric_names: tuple[str, ...],
+        metric_names: tuple[str, ...], scale: torch.Tensor | None = None,
     ) -> None:
         self.targets = targets
+        self.scale = None if scale is None else scale.view(-1, 1, 1)
         self.metric_names = metric_names
         self.lengths = lengths
         self.backend = backend
@@ -216,6 +220,8 @@ class _Capture:
         # Reduced as soon as the gradient arrives; the input is released here (its storage goes
         # once every module reading it is done), so only the T x T products stay in flight.
         X = self.inputs.pop(target.name)
+        if self.scale is not None:
+            grad = grad * self.scale.to(grad.dtype)
         for part in target.parts:
             D = grad[..., part.start : part.start + part.d_out]
             if self.sketch is not None:

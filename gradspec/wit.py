@@ -69,6 +69,17 @@ class WITLoss:
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
         return wit_loss(logits, labels, self.prompt_weight, self.response_weight, num_items_in_batch)
 
+    def model_loss(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None,
+                   num_items_in_batch: torch.Tensor | int | None = None, **kwargs: Any) -> torch.Tensor:
+        """The signature of a transformers model's ``loss_function`` (see use_wit_loss)."""
+        return wit_loss(logits, labels, self.prompt_weight, self.response_weight, num_items_in_batch)
+
+
+def use_wit_loss(model: nn.Module, loss: WITLoss) -> None:
+    """Makes the model itself compute WIT when called with labels: Trainer then passes it the
+    labels and the global token count, and hooks on the model (SpectralMonitor) see them."""
+    model.loss_function = loss.model_loss
+
 
 @dataclass
 class WITCollator:
