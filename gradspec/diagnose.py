@@ -1,0 +1,232 @@
+"""Why didn't SFT learn it? Finds training samples a fine-tuned model does not reproduce and
+attributes each to one cause ("Why Supervised Fine-Tuning Fails to Learn").
+
+Detection (on the fine-tuned model): teacher-forced token accuracy and loss; greedy reproduction
+(exact match, prefix match, ROUGE-L on tokens); and the likelihood test: the gold response must
+be more likely, given the prompt, than K distractors (responses of the most similar other
+prompts), in each of R draws of distractors. A sample is unlearned when it fails every draw.
+
+Attribution, first match wins (each rule's evidence is kept in the table):
+1. inconsistent_data: a near-duplicate prompt in the data has a divergent response;
+2. forgetting: learned at an earlier checkpoint (token accuracy >= learned_accuracy), lost since;
+3. pretraining_conflict: the base model confidently predicts other tokens (top-1 probability >=
+   conflict_confidence on a wrong token for >= conflict_share of the response) and the fine-tuned
+   and base next-token distributions differ (mean Jensen-Shannon >= js_threshold);
+4. missing_knowledge: the base model gives the response very low likelihood (mean target-token
+   probability < missing_probability);
+5. under_training: none of the above (the loss still falling at the last checkpoints, or a long
+   or rare response, is shown as evidence).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import torch
+from rapidfuzz.distance import LCSseq
+
+from .batching import BATCH_TOKENS, Item, pad_batch, token_batches
+from .data import Sample
+from .dynamics import measure
+from .engine import IGNORE_INDEX
+from .templates import Tokenized, tokenize
+
+CAUSES = ("inconsistent_data", "forgetting", "pretraining_conflict", "missing_knowledge", "under_training")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    distractors: int = 3  # K
+    repetitions: int = 5  # R draws of distractors
+    pool: int = 8  # distractors are drawn from this many most similar prompts
+    learned_accuracy: float = 0.9
+    near_duplicate: float = 0.95  # token ROUGE-L between prompts
+    divergent_rouge: float = 0.5  # responses below this ROUGE-L diverge
+    conflict_confidence: float = 0.5
+    conflict_share: float = 0.3
+    js_threshold: float = 0.1  # nats
+    missing_probability: float = 0.2
+    falling_loss: float = 0.05  # relative drop of perplexity between the last two checkpoints
+    seed: int = 0
+
+
+def rouge_l(candidate: list[int], reference: list[int]) -> float:
+    """ROUGE-L F1 on token ids."""
+    if not candidate or not reference:
+        return float(candidate == reference)
+    lcs = LCSseq.similarity(candidate, reference)
+    return 0.0 if lcs == 0 else 2 * lcs / (len(candidate) + len(reference))
+
+
+def _split(tokens: Tokenized) -> tuple[list[int], list[int]]:
+    """(prompt ids, response ids) of a tokenized single-turn sample."""
+    start = next((k for k, label in enumerate(tokens.labels) if label != IGNORE_INDEX), len(tokens.labels))
+    end = max((k + 1 for k, label in enumerate(tokens.labels) if label != IGNORE_INDEX), default=start)
+    return tokens.input_ids[:start], tokens.input_ids[start:end]
+
+
+@torch.no_grad()
+def prompt_embeddings(model, tokenizer, samples: list[Sample], template: str, max_length: int) -> torch.Tensor:
+    """Mean last hidden state over each prompt's tokens, centred over the data and unit length
+    (centring removes the direction every prompt shares)."""
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    prompts = []
+    for s in samples:
+        ids = _split(tokenize(s.messages, tokenizer, template, max_length))[0] or [pad_id]
+        prompts.append(Item(s, Tokenized(ids, ids, "ok")))
+    out = torch.zeros(len(samples), model.config.hidden_size, dtype=torch.float64)
+    position = {s.index: k for k, s in enumerate(samples)}
+    for batch in token_batches(prompts, BATCH_TOKENS):
+        ids, mask, _ = pad_batch([b.tokens for b in batch], pad_id, device)
+        hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state.double()
+        means = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+        for item, mean in zip(batch, means.cpu(), strict=True):
+            out[position[item.sample.index]] = mean
+    out -= out.mean(0)
+    return torch.nn.functional.normalize(out, dim=1)
+
+
+def _likelihood_test(model, tokenizer, samples: list[Sample], neighbours: np.ndarray, responses: list[list[int]],
+                     t: Thresholds, template: str, max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(share of draws the gold response wins, distractors available) per sample."""
+    pairs, owners = [], []
+    for k, s in enumerate(samples):
+        pool = [j for j in neighbours[k] if responses[j] != responses[k]][: t.pool]
+        for j in pool:
+            messages = [*s.messages[:-1], samples[j].messages[-1]]
+            pairs.append(Sample(len(pairs), messages))
+            owners.append((k, j))
+    gold = measure(model, tokenizer, samples, template, max_length)
+    other = measure(model, tokenizer, pairs, template, max_length)
+    rng = np.random.default_rng(t.seed)
+    wins = np.full(len(samples), np.nan)
+    available = np.zeros(len(samples), dtype=int)
+    by_sample: dict[int, list[float]] = {}
+    for (k, _), pair in zip(owners, pairs, strict=True):
+        by_sample.setdefault(k, []).append(other[pair.index]["perplexity"])
+    for k, s in enumerate(samples):
+        rivals = np.array(by_sample.get(k, []))
+        available[k] = len(rivals)
+        if not len(rivals):
+            continue
+        draws = [rng.choice(rivals, size=min(t.distractors, len(rivals)), replace=False) for _ in range(t.repetitions)]
+        wins[k] = np.mean([gold[s.index]["perplexity"] < d.min() for d in draws])
+    return wins, available
+
+
+@torch.no_grad()
+def _reproduce(model, tokenizer, prompt: list[int], response: list[int]) -> list[int]:
+    """Greedy continuation of the prompt, as long as the response plus a little."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(response) + 8,
+                         do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    generated = out[0, len(prompt):].tolist()
+    if tokenizer.eos_token_id in generated and tokenizer.eos_token_id not in response:
+        generated = generated[: generated.index(tokenizer.eos_token_id)]
+    return generated
+
+
+@torch.no_grad()
+def _base_comparison(base, tuned, tokenizer, samples: list[Sample], template: str, max_length: int,
+                     t: Thresholds) -> dict[int, dict[str, float]]:
+    """Per sample over its response tokens: the share where the base model confidently predicts a
+    wrong token, and the mean Jensen-Shannon divergence of base vs fine-tuned next-token laws."""
+    device = next(tuned.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples]
+    out = {s.index: dict.fromkeys(("base_top_probability", "base_confident_disagreement", "js_divergence"), math.nan)
+           for s in samples}
+    for batch in token_batches([i for i in items if i.tokens.scorable], BATCH_TOKENS):
+        ids, mask, labels = pad_batch([b.tokens for b in batch], pad_id, device)
+        target = labels[:, 1:]
+        rows, cols = torch.nonzero(target != IGNORE_INDEX, as_tuple=True)
+        laws = []
+        for model in (base, tuned):
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1][rows, cols].double()
+            laws.append(torch.log_softmax(logits, -1))
+        base_logp, tuned_logp = laws
+        top_p, top = base_logp.exp().max(-1)
+        disagree = ((top != target[rows, cols]) & (top_p >= t.conflict_confidence)).double()
+        middle = torch.logsumexp(torch.stack([base_logp, tuned_logp]), 0) - math.log(2)
+        js = 0.5 * ((base_logp.exp() * (base_logp - middle)).sum(-1) + (tuned_logp.exp() * (tuned_logp - middle)).sum(-1))
+        for k, item in enumerate(batch):
+            here = rows == k
+            out[item.sample.index] = {"base_top_probability": float(top_p[here].mean()),
+                                      "base_confident_disagreement": float(disagree[here].mean()),
+                                      "js_divergence": float(js[here].mean())}
+    return out
+
+
+def detect(tuned, base, tokenizer, samples: list[Sample], template: str = "plain", max_length: int = 2048,
+           thresholds: Thresholds = Thresholds()) -> pd.DataFrame:
+    """One row per sample: the detection signals, the base model's view of the response, and
+    the most similar other prompt with its response's ROUGE-L against this one."""
+    t = thresholds
+    tokens = [tokenize(s.messages, tokenizer, template, max_length) for s in samples]
+    prompts, responses = zip(*(_split(tok) for tok in tokens), strict=True)
+    embeddings = prompt_embeddings(tuned, tokenizer, samples, template, max_length)
+    similarity = embeddings @ embeddings.T
+    similarity.fill_diagonal_(-math.inf)
+    order = torch.argsort(similarity, dim=1, descending=True)[:, : max(t.pool * 2, 1)].numpy()
+    wins, available = _likelihood_test(tuned, tokenizer, samples, order, list(responses), t, template, max_length)
+    tuned_view = measure(tuned, tokenizer, samples, template, max_length)
+    base_view = measure(base, tokenizer, samples, template, max_length)
+    comparison = _base_comparison(base, tuned, tokenizer, samples, template, max_length, t)
+    rows = []
+    for k, s in enumerate(samples):
+        generated = _reproduce(tuned, tokenizer, list(prompts[k]), list(responses[k]))
+        gold = list(responses[k])
+        prefix = next((n for n, (a, b) in enumerate(zip(generated, gold)) if a != b), min(len(generated), len(gold)))
+        # The lexically closest of the most similar prompts by embedding: near-duplicates
+        lexical = [(rouge_l(list(prompts[j]), list(prompts[k])), int(j)) for j in order[k, : t.pool]]
+        prompt_similarity, twin = max(lexical, default=(0.0, -1))
+        rows.append({
+            "index": s.index, "response_tokens": len(gold),
+            "loss": math.log(tuned_view[s.index]["perplexity"]), "token_accuracy": tuned_view[s.index]["token_accuracy"],
+            "exact_match": generated[: len(gold)] == gold, "prefix_match": prefix / max(len(gold), 1),
+            "rouge_l": rouge_l(generated, gold),
+            "likelihood_wins": wins[k], "distractors_available": int(available[k]),
+            "unlearned": bool(wins[k] == 0) if not math.isnan(wins[k]) else tuned_view[s.index]["token_accuracy"] < t.learned_accuracy,
+            "base_token_prob": base_view[s.index]["mean_token_prob"],
+            "base_token_accuracy": base_view[s.index]["token_accuracy"],
+            **comparison[s.index],
+            "nearest_prompt": samples[twin].index if twin >= 0 else -1,
+            "nearest_prompt_similarity": prompt_similarity,
+            "nearest_response_rouge_l": rouge_l(list(responses[twin]), gold) if twin >= 0 else math.nan,
+        })
+    return pd.DataFrame(rows)
+
+
+def attribute(table: pd.DataFrame, dynamics: pd.DataFrame | None = None,
+              thresholds: Thresholds = Thresholds()) -> pd.DataFrame:
+    """Adds `cause` (None for learned samples) and the checkpoint evidence to detect()'s table.
+    dynamics: per-sample token_accuracy and perplexity lists over earlier checkpoints, oldest first."""
+    t = thresholds
+    table = table.copy()
+    table["learned_before"] = False
+    table["loss_falling"] = False
+    if dynamics is not None:
+        d = dynamics.set_index("index").reindex(table["index"])
+        table["learned_before"] = [any(a >= t.learned_accuracy for a in acc) if isinstance(acc, list | np.ndarray)
+                                   else False for acc in d["token_accuracy"]]
+        table["loss_falling"] = [len(p) >= 2 and p[-1] < (1 - t.falling_loss) * p[-2]
+                                 if isinstance(p, list | np.ndarray) else False for p in d["perplexity"]]
+    inconsistent = (table["nearest_prompt_similarity"] >= t.near_duplicate) & (
+        table["nearest_response_rouge_l"] < t.divergent_rouge)
+    forgot = table["learned_before"] & (table["token_accuracy"] < t.learned_accuracy)
+    conflict = (table["base_confident_disagreement"] >= t.conflict_share) & (table["js_divergence"] >= t.js_threshold)
+    missing = table["base_token_prob"] < t.missing_probability
+    rules = [inconsistent, forgot, conflict, missing]
+    causes = []
+    for k in range(len(table)):
+        if not table["unlearned"].iloc[k]:
+            causes.append(None)
+            continue
+        causes.append(next((c for c, rule in zip(CAUSES, rules, strict=False) if rule.iloc[k]), CAUSES[-1]))
+    table["cause"] = causes
+    return table
