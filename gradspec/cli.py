@@ -143,6 +143,36 @@ def _dynamics(args: argparse.Namespace) -> int:
     return 0
 
 
+def _diagnose_parser(sub) -> None:
+    from .diagnose import Thresholds
+
+    p = sub.add_parser("diagnose", help="find the training samples a fine-tuned model did not learn, and why")
+    p.add_argument("--base", required=True, help="the model before fine-tuning")
+    p.add_argument("--model", required=True, help="the fine-tuned model")
+    p.add_argument("--data", required=True, help="its training data, in training order, as for score")
+    p.add_argument("--checkpoints", nargs="+", help="earlier checkpoints, oldest first (for forgetting)")
+    p.add_argument("--dynamics", help="a dynamics file instead of --checkpoints")
+    p.add_argument("--scores", help="a gradspec score file of the data: spectra join the evidence")
+    p.add_argument("--out", default="diagnosis", help="output folder (default: diagnosis)")
+    p.add_argument("--template", choices=TEMPLATES, default="plain")
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--device", default="cpu")
+    for name, default in vars(Thresholds()).items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
+                       help=f"threshold (default {default}; see gradspec.diagnose)")
+
+
+def _diagnose(args: argparse.Namespace) -> int:
+    from .diagnose import Thresholds, diagnose
+
+    thresholds = Thresholds(**{k: getattr(args, k) for k in vars(Thresholds())})
+    report = diagnose(args.base, args.model, args.data, args.out, args.checkpoints, args.dynamics, args.scores,
+                      args.template, args.max_length, args.limit, args.device, thresholds)
+    print(f"wrote {report}")
+    return 0
+
+
 def _merge_parser(sub) -> None:
     p = sub.add_parser("merge", help="join the parts of a sharded or --no-merge run into one file")
     p.add_argument("--out", required=True, help="the --out the run was given")
@@ -198,9 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     _merge_parser(sub)
     _train_parser(sub)
     _dynamics_parser(sub)
+    _diagnose_parser(sub)
     args = parser.parse_args(argv)
     command = {"score": _score, "select": _select, "report": _report, "merge": _merge, "train": _train,
-               "dynamics": _dynamics}[args.command]
+               "dynamics": _dynamics, "diagnose": _diagnose}[args.command]
     try:
         return command(args)
     except (InputError, ValueError, OSError, RuntimeError) as e:

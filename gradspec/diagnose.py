@@ -1,19 +1,23 @@
 """Why didn't SFT learn it? Finds training samples a fine-tuned model does not reproduce and
 attributes each to one cause ("Why Supervised Fine-Tuning Fails to Learn").
 
-Detection (on the fine-tuned model): teacher-forced token accuracy and loss; greedy reproduction
-(exact match, prefix match, ROUGE-L on tokens); and the likelihood test: the gold response must
-be more likely, given the prompt, than K distractors (responses of the most similar other
-prompts), in each of R draws of distractors. A sample is unlearned when it fails every draw.
+Detection (on the fine-tuned model): teacher-forced token accuracy and loss; reproduction: the
+greedy continuation of the prompt (exact match, prefix match, ROUGE-L on tokens) and the best of R
+sampled ones; and the likelihood test: the gold response must be more likely, given the prompt,
+than K distractors (responses of the most similar other prompts), in each of R draws of
+distractors. With criterion "reproduction" (default) a sample is unlearned when neither the greedy
+nor any sampled continuation reaches ROUGE-L >= reproduced_rouge; with "likelihood", when the gold
+response loses every draw. The other signals are kept as evidence.
 
 Attribution, first match wins (each rule's evidence is kept in the table):
 1. inconsistent_data: a near-duplicate prompt in the data has a divergent response;
 2. forgetting: learned at an earlier checkpoint (token accuracy >= learned_accuracy), lost since;
-3. pretraining_conflict: the base model confidently predicts other tokens (top-1 probability >=
-   conflict_confidence on a wrong token for >= conflict_share of the response) and the fine-tuned
-   and base next-token distributions differ (mean Jensen-Shannon >= js_threshold);
+3. pretraining_conflict: the base model knows the prompt's content (its perplexity on the prompt
+   is within familiar_margin of the data's lower quartile), confidently predicts other tokens for the response
+   (top-1 probability >= conflict_confidence on a wrong token for >= conflict_share of it), and
+   the fine-tuned and base next-token distributions differ (mean Jensen-Shannon >= js_threshold);
 4. missing_knowledge: the base model gives the response very low likelihood (mean target-token
-   probability < missing_probability);
+   probability < missing_probability) without knowing the prompt's content;
 5. under_training: none of the above (the loss still falling at the last checkpoints, or a long
    or rare response, is shown as evidence).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -29,9 +34,12 @@ import torch
 from rapidfuzz.distance import LCSseq
 
 from .batching import BATCH_TOKENS, Item, pad_batch, token_batches
-from .data import Sample
-from .dynamics import measure
+from .data import Sample, read_samples
+from .diagnose_report import write_diagnosis
+from .dynamics import from_checkpoints, measure, measure_tokens, read_dynamics, summarise
 from .engine import IGNORE_INDEX
+from .models import load_model
+from .output import read_scores
 from .templates import Tokenized, tokenize
 
 CAUSES = ("inconsistent_data", "forgetting", "pretraining_conflict", "missing_knowledge", "under_training")
@@ -40,15 +48,18 @@ CAUSES = ("inconsistent_data", "forgetting", "pretraining_conflict", "missing_kn
 @dataclass(frozen=True)
 class Thresholds:
     distractors: int = 3  # K
-    repetitions: int = 5  # R draws of distractors
+    repetitions: int = 5  # R draws of distractors, and R sampled continuations
+    criterion: str = "reproduction"  # or "likelihood"
+    reproduced_rouge: float = 0.7
     pool: int = 8  # distractors are drawn from this many most similar prompts
     learned_accuracy: float = 0.9
     near_duplicate: float = 0.95  # token ROUGE-L between prompts
     divergent_rouge: float = 0.5  # responses below this ROUGE-L diverge
+    familiar_margin: float = 0.25  # prompt perplexity within this of the best-known quarter's: familiar
     conflict_confidence: float = 0.5
     conflict_share: float = 0.3
     js_threshold: float = 0.1  # nats
-    missing_probability: float = 0.2
+    missing_probability: float = 0.3
     falling_loss: float = 0.05  # relative drop of perplexity between the last two checkpoints
     seed: int = 0
 
@@ -119,16 +130,25 @@ def _likelihood_test(model, tokenizer, samples: list[Sample], neighbours: np.nda
 
 
 @torch.no_grad()
-def _reproduce(model, tokenizer, prompt: list[int], response: list[int]) -> list[int]:
-    """Greedy continuation of the prompt, as long as the response plus a little."""
+def _continuations(model, tokenizer, prompt: list[int], response: list[int], sampled: int) -> list[list[int]]:
+    """The greedy continuation of the prompt, then `sampled` sampled ones (temperature 1), each as
+    long as the response and cut at the end-of-sequence token."""
     device = next(model.parameters()).device
     ids = torch.tensor([prompt], device=device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(response) + 8,
-                         do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    generated = out[0, len(prompt):].tolist()
-    if tokenizer.eos_token_id in generated and tokenizer.eos_token_id not in response:
-        generated = generated[: generated.index(tokenizer.eos_token_id)]
-    return generated
+    settings = {"attention_mask": torch.ones_like(ids), "max_new_tokens": max(len(response), 1),
+                "pad_token_id": tokenizer.pad_token_id}
+    greedy = model.generate(ids, do_sample=False, **settings)
+    outs = [greedy[0]]
+    if sampled:
+        outs += list(model.generate(ids, do_sample=True, temperature=1.0, top_k=0, num_return_sequences=sampled,
+                                    **settings))
+    cut = []
+    for out in outs:
+        generated = out[len(prompt):].tolist()
+        if tokenizer.eos_token_id in generated and tokenizer.eos_token_id not in response:
+            generated = generated[: generated.index(tokenizer.eos_token_id)]
+        cut.append(generated)
+    return cut
 
 
 @torch.no_grad()
@@ -153,7 +173,7 @@ def _base_comparison(base, tuned, tokenizer, samples: list[Sample], template: st
         top_p, top = base_logp.exp().max(-1)
         disagree = ((top != target[rows, cols]) & (top_p >= t.conflict_confidence)).double()
         middle = torch.logsumexp(torch.stack([base_logp, tuned_logp]), 0) - math.log(2)
-        js = 0.5 * ((base_logp.exp() * (base_logp - middle)).sum(-1) + (tuned_logp.exp() * (tuned_logp - middle)).sum(-1))
+        js = 0.5 * sum((logp.exp() * (logp - middle)).sum(-1) for logp in (base_logp, tuned_logp))
         for k, item in enumerate(batch):
             here = rows == k
             out[item.sample.index] = {"base_top_probability": float(top_p[here].mean()),
@@ -162,13 +182,25 @@ def _base_comparison(base, tuned, tokenizer, samples: list[Sample], template: st
     return out
 
 
+def _reproduction(tuned, tokenizer, prompt: list[int], gold: list[int], t: Thresholds) -> dict[str, float]:
+    """How well the model reproduces the response: greedy (exact, prefix, ROUGE-L), best sampled."""
+    generated, *sampled = _continuations(tuned, tokenizer, prompt, gold, t.repetitions)
+    prefix = next((n for n, (a, b) in enumerate(zip(generated, gold, strict=False)) if a != b),
+                  min(len(generated), len(gold)))
+    return {"exact_match": generated[: len(gold)] == gold, "prefix_match": prefix / max(len(gold), 1),
+            "rouge_l": rouge_l(generated, gold),
+            "best_sampled_rouge_l": max((rouge_l(g, gold) for g in sampled), default=math.nan)}
+
+
 def detect(tuned, base, tokenizer, samples: list[Sample], template: str = "plain", max_length: int = 2048,
            thresholds: Thresholds = Thresholds()) -> pd.DataFrame:
-    """One row per sample: the detection signals, the base model's view of the response, and
-    the most similar other prompt with its response's ROUGE-L against this one."""
+    """One row per sample: the detection signals, the base model's view of the response and of
+    the prompt, and the nearest other prompt with its response's ROUGE-L against this one."""
     t = thresholds
-    tokens = [tokenize(s.messages, tokenizer, template, max_length) for s in samples]
-    prompts, responses = zip(*(_split(tok) for tok in tokens), strict=True)
+    if t.criterion not in ("reproduction", "likelihood"):
+        raise ValueError(f"criterion must be 'reproduction' or 'likelihood', got {t.criterion!r}")
+    prompts, responses = zip(*(_split(tokenize(s.messages, tokenizer, template, max_length)) for s in samples),
+                             strict=True)
     embeddings = prompt_embeddings(tuned, tokenizer, samples, template, max_length)
     similarity = embeddings @ embeddings.T
     similarity.fill_diagonal_(-math.inf)
@@ -176,24 +208,28 @@ def detect(tuned, base, tokenizer, samples: list[Sample], template: str = "plain
     wins, available = _likelihood_test(tuned, tokenizer, samples, order, list(responses), t, template, max_length)
     tuned_view = measure(tuned, tokenizer, samples, template, max_length)
     base_view = measure(base, tokenizer, samples, template, max_length)
+    # How well the base model knows the prompt itself, its "related content"
+    base_prompt = measure_tokens(base, tokenizer, [Item(s, Tokenized(list(p), list(p), "ok"))
+                                                   for s, p in zip(samples, prompts, strict=True)])
     comparison = _base_comparison(base, tuned, tokenizer, samples, template, max_length, t)
+    torch.manual_seed(t.seed)
     rows = []
     for k, s in enumerate(samples):
-        generated = _reproduce(tuned, tokenizer, list(prompts[k]), list(responses[k]))
         gold = list(responses[k])
-        prefix = next((n for n, (a, b) in enumerate(zip(generated, gold)) if a != b), min(len(generated), len(gold)))
-        # The lexically closest of the most similar prompts by embedding: near-duplicates
-        lexical = [(rouge_l(list(prompts[j]), list(prompts[k])), int(j)) for j in order[k, : t.pool]]
-        prompt_similarity, twin = max(lexical, default=(0.0, -1))
+        reproduction = _reproduction(tuned, tokenizer, list(prompts[k]), gold, t)
+        reproduced = max(reproduction["rouge_l"], np.nan_to_num(reproduction["best_sampled_rouge_l"]))
+        by_likelihood = t.criterion == "likelihood" and not math.isnan(wins[k])
+        # Near-duplicates: the lexically closest of the prompts most similar by embedding
+        prompt_similarity, twin = max(((rouge_l(list(prompts[j]), list(prompts[k])), int(j))
+                                       for j in order[k, : t.pool]), default=(0.0, -1))
         rows.append({
-            "index": s.index, "response_tokens": len(gold),
-            "loss": math.log(tuned_view[s.index]["perplexity"]), "token_accuracy": tuned_view[s.index]["token_accuracy"],
-            "exact_match": generated[: len(gold)] == gold, "prefix_match": prefix / max(len(gold), 1),
-            "rouge_l": rouge_l(generated, gold),
+            "index": s.index, "response_tokens": len(gold), "loss": math.log(tuned_view[s.index]["perplexity"]),
+            "token_accuracy": tuned_view[s.index]["token_accuracy"], **reproduction,
             "likelihood_wins": wins[k], "distractors_available": int(available[k]),
-            "unlearned": bool(wins[k] == 0) if not math.isnan(wins[k]) else tuned_view[s.index]["token_accuracy"] < t.learned_accuracy,
+            "unlearned": bool(wins[k] == 0) if by_likelihood else reproduced < t.reproduced_rouge,
             "base_token_prob": base_view[s.index]["mean_token_prob"],
             "base_token_accuracy": base_view[s.index]["token_accuracy"],
+            "base_prompt_perplexity": base_prompt[s.index]["perplexity"],
             **comparison[s.index],
             "nearest_prompt": samples[twin].index if twin >= 0 else -1,
             "nearest_prompt_similarity": prompt_similarity,
@@ -219,8 +255,11 @@ def attribute(table: pd.DataFrame, dynamics: pd.DataFrame | None = None,
     inconsistent = (table["nearest_prompt_similarity"] >= t.near_duplicate) & (
         table["nearest_response_rouge_l"] < t.divergent_rouge)
     forgot = table["learned_before"] & (table["token_accuracy"] < t.learned_accuracy)
-    conflict = (table["base_confident_disagreement"] >= t.conflict_share) & (table["js_divergence"] >= t.js_threshold)
-    missing = table["base_token_prob"] < t.missing_probability
+    known = table["base_prompt_perplexity"]
+    familiar = known <= (1 + t.familiar_margin) * known.quantile(0.25)
+    conflict = familiar & (table["base_confident_disagreement"] >= t.conflict_share) & (
+        table["js_divergence"] >= t.js_threshold)
+    missing = ~familiar & (table["base_token_prob"] < t.missing_probability)
     rules = [inconsistent, forgot, conflict, missing]
     causes = []
     for k in range(len(table)):
@@ -230,3 +269,32 @@ def attribute(table: pd.DataFrame, dynamics: pd.DataFrame | None = None,
         causes.append(next((c for c, rule in zip(CAUSES, rules, strict=False) if rule.iloc[k]), CAUSES[-1]))
     table["cause"] = causes
     return table
+
+
+def with_spectra(table: pd.DataFrame, scores: str | Path) -> pd.DataFrame:
+    """Adds each sample's mean nuclear norm and effective rank over modules from a score file."""
+    wide = read_scores(scores)[0].set_index("index")
+    extra = pd.DataFrame({f"spectral_{m}": wide[[c for c in wide.columns if c.endswith(f"/{m}")]].mean(axis=1)
+                          for m in ("nuclear_norm", "effective_rank")})
+    return table.join(extra, on="index")
+
+
+def diagnose(base: str, model: str, data: str | Path, out: str | Path, checkpoints: list[str] | None = None,
+             dynamics: str | Path | None = None, scores: str | Path | None = None, template: str = "plain",
+             max_length: int = 2048, limit: int | None = None, device: str = "cpu",
+             thresholds: Thresholds = Thresholds()) -> Path:
+    """Detects and explains the unlearned samples of `model` (fine-tuned from `base` on `data`);
+    writes diagnosis.parquet and report.md under out and returns the report's path."""
+    tuned, tokenizer = load_model(model, device)
+    base_model, _ = load_model(base, device)
+    samples = list(read_samples(data, limit=limit))
+    table = detect(tuned, base_model, tokenizer, samples, template, max_length, thresholds)
+    history = None
+    if dynamics is not None:
+        history = read_dynamics(dynamics)[0]
+    elif checkpoints:
+        history = summarise(from_checkpoints(checkpoints, samples, template, max_length, device))
+    table = attribute(table, history, thresholds)
+    if scores is not None:
+        table = with_spectra(table, scores)
+    return write_diagnosis(table, samples, out)

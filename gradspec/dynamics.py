@@ -35,16 +35,22 @@ LEARNED_ACCURACY = 0.9
 MEASURES = ("mean_token_prob", "perplexity", "token_accuracy")
 
 
-@torch.no_grad()
 def measure(model: torch.nn.Module, tokenizer, samples: list[Sample], template: str = "plain",
             max_length: int = 2048, batch_tokens: int = BATCH_TOKENS) -> dict[int, dict[str, float]]:
     """Sample index -> MEASURES for the model as it is now (NaN for a sample with nothing to score)."""
+    items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples]
+    return measure_tokens(model, tokenizer, items, batch_tokens)
+
+
+@torch.no_grad()
+def measure_tokens(model: torch.nn.Module, tokenizer, items: list[Item],
+                   batch_tokens: int = BATCH_TOKENS) -> dict[int, dict[str, float]]:
+    """MEASURES over the labelled tokens of already tokenized items, keyed by sample index."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples]
-    out = {s.index: dict.fromkeys(MEASURES, math.nan) for s in samples}
+    out = {i.sample.index: dict.fromkeys(MEASURES, math.nan) for i in items}
     for batch in token_batches([i for i in items if i.tokens.scorable], batch_tokens):
         loss, count, stats = response_losses(model, *pad_batch([b.tokens for b in batch], pad_id, device),
                                              token_stats=True)
