@@ -18,8 +18,8 @@ Attribution, first match wins (each rule's evidence is kept in the table):
    the fine-tuned and base next-token distributions differ (mean Jensen-Shannon >= js_threshold);
 4. missing_knowledge: the base model gives the response very low likelihood (mean target-token
    probability < missing_probability) without knowing the prompt's content;
-5. under_training: none of the above (the loss still falling at the last checkpoints, or a long
-   or rare response, is shown as evidence).
+5. under_training: none of the above (the loss still falling since the last checkpoint, or a long
+   response, is shown as evidence).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class Thresholds:
     conflict_share: float = 0.3
     js_threshold: float = 0.1  # nats
     missing_probability: float = 0.3
-    falling_loss: float = 0.05  # relative drop of perplexity between the last two checkpoints
+    falling_loss: float = 0.05  # relative drop of perplexity from the last checkpoint to the final model
     seed: int = 0
 
 
@@ -250,8 +250,9 @@ def attribute(table: pd.DataFrame, dynamics: pd.DataFrame | None = None,
         d = dynamics.set_index("index").reindex(table["index"])
         table["learned_before"] = [any(a >= t.learned_accuracy for a in acc) if isinstance(acc, list | np.ndarray)
                                    else False for acc in d["token_accuracy"]]
-        table["loss_falling"] = [len(p) >= 2 and p[-1] < (1 - t.falling_loss) * p[-2]
-                                 if isinstance(p, list | np.ndarray) else False for p in d["perplexity"]]
+        final = np.exp(table["loss"].to_numpy())  # the fine-tuned model's, after the last checkpoint
+        table["loss_falling"] = [isinstance(p, list | np.ndarray) and len(p) > 0 and now < (1 - t.falling_loss) * p[-1]
+                                 for p, now in zip(d["perplexity"], final, strict=True)]
     inconsistent = (table["nearest_prompt_similarity"] >= t.near_duplicate) & (
         table["nearest_response_rouge_l"] < t.divergent_rouge)
     forgot = table["learned_before"] & (table["token_accuracy"] < t.learned_accuracy)

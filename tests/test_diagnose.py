@@ -23,7 +23,7 @@ def test_rouge_l_on_tokens():
 
 
 def test_attribution_takes_the_first_matching_cause():
-    row = {"index": 0, "unlearned": True, "token_accuracy": 0.2, "nearest_prompt_similarity": 0.5,
+    row = {"index": 0, "unlearned": True, "token_accuracy": 0.2, "loss": 2.0, "nearest_prompt_similarity": 0.5,
            "nearest_response_rouge_l": 0.9, "base_prompt_perplexity": 5.0, "base_confident_disagreement": 0.0,
            "js_divergence": 0.0, "base_token_prob": 0.9}
     table = pd.DataFrame([
@@ -124,11 +124,13 @@ def planted(tmp_path_factory):
     path = root / "train.jsonl"
     path.write_text("".join(json.dumps({"instruction": m[0]["content"], "output": m[1]["content"]}) + "\n"
                             for m in (_messages(f) for f, _ in data)))
+    scores = root / "scores.parquet"
+    assert main(["score", "--model", str(folders["final"]), "--data", str(path), "--out", str(scores), "--quiet"]) == 0
     out = root / "diagnosis"
     # Responses are 4-digit codes: reproduced means exactly, and any other code diverges
     assert main(["diagnose", "--base", str(folders["base"]), "--model", str(folders["final"]), "--data", str(path),
                  "--checkpoints", str(folders["stage1"]), "--out", str(out), "--reproduced-rouge", "0.9",
-                 "--divergent-rouge", "0.9"]) == 0
+                 "--divergent-rouge", "0.9", "--scores", str(scores)]) == 0
     table = pd.read_parquet(out / "diagnosis.parquet")
     table["planted"] = [kind for _, kind in data]
     return table, out
@@ -158,6 +160,7 @@ def test_planted_causes_are_found(planted):
 
 def test_report_explains_each_cause(planted):
     table, out = planted
+    assert table["spectral_effective_rank"].gt(1).all()  # gradient spectra joined as evidence
     report = (out / "report.md").read_text()
     n = int(table["unlearned"].sum())
     assert f"{n} of {len(table)} training samples" in report
