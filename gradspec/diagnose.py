@@ -18,13 +18,14 @@ Attribution, first match wins (each rule's evidence is kept in the table):
    the fine-tuned and base next-token distributions differ (mean Jensen-Shannon >= js_threshold);
 4. missing_knowledge: the base model gives the response very low likelihood (mean target-token
    probability < missing_probability) without knowing the prompt's content;
-5. under_training: none of the above (the loss still falling since the last checkpoint, or a long
-   response, is shown as evidence).
+5. under_training: none of the above (the loss still falling since the last checkpoint, a long
+   response, or its share of rare tokens is shown as evidence).
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,6 +61,7 @@ class Thresholds:
     conflict_share: float = 0.3
     js_threshold: float = 0.1  # nats
     missing_probability: float = 0.3
+    rare_count: int = 2  # a response token seen at most this often in all responses is rare
     falling_loss: float = 0.05  # relative drop of perplexity from the last checkpoint to the final model
     seed: int = 0
 
@@ -99,6 +101,19 @@ def prompt_embeddings(model, tokenizer, samples: list[Sample], template: str, ma
             out[position[item.sample.index]] = mean
     out -= out.mean(0)
     return torch.nn.functional.normalize(out, dim=1)
+
+
+def nearest(embeddings: torch.Tensor, k: int, block: int = 4096) -> np.ndarray:
+    """(n, k) indices of each row's most similar other rows by cosine, a block of rows at a time
+    (memory O(block x n), not n x n)."""
+    k = min(k, len(embeddings) - 1)
+    out = np.zeros((len(embeddings), max(k, 0)), dtype=np.int64)
+    for start in range(0, len(embeddings), block):
+        sims = embeddings[start:start + block] @ embeddings.T
+        rows = torch.arange(len(sims))
+        sims[rows, rows + start] = -math.inf
+        out[start:start + block] = torch.topk(sims, k, dim=1).indices.numpy()
+    return out
 
 
 def _likelihood_test(model, tokenizer, samples: list[Sample], neighbours: np.ndarray, responses: list[list[int]],
@@ -202,9 +217,7 @@ def detect(tuned, base, tokenizer, samples: list[Sample], template: str = "plain
     prompts, responses = zip(*(_split(tokenize(s.messages, tokenizer, template, max_length)) for s in samples),
                              strict=True)
     embeddings = prompt_embeddings(tuned, tokenizer, samples, template, max_length)
-    similarity = embeddings @ embeddings.T
-    similarity.fill_diagonal_(-math.inf)
-    order = torch.argsort(similarity, dim=1, descending=True)[:, : max(t.pool * 2, 1)].numpy()
+    order = nearest(embeddings, max(t.pool * 2, 1))
     wins, available = _likelihood_test(tuned, tokenizer, samples, order, list(responses), t, template, max_length)
     tuned_view = measure(tuned, tokenizer, samples, template, max_length)
     base_view = measure(base, tokenizer, samples, template, max_length)
@@ -212,6 +225,7 @@ def detect(tuned, base, tokenizer, samples: list[Sample], template: str = "plain
     base_prompt = measure_tokens(base, tokenizer, [Item(s, Tokenized(list(p), list(p), "ok"))
                                                    for s, p in zip(samples, prompts, strict=True)])
     comparison = _base_comparison(base, tuned, tokenizer, samples, template, max_length, t)
+    frequency = Counter(token for response in responses for token in response)
     torch.manual_seed(t.seed)
     rows = []
     for k, s in enumerate(samples):
@@ -224,6 +238,7 @@ def detect(tuned, base, tokenizer, samples: list[Sample], template: str = "plain
                                        for j in order[k, : t.pool]), default=(0.0, -1))
         rows.append({
             "index": s.index, "response_tokens": len(gold), "loss": math.log(tuned_view[s.index]["perplexity"]),
+            "rare_token_share": sum(frequency[x] <= t.rare_count for x in gold) / max(len(gold), 1),
             "token_accuracy": tuned_view[s.index]["token_accuracy"], **reproduction,
             "likelihood_wins": wins[k], "distractors_available": int(available[k]),
             "unlearned": bool(wins[k] == 0) if by_likelihood else reproduced < t.reproduced_rouge,

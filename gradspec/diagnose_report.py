@@ -48,7 +48,7 @@ EVIDENCE = {
     "forgetting": ["learned_before", "loss", "position"],
     "pretraining_conflict": ["base_prompt_perplexity", "base_confident_disagreement", "js_divergence"],
     "missing_knowledge": ["base_prompt_perplexity", "base_token_prob", "base_token_accuracy"],
-    "under_training": ["loss_falling", "loss", "response_tokens"],
+    "under_training": ["loss_falling", "loss", "response_tokens", "rare_token_share"],
 }
 DETECTION = ["token_accuracy", "rouge_l", "best_sampled_rouge_l", "likelihood_wins"]
 

@@ -2,6 +2,7 @@
 facts, then fine-tuned in two stages on data with planted causes of incomplete learning."""
 
 import json
+import math
 import random
 import string
 
@@ -11,7 +12,7 @@ import torch
 
 from gradspec.batching import pad_batch
 from gradspec.cli import main
-from gradspec.diagnose import CAUSES, attribute, rouge_l
+from gradspec.diagnose import CAUSES, attribute, nearest, rouge_l
 from gradspec.templates import tokenize
 
 
@@ -20,6 +21,14 @@ def test_rouge_l_on_tokens():
     assert rouge_l([1, 9, 3, 4], [1, 2, 3, 4]) == pytest.approx(0.75)  # LCS 3 of 4 and 4
     assert rouge_l([1, 2], [1, 2, 3, 4]) == pytest.approx(2 * 2 / 6)
     assert rouge_l([], [1]) == 0.0 and rouge_l([], []) == 1.0
+
+
+def test_nearest_neighbours_blockwise_match_the_full_matrix():
+    embeddings = torch.nn.functional.normalize(torch.randn(50, 8, dtype=torch.float64), dim=1)
+    full = embeddings @ embeddings.T
+    full.fill_diagonal_(-math.inf)
+    want = torch.topk(full, 5, dim=1).indices.numpy()
+    assert (nearest(embeddings, 5, block=7) == want).all()
 
 
 def test_attribution_takes_the_first_matching_cause():
