@@ -1,5 +1,6 @@
 """Triton kernels, each next to the torch reference it is tested against."""
 
+from .jacobi_eigvalsh import jacobi_eigvalsh_triton
 from .segment_gram import segment_gram_torch, segment_gram_triton, token_mask, triton
 
-__all__ = ["segment_gram_torch", "segment_gram_triton", "token_mask", "triton"]
+__all__ = ["jacobi_eigvalsh_triton", "segment_gram_torch", "segment_gram_triton", "token_mask", "triton"]
