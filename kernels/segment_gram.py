@@ -2,7 +2,8 @@
 Frobenius inner product <Y_i Y_i^T, other_i> (for Y = D and other = X X^T this is
 ||D^T X||_F^2 = ||G||_F^2, a free cross-check of the spectra).
 
-``segment_gram_triton`` is the GPU kernel (fp32 accumulation); ``segment_gram_torch``
+``segment_gram_triton`` is the GPU kernel (fp32 accumulation; tiles that lie wholly in a
+sample's padding only store zeros, so padding costs no products); ``segment_gram_torch``
 is the reference it is tested against (fp64). gradspec.spectral.segment_gram picks a path.
 """
 
@@ -50,7 +51,9 @@ if triton is not None:
         cols = tj * BLOCK_T + tl.arange(0, BLOCK_T)
         acc = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
         base = y_ptr + n * stride_yn
-        for k0 in range(0, d, BLOCK_D):
+        # Tiles wholly in this sample's padding are zero: skip their products (padding-free compute)
+        d_used = tl.where((ti * BLOCK_T < length) & (tj * BLOCK_T < length), d, 0)
+        for k0 in range(0, d_used, BLOCK_D):
             ks = k0 + tl.arange(0, BLOCK_D)
             a = tl.load(
                 base + rows[:, None] * stride_yt + ks[None, :] * stride_yd,
