@@ -23,6 +23,11 @@ class Item:
     tokens: Tokenized
 
 
+def pad_id_of(tokenizer) -> int:
+    """The tokenizer's padding id; 0 where it has none (padded positions are masked anyway)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
 def pad_batch(items: list[Tokenized], pad_id: int, device: str | torch.device) -> tuple[torch.Tensor, ...]:
     """Right-padded input_ids, attention_mask and labels."""
     T = max(t.num_tokens for t in items)

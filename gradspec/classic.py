@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from .batching import Item, pad_batch, token_batches
+from .batching import Item, pad_batch, pad_id_of, token_batches
 from .data import Sample
 from .engine import response_losses
 from .templates import Tokenized
@@ -37,7 +37,7 @@ def losses_alone(
 ) -> dict[int, float]:
     """Sample index -> mean next-token loss of its response tokenized alone (NaN if under 2 tokens)."""
     device = next(model.parameters()).device
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = pad_id_of(tokenizer)
     items = []
     for s in samples:
         ids = tokenizer(response_text(s))["input_ids"][:max_length]

@@ -34,7 +34,7 @@ import pandas as pd
 import torch
 from rapidfuzz.distance import LCSseq
 
-from .batching import BATCH_TOKENS, Item, pad_batch, token_batches
+from .batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
 from .data import Sample, read_samples
 from .diagnose_report import write_diagnosis
 from .dynamics import from_checkpoints, measure, measure_tokens, read_dynamics, summarise
@@ -86,7 +86,7 @@ def prompt_embeddings(model, tokenizer, samples: list[Sample], template: str, ma
     """Mean last hidden state over each prompt's tokens, centred over the data and unit length
     (centring removes the direction every prompt shares)."""
     device = next(model.parameters()).device
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = pad_id_of(tokenizer)
     prompts = []
     for s in samples:
         ids = _split(tokenize(s.messages, tokenizer, template, max_length))[0] or [pad_id]
@@ -172,7 +172,7 @@ def _base_comparison(base, tuned, tokenizer, samples: list[Sample], template: st
     """Per sample over its response tokens: the share where the base model confidently predicts a
     wrong token, and the mean Jensen-Shannon divergence of base vs fine-tuned next-token laws."""
     device = next(tuned.parameters()).device
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = pad_id_of(tokenizer)
     items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples]
     out = {s.index: dict.fromkeys(("base_top_probability", "base_confident_disagreement", "js_divergence"), math.nan)
            for s in samples}

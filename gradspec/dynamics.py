@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import torch
 from transformers import TrainerCallback
 
-from .batching import BATCH_TOKENS, Item, pad_batch, token_batches
+from .batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
 from .data import Sample
 from .engine import response_losses
 from .output import METADATA_KEY
@@ -49,7 +49,7 @@ def measure_tokens(model: torch.nn.Module, tokenizer, items: list[Item],
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = pad_id_of(tokenizer)
     out = {i.sample.index: dict.fromkeys(MEASURES, math.nan) for i in items}
     for batch in token_batches([i for i in items if i.tokens.scorable], batch_tokens):
         loss, count, stats = response_losses(model, *pad_batch([b.tokens for b in batch], pad_id, device),

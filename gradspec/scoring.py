@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from .batching import BATCH_TOKENS, Item, pad_batch, token_batches
+from .batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
 from .classic import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
 from .data import HUMANEVAL_SIZE, Fields, Sample, count_records, humaneval_samples, read_samples
 from .distributed import Group, local_device, torchrun_shard
@@ -91,7 +91,7 @@ def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, templ
                  batch_tokens: int, progress: _Progress) -> list[dict[str, Any]]:
     """Output rows of consecutive samples, in their order; batches within are sorted by length."""
     device = next(engine.model.parameters()).device
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = pad_id_of(tokenizer)
     items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples if s.error is None]
     rows = {item.sample.index: _row(item) for item in items}
     rows.update({s.index: _error_row(s) for s in samples if s.error is not None})

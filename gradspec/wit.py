@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .batching import pad_batch
+from .batching import pad_batch, pad_id_of
 from .data import Fields, to_sample
 from .engine import IGNORE_INDEX
 from .templates import tokenize
@@ -95,7 +95,7 @@ class WITCollator:
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         tokens = [tokenize(to_sample(i, f"batch row {i}", row, self.fields).messages, self.tokenizer,
                            self.template, self.max_length) for i, row in enumerate(rows)]
-        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        pad_id = pad_id_of(self.tokenizer)
         input_ids, attention_mask, labels = pad_batch(tokens, pad_id, "cpu")
         response = labels != IGNORE_INDEX
         return {"input_ids": input_ids, "attention_mask": attention_mask,
