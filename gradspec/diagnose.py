@@ -82,23 +82,19 @@ def _split(tokens: Tokenized) -> tuple[list[int], list[int]]:
 
 
 @torch.no_grad()
-def prompt_embeddings(model, tokenizer, samples: list[Sample], template: str, max_length: int) -> torch.Tensor:
+def prompt_embeddings(model, tokenizer, prompts: list[list[int]]) -> torch.Tensor:
     """Mean last hidden state over each prompt's tokens, centred over the data and unit length
-    (centring removes the direction every prompt shares)."""
+    (centring removes the direction every prompt shares); row k for prompts[k]."""
     device = next(model.parameters()).device
     pad_id = pad_id_of(tokenizer)
-    prompts = []
-    for s in samples:
-        ids = _split(tokenize(s.messages, tokenizer, template, max_length))[0] or [pad_id]
-        prompts.append(Item(s, Tokenized(ids, ids, "ok")))
-    out = torch.zeros(len(samples), model.config.hidden_size, dtype=torch.float64)
-    position = {s.index: k for k, s in enumerate(samples)}
-    for batch in token_batches(prompts, BATCH_TOKENS):
+    items = [Item(Sample(k, []), Tokenized(ids or [pad_id], ids or [pad_id], "ok")) for k, ids in enumerate(prompts)]
+    out = torch.zeros(len(prompts), model.config.hidden_size, dtype=torch.float64)
+    for batch in token_batches(items, BATCH_TOKENS):
         ids, mask, _ = pad_batch([b.tokens for b in batch], pad_id, device)
         hidden = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state.double()
         means = (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
         for item, mean in zip(batch, means.cpu(), strict=True):
-            out[position[item.sample.index]] = mean
+            out[item.sample.index] = mean
     out -= out.mean(0)
     return torch.nn.functional.normalize(out, dim=1)
 
@@ -117,8 +113,10 @@ def nearest(embeddings: torch.Tensor, k: int, block: int = 4096) -> np.ndarray:
 
 
 def _likelihood_test(model, tokenizer, samples: list[Sample], neighbours: np.ndarray, responses: list[list[int]],
-                     t: Thresholds, template: str, max_length: int) -> tuple[np.ndarray, np.ndarray]:
-    """(share of draws the gold response wins, distractors available) per sample."""
+                     gold: dict[int, dict[str, float]], t: Thresholds, template: str,
+                     max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """(share of draws the gold response wins, distractors available) per sample; gold: the
+    model's measures of the samples themselves."""
     pairs, owners = [], []
     for k, s in enumerate(samples):
         pool = [j for j in neighbours[k] if responses[j] != responses[k]][: t.pool]
@@ -126,7 +124,6 @@ def _likelihood_test(model, tokenizer, samples: list[Sample], neighbours: np.nda
             messages = [*s.messages[:-1], samples[j].messages[-1]]
             pairs.append(Sample(len(pairs), messages))
             owners.append((k, j))
-    gold = measure(model, tokenizer, samples, template, max_length)
     other = measure(model, tokenizer, pairs, template, max_length)
     rng = np.random.default_rng(t.seed)
     wins = np.full(len(samples), np.nan)
@@ -167,15 +164,13 @@ def _continuations(model, tokenizer, prompt: list[int], response: list[int], sam
 
 
 @torch.no_grad()
-def _base_comparison(base, tuned, tokenizer, samples: list[Sample], template: str, max_length: int,
-                     t: Thresholds) -> dict[int, dict[str, float]]:
+def _base_comparison(base, tuned, tokenizer, items: list[Item], t: Thresholds) -> dict[int, dict[str, float]]:
     """Per sample over its response tokens: the share where the base model confidently predicts a
     wrong token, and the mean Jensen-Shannon divergence of base vs fine-tuned next-token laws."""
     device = next(tuned.parameters()).device
     pad_id = pad_id_of(tokenizer)
-    items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples]
-    out = {s.index: dict.fromkeys(("base_top_probability", "base_confident_disagreement", "js_divergence"), math.nan)
-           for s in samples}
+    out = {i.sample.index: dict.fromkeys(("base_top_probability", "base_confident_disagreement", "js_divergence"),
+                                         math.nan) for i in items}
     for batch in token_batches([i for i in items if i.tokens.scorable], BATCH_TOKENS):
         ids, mask, labels = pad_batch([b.tokens for b in batch], pad_id, device)
         target = labels[:, 1:]
@@ -214,17 +209,17 @@ def detect(tuned, base, tokenizer, samples: list[Sample], template: str = "plain
     t = thresholds
     if t.criterion not in ("reproduction", "likelihood"):
         raise ValueError(f"criterion must be 'reproduction' or 'likelihood', got {t.criterion!r}")
-    prompts, responses = zip(*(_split(tokenize(s.messages, tokenizer, template, max_length)) for s in samples),
-                             strict=True)
-    embeddings = prompt_embeddings(tuned, tokenizer, samples, template, max_length)
-    order = nearest(embeddings, max(t.pool * 2, 1))
-    wins, available = _likelihood_test(tuned, tokenizer, samples, order, list(responses), t, template, max_length)
-    tuned_view = measure(tuned, tokenizer, samples, template, max_length)
-    base_view = measure(base, tokenizer, samples, template, max_length)
+    items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples]
+    prompts, responses = zip(*(_split(i.tokens) for i in items), strict=True)
+    order = nearest(prompt_embeddings(tuned, tokenizer, list(prompts)), max(t.pool * 2, 1))
+    tuned_view = measure_tokens(tuned, tokenizer, items)
+    base_view = measure_tokens(base, tokenizer, items)
+    wins, available = _likelihood_test(tuned, tokenizer, samples, order, list(responses), tuned_view, t, template,
+                                       max_length)
     # How well the base model knows the prompt itself, its "related content"
     base_prompt = measure_tokens(base, tokenizer, [Item(s, Tokenized(list(p), list(p), "ok"))
                                                    for s, p in zip(samples, prompts, strict=True)])
-    comparison = _base_comparison(base, tuned, tokenizer, samples, template, max_length, t)
+    comparison = _base_comparison(base, tuned, tokenizer, items, t)
     frequency = Counter(token for response in responses for token in response)
     torch.manual_seed(t.seed)
     rows = []
