@@ -21,9 +21,9 @@ import torch
 from transformers import TrainerCallback
 
 from .engine import IGNORE_INDEX, Capture
-from .metrics import METRICS, metrics_dict
+from .metrics import METRICS
 from .modules import select_targets
-from .output import column
+from .output import column, metric_columns
 
 
 class SpectralMonitor(TrainerCallback):
@@ -89,9 +89,7 @@ class SpectralMonitor(TrainerCallback):
                 row = {"step": state.global_step, "micro_batch": micro_batch, "row": i,
                        "num_tokens": int(capture.lengths[i]), "num_response_tokens": int(counts[i]) if scaled else None,
                        "scaled": scaled, "status": ";".join(sorted(flags[i])) or "ok"}
-                for name, values in metrics.items():
-                    row.update({column(name, m): v for m, v in metrics_dict(values[i], METRICS).items()})
-                rows.append(row)
+                rows.append({**row, **metric_columns(metrics, i, METRICS)})
         self.captures = []
         self.pending_logs = _summary(rows, self.targets)
         if self.out is not None:

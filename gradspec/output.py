@@ -8,8 +8,9 @@ from typing import Any
 
 import pandas as pd
 import pyarrow.parquet as pq
+import torch
 
-from .metrics import METRICS
+from .metrics import METRICS, metrics_dict
 from .modules import Part, layer_index
 
 BASE_COLUMNS = ("index", "status", "error", "loss", "num_tokens", "num_response_tokens")
@@ -19,6 +20,11 @@ METADATA_KEY = b"gradspec"
 
 def column(part: str, metric: str) -> str:
     return f"{part}/{metric}"
+
+
+def metric_columns(metrics: dict[str, torch.Tensor], i: int, names: tuple[str, ...]) -> dict[str, float]:
+    """Row i of per-module metric tables as output columns: {"<module>/<metric>": value}."""
+    return {column(name, m): v for name, values in metrics.items() for m, v in metrics_dict(values[i], names).items()}
 
 
 def carried_name(name: str) -> str:

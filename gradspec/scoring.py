@@ -24,9 +24,8 @@ from .classic import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
 from .data import HUMANEVAL_SIZE, Fields, Sample, count_records, humaneval_samples, read_samples
 from .distributed import Group, local_device, torchrun_shard
 from .engine import BatchScores, SpectralEngine
-from .metrics import metrics_dict
 from .models import DEFAULT_MODEL, load_model
-from .output import SPECTRA, carried_name, column, file_metadata, read_scores
+from .output import SPECTRA, carried_name, column, file_metadata, metric_columns, read_scores
 from .parts import CHUNK_ROWS, INPUT_ERROR, RunFolder, Shard
 from .templates import tokenize
 
@@ -156,8 +155,7 @@ def _fill_scores(row: dict[str, Any], result: BatchScores | None, k: int, names:
         return
     flags = [f for f in (row["status"], result.status(k)) if f != "ok"]
     row["status"], row["loss"] = ";".join(flags) or "ok", float(result.loss[k])
-    for name, values in result.metrics.items():
-        row.update({column(name, m): v for m, v in metrics_dict(values[k], names).items()})
+    row.update(metric_columns(result.metrics, k, names))
     for name, sigmas in result.spectra.items():
         row[column(name, SPECTRA)] = sigmas[k].tolist()
     row.update({name: float(values[k]) for name, values in result.token_stats.items()})
@@ -263,7 +261,8 @@ def run(
             chunk = index // config.chunk_rows
             return mine.owns(chunk) and chunk not in done
 
-        total = sum(1 for i in range(records) if wanted(i))
+        total = sum(min(config.chunk_rows, records - start) for start in range(0, records, config.chunk_rows)
+                    if wanted(start))  # rows of the chunks this process will score
         metadata = file_metadata(engine.parts, engine.metric_names, info)
         statuses = score_samples(
             config.samples(wanted, on_error), engine, tokenizer,
