@@ -9,7 +9,7 @@ from pathlib import Path
 from .batching import BATCH_TOKENS
 from .data import ON_ERROR, Fields, InputError
 from .models import DTYPES
-from .parts import CHUNK_ROWS, INPUT_ERROR, RunFolder, Shard
+from .parts import INPUT_ERROR, RunFolder, Shard
 from .scoring import ScoreConfig, run
 from .templates import TEMPLATES
 from .train import LOSSES, TrainConfig
@@ -37,22 +37,22 @@ def _score_parser(sub) -> None:
     p.add_argument("--on-error", choices=ON_ERROR, default="fail",
                    help="a malformed input row stops the run (fail) or is skipped and listed in "
                         "<out>.errors.jsonl (skip); numeric problems are always flagged, never fatal")
-    p.add_argument("--chunk-rows", type=int, default=CHUNK_ROWS,
+    p.add_argument("--chunk-rows", type=int, default=ScoreConfig.chunk_rows,
                    help="input rows per part file: the most a killed run loses per process")
-    p.add_argument("--template", choices=TEMPLATES, default="plain")
-    p.add_argument("--modules", default="attn",
+    p.add_argument("--template", choices=TEMPLATES, default=ScoreConfig.template)
+    p.add_argument("--modules", default=ScoreConfig.modules,
                    help="attn (q,k,v,o), mlp, all, role names (q,k) or name globs (default: attn)")
-    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--max-length", type=int, default=ScoreConfig.max_length)
     p.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS, help="padded tokens per batch")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=ScoreConfig.dtype)
     p.add_argument("--limit", type=int, help="score only the first N samples")
     p.add_argument("--save-spectra", action="store_true", help="also store each module's singular values")
     p.add_argument("--backend", choices=("auto", "cpp", "torch"), default="auto", help="eigen-solver backend")
-    p.add_argument("--method", choices=("exact", "lowrank"), default="exact",
+    p.add_argument("--method", choices=("exact", "lowrank"), default=ScoreConfig.method,
                    help="lowrank: approximate top --rank singular values (nuclear norm and effective rank biased low)")
-    p.add_argument("--rank", type=int, default=64, help="singular values kept by --method lowrank")
-    p.add_argument("--seed", type=int, default=0, help="seed of --method lowrank's random sketch")
+    p.add_argument("--rank", type=int, default=ScoreConfig.rank, help="singular values kept by --method lowrank")
+    p.add_argument("--seed", type=int, default=ScoreConfig.seed, help="seed of --method lowrank's random sketch")
     p.add_argument("--classic", action="store_true",
                    help="also perplexity, IFD, Superfiltering IFD, mean entropy, token accuracy, response length")
     p.add_argument("--instruction-field", default="instruction")
