@@ -130,18 +130,15 @@ class RunFolder:
         table = table.replace_schema_metadata({METADATA_KEY: json.dumps(metadata).encode()})
         _atomic(self.part(chunk), lambda f: pq.write_table(table, f))
 
-    def missing(self, records: int, chunk_rows: int) -> list[int]:
-        done = self.done()
-        return [c for c in range(math.ceil(records / chunk_rows)) if c not in done]
-
     def merge(self, records: int, chunk_rows: int) -> int:
         """Writes all parts into the output file (and the skipped rows into the errors file),
         then removes the folder; returns the rows written. Refuses while a chunk is missing."""
-        missing = self.missing(records, chunk_rows)
+        chunks, done = range(math.ceil(records / chunk_rows)), self.done()
+        missing = [c for c in chunks if c not in done]
         if missing:
             shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
             raise RuntimeError(f"{self.path}: {len(missing)} chunks not scored yet ({shown}); finish the run first")
-        parts = [self.part(c) for c in range(math.ceil(records / chunk_rows))]
+        parts = [self.part(c) for c in chunks]
         schema = pa.unify_schemas([pq.read_schema(p) for p in parts], promote_options="permissive")
         rows = 0
         errors: list[str] = []
