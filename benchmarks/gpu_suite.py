@@ -180,6 +180,14 @@ def kernel_rows(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def dispatch_rows() -> list[dict]:
+    """What gradspec's measured dispatch chose on this device during the runs, per stage and size."""
+    from gradspec.spectral import DISPATCH
+
+    return [{"stage": key[0], "shape": list(key[1:]), "chosen": DISPATCH.chosen[key],
+             "ms": {name: s * 1e3 for name, s in seconds.items()}} for key, seconds in DISPATCH.seconds.items()]
+
+
 def markdown(rows: list[dict], device: str) -> str:
     head = ("| model | T | batch | modules | gradspec tok/s | train-step tok/s | gradspec / train step "
             "| gradspec / reference | peak GiB (gradspec, train) |\n|---|---:|---:|---|---:|---:|---:|---:|---:|")
@@ -208,16 +216,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:
         args.batch_tokens, args.reps = 64, 1
     rows = run(args)
+    dispatch = dispatch_rows()
     kernels = kernel_rows(args) + jacobi_rows(args)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"device": device, "rows": rows, "kernels": kernels}, indent=1))
+    (out / "results.json").write_text(json.dumps({"device": device, "rows": rows, "kernels": kernels,
+                                                      "dispatch": dispatch}, indent=1))
     table = markdown(rows, device) + ("\n| kernel | N | T (n) | d (bits) | Triton ms | torch ms | speed-up "
                                       "| max rel err | error |\n")
     table += "|---|---:|---:|---:|---:|---:|---:|---:|---|\n" + "".join(
         f"| {k['kernel']} | {k['N']} | {k['T']} | {k['d']} | {k['triton_ms']:.2f} | {k['torch_ms']:.2f} "
         f"| {k['speedup']:.1f}x | {k['max_rel_err']:.1e} | {k.get('error', '')} |\n" for k in kernels)
+    table += "\n| measured dispatch: stage | shape key | chosen | ms per candidate |\n|---|---|---|---|\n" + "".join(
+        f"| {d['stage']} | {d['shape']} | {d['chosen']} | "
+        + ", ".join(f"{name} {ms:.2f}" for name, ms in d["ms"].items()) + " |\n" for d in dispatch)
     (out / "results.md").write_text(table)
     print(table)
 

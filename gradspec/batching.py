@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from .data import Sample
-from .engine import IGNORE_INDEX
+from .engine import IGNORE_INDEX, response_losses
 from .templates import Tokenized
 
 BATCH_TOKENS = 4096  # padded tokens per batch
@@ -57,3 +58,19 @@ def token_batches(items: list[Item], batch_tokens: int, max_padding: float = MAX
         real += n
     if batch:
         yield batch
+
+
+@torch.no_grad()
+def item_losses(
+    model: torch.nn.Module, tokenizer, items: list[Item], batch_tokens: int = BATCH_TOKENS, token_stats: bool = False
+) -> Iterator[tuple[Item, float, dict[str, float]]]:
+    """(item, mean loss over its labelled tokens, token stats) per item, from forward passes alone
+    (the loss is NaN where nothing is labelled)."""
+    device = next(model.parameters()).device
+    pad_id = pad_id_of(tokenizer)
+    for batch in token_batches(items, batch_tokens):
+        loss, count, stats = response_losses(model, *pad_batch([b.tokens for b in batch], pad_id, device),
+                                             token_stats=token_stats)
+        for k, item in enumerate(batch):
+            value = float(loss[k]) if count[k] > 0 else math.nan
+            yield item, value, {name: float(column[k]) for name, column in stats.items()}

@@ -17,9 +17,8 @@ import math
 
 import torch
 
-from .batching import Item, pad_batch, pad_id_of, token_batches
+from .batching import Item, item_losses
 from .data import Sample
-from .engine import response_losses
 from .templates import Tokenized
 
 CLASSIC_COLUMNS = ("perplexity", "loss_response_alone", "ifd", "superfiltering_ifd", "mean_entropy",
@@ -31,23 +30,15 @@ def response_text(sample: Sample) -> str:
     return "\n".join(m["content"] for m in sample.messages if m["role"] == "assistant")
 
 
-@torch.no_grad()
 def losses_alone(
     model: torch.nn.Module, tokenizer, samples: list[Sample], max_length: int, batch_tokens: int
 ) -> dict[int, float]:
     """Sample index -> mean next-token loss of its response tokenized alone (NaN if under 2 tokens)."""
-    device = next(model.parameters()).device
-    pad_id = pad_id_of(tokenizer)
     items = []
     for s in samples:
         ids = tokenizer(response_text(s))["input_ids"][:max_length]
         items.append(Item(s, Tokenized(ids, list(ids), "ok")))
-    out = {}
-    for batch in token_batches(items, batch_tokens):
-        loss, count, _ = response_losses(model, *pad_batch([b.tokens for b in batch], pad_id, device))
-        for item, value, n in zip(batch, loss.tolist(), count.tolist(), strict=True):
-            out[item.sample.index] = value if n > 0 else math.nan
-    return out
+    return {item.sample.index: loss for item, loss, _ in item_losses(model, tokenizer, items, batch_tokens)}
 
 
 def loss_ratios(loss: float, loss_alone: float) -> dict[str, float]:

@@ -25,9 +25,8 @@ import pyarrow.parquet as pq
 import torch
 from transformers import TrainerCallback
 
-from .batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
+from .batching import BATCH_TOKENS, Item, item_losses
 from .data import Sample
-from .engine import response_losses
 from .output import METADATA_KEY
 from .templates import tokenize
 
@@ -42,23 +41,17 @@ def measure(model: torch.nn.Module, tokenizer, samples: list[Sample], template: 
     return measure_tokens(model, tokenizer, items, batch_tokens)
 
 
-@torch.no_grad()
 def measure_tokens(model: torch.nn.Module, tokenizer, items: list[Item],
                    batch_tokens: int = BATCH_TOKENS) -> dict[int, dict[str, float]]:
     """MEASURES over the labelled tokens of already tokenized items, keyed by sample index."""
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
-    pad_id = pad_id_of(tokenizer)
     out = {i.sample.index: dict.fromkeys(MEASURES, math.nan) for i in items}
-    for batch in token_batches([i for i in items if i.tokens.scorable], batch_tokens):
-        loss, count, stats = response_losses(model, *pad_batch([b.tokens for b in batch], pad_id, device),
-                                             token_stats=True)
-        for k, item in enumerate(batch):
-            if count[k] > 0 and math.isfinite(float(loss[k])):
-                out[item.sample.index] = {"mean_token_prob": float(stats["mean_token_prob"][k]),
-                                          "perplexity": math.exp(float(loss[k])),
-                                          "token_accuracy": float(stats["token_accuracy"][k])}
+    scorable = [i for i in items if i.tokens.scorable]
+    for item, loss, stats in item_losses(model, tokenizer, scorable, batch_tokens, token_stats=True):
+        if math.isfinite(loss):
+            out[item.sample.index] = {"mean_token_prob": stats["mean_token_prob"], "perplexity": math.exp(loss),
+                                      "token_accuracy": stats["token_accuracy"]}
     model.train(was_training)
     return out
 

@@ -22,7 +22,7 @@ from .kernels import token_mask
 from .lowrank import LOWRANK_METRICS, lowrank_metrics, sketch_matrix, sketch_singular_values
 from .metrics import METRICS
 from .modules import Part, Target, select_targets
-from .spectral import core_spectra, gram_spectra, segment_gram
+from .spectral import core_spectra, eigen_on_host, gram_spectra, segment_gram
 
 IGNORE_INDEX = -100
 FROBENIUS_CHECK_RTOL = 1e-3  # ||G||_F^2 from the spectrum vs <D D^T, X X^T>
@@ -258,14 +258,21 @@ class Capture:
         return gram[rows, :T, :T]
 
     def to_host(self) -> None:
-        """Move what the eigen stage needs to the CPU, on the caller's thread (so the copies do
-        not queue behind the next batch's GPU work), and drop the rest."""
+        """Move what the eigen stage needs on the host to the CPU, on the caller's thread (so the
+        copies do not queue behind the next batch's GPU work), and drop the rest. Grams whose
+        eigen stage runs on the GPU stay there."""
         self.inputs.clear()
         self.x_grams.clear()
         self.lengths = self.lengths.cpu()
-        self.core = {key: (B.cpu(), [(part, A.cpu(), inner.cpu()) for part, A, inner in items])
-                     for key, (B, items) in self.core.items()}
-        self.materialised = [(part, samples, gram.cpu()) for part, samples, gram in self.materialised]
+        copies = _HostCopies()
+        core = {}
+        for key, (B, items) in self.core.items():
+            there = copies if eigen_on_host(B, self.backend, "core") else (lambda t: t)
+            core[key] = (there(B), [(part, there(A), copies(inner)) for part, A, inner in items])
+        self.core = core
+        self.materialised = [(part, samples, copies(gram) if eigen_on_host(gram, self.backend, "gram") else gram)
+                             for part, samples, gram in self.materialised]
+        copies.wait()
 
     def reduce(self, finite: torch.Tensor, flags: list[set[str]], keep_spectra: bool):
         N = len(self.lengths)
@@ -307,6 +314,26 @@ class Capture:
             sigma, m = gram_spectra(_zero_rows(gram, ok), self.backend)
             record(part, samples.tolist(), sigma, m, ok)
         return metrics, spectra
+
+
+class _HostCopies:
+    """Device-to-host copies into pinned memory, all queued before one wait: pinned copies run
+    at full bus speed and overlap each other."""
+
+    def __init__(self) -> None:
+        self.devices: set[torch.device] = set()
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_cuda:
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        self.devices.add(t.device)
+        return host
+
+    def wait(self) -> None:
+        for device in self.devices:
+            torch.cuda.current_stream(device).synchronize()
 
 
 def _input_key(X: torch.Tensor) -> tuple:

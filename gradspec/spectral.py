@@ -3,15 +3,22 @@
 Each entry point has the C++ extension (gradspec._C: LAPACK via SciPy, threads over the
 batch) and a torch fallback that gives the same numbers:
 
-- ``segment_gram``: the per-sample Grams X X^T and D D^T (the Triton kernel on CUDA);
+- ``segment_gram``: the per-sample Grams X X^T and D D^T (on CUDA: the Triton kernel or torch);
 - ``gram_spectra``: from Grams of the materialised G (used when d_in or d_out is the smallest size);
 - ``core_spectra``: from B = X X^T and A = D D^T, T x T (used when the token count is smallest).
+
+On CUDA under backend "auto", each of them runs the path measured faster for its size
+(``DISPATCH``): the extension on the host's cores, fed by a copy, or torch on the GPU (whose
+eigensolver is cuSOLVER's batched Jacobi at every size since torch 2.12, pytorch#175403); the
+Triton Gram or torch's. "cpp" and "torch" force a path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +26,7 @@ import torch
 from threadpoolctl import ThreadpoolController
 
 from . import kernels
+from .dispatch import Fastest, size_bucket
 from .metrics import metrics_from_singular_values, singular_values_from_gram_eigenvalues
 
 
@@ -72,6 +80,10 @@ HAS_EXTENSION = _C is not None
 _BLAS = ThreadpoolController() if HAS_EXTENSION else None
 
 
+# On CUDA, the faster path per (stage, size bucket), measured on the first batch that needs it.
+DISPATCH = Fastest()
+
+
 def default_threads() -> int:
     return int(os.environ.get("GRADSPEC_THREADS", 0)) or torch.get_num_threads()
 
@@ -93,12 +105,18 @@ def segment_gram(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-sample Gram Y_i Y_i^T over valid tokens (N, T, T), and <Gram_i, other_i> when other is given.
 
-    CUDA: the Triton kernel (fp32 accumulation). CPU: the extension's dsyrk in fp64 (half a
-    GEMM's work, none on padding), else the fp64 torch reference.
+    CUDA: the Triton kernel (fp32 accumulation) or torch's fp64 path, whichever is measured
+    faster for the shape ("torch" forces the latter). CPU: the extension's dsyrk in fp64 (half
+    a GEMM's work, none on padding), else the fp64 torch reference.
     """
-    if Y.is_cuda and kernels.triton is not None:
-        return kernels.segment_gram_triton(Y, lengths, other)
-    if Y.is_cuda or not _use_extension(backend):
+    if _on_gpu(Y):
+        run_torch = partial(kernels.segment_gram_torch, Y, lengths, other)
+        if kernels.triton is None or backend == "torch":
+            return run_torch()
+        key = ("segment_gram", size_bucket(Y.shape[1]), Y.shape[2], other is not None)
+        triton_path = partial(kernels.segment_gram_triton, Y, lengths, other)
+        return DISPATCH.run(key, {"triton": triton_path, "torch": run_torch}, _sync(Y))
+    if not _use_extension(backend):
         return kernels.segment_gram_torch(Y, lengths, other)
     Y = Y.detach() if Y.dtype in (torch.float32, torch.float64) else Y.detach().float()
     with _BLAS.limit(limits=1, user_api="blas"):
@@ -106,20 +124,56 @@ def segment_gram(
     return gram, None if other is None else (gram * other.to(gram)).sum((1, 2))
 
 
+def eigen_on_host(grams: torch.Tensor, backend: str, stage: str) -> bool:
+    """Whether this eigen stage will run the extension on the host: the engine copies those Grams
+    off the GPU early, on its own thread; the others stay where they are."""
+    if backend == "cpp":
+        return True
+    if backend == "torch" or not HAS_EXTENSION:
+        return False
+    return not _on_gpu(grams) or DISPATCH.choice(_eigen_key(stage, grams)) == "cpp"
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    """Whether paths are measured against each other for t: on a GPU. On the CPU the extension
+    wins at every size (benchmarks/bench_eigen.py), and a fixed path keeps reruns bit-identical."""
+    return t.is_cuda
+
+
+def _sync(t: torch.Tensor) -> Callable[[], None]:
+    return partial(torch.cuda.synchronize, t.device) if t.is_cuda else (lambda: None)
+
+
+def _eigen_key(stage: str, grams: torch.Tensor) -> tuple:
+    return (stage, size_bucket(grams.shape[-1]))
+
+
+def _eigen_stage(stage: str, grams: torch.Tensor, backend: str, run_cpp: Callable, run_torch: Callable):
+    if _on_gpu(grams) and backend == "auto" and HAS_EXTENSION:
+        return DISPATCH.run(_eigen_key(stage, grams), {"cpp": run_cpp, "torch": run_torch}, _sync(grams))
+    return run_cpp() if _use_extension(backend) else run_torch()
+
+
 def gram_spectra(grams: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, n, n) Grams of G -> singular values of G (N, n) descending, metrics (N, n_metrics)."""
-    if _use_extension(backend):
-        with _BLAS.limit(limits=1, user_api="blas"):
-            sigma, metrics = _C.gram_spectra(_as_numpy(grams), default_threads())
-        return torch.from_numpy(sigma), torch.from_numpy(metrics)
-    sigma = singular_values_from_gram_eigenvalues(torch.linalg.eigvalsh(grams.cpu().double()))
-    return sigma, metrics_from_singular_values(sigma)
+    """(N, n, n) Grams of G -> singular values of G (N, n) descending, metrics (N, n_metrics), on the CPU."""
+    return _eigen_stage("gram", grams, backend, partial(_gram_cpp, grams), partial(_gram_torch, grams))
+
+
+def _gram_cpp(grams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with _BLAS.limit(limits=1, user_api="blas"):
+        sigma, metrics = _C.gram_spectra(_as_numpy(grams), default_threads())
+    return torch.from_numpy(sigma), torch.from_numpy(metrics)
+
+
+def _gram_torch(grams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    sigma = singular_values_from_gram_eigenvalues(torch.linalg.eigvalsh(grams.double()))
+    return sigma.cpu(), metrics_from_singular_values(sigma).cpu()
 
 
 def core_spectra(
     B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor | None = None, backend: str = "auto"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """B = X X^T (N, T, T) and A_j = D_j D_j^T (N, M, T, T) -> sigma (N, M, T), metrics (N, M, n_metrics).
+    """B = X X^T (N, T, T) and A_j = D_j D_j^T (N, M, T, T) -> sigma (N, M, T), metrics (N, M, n_metrics), on the CPU.
 
     For any F with B = F F^T, the singular values of D_j^T X are the square roots of the
     eigenvalues of F^T A_j F. The extension takes F from a pivoted Cholesky; the torch path
@@ -129,19 +183,25 @@ def core_spectra(
     """
     if lengths is None:
         lengths = torch.full((B.shape[0],), B.shape[-1], dtype=torch.int64)
-    if _use_extension(backend):
-        with _BLAS.limit(limits=1, user_api="blas"):
-            sigma, metrics = _C.core_spectra(
-                _as_numpy(B), _as_numpy(A), lengths.cpu().to(torch.int64).numpy(), default_threads()
-            )
-        return torch.from_numpy(sigma), torch.from_numpy(metrics)
-    B, A = B.cpu().double(), A.cpu().double()
+    return _eigen_stage("core", B, backend, partial(_core_cpp, B, A, lengths), partial(_core_torch, B, A, lengths))
+
+
+def _core_cpp(B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with _BLAS.limit(limits=1, user_api="blas"):
+        sigma, metrics = _C.core_spectra(
+            _as_numpy(B), _as_numpy(A), lengths.cpu().to(torch.int64).numpy(), default_threads()
+        )
+    return torch.from_numpy(sigma), torch.from_numpy(metrics)
+
+
+def _core_torch(B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    B, A = B.double(), A.double()
     lam, U = torch.linalg.eigh(B)
-    cutoff = lengths.cpu()[:, None] * torch.finfo(torch.float64).eps * lam[..., -1:].clamp_min(0)
+    cutoff = lengths.to(B.device)[:, None] * torch.finfo(torch.float64).eps * lam[..., -1:].clamp_min(0)
     F = U * torch.where(lam > cutoff, lam, 0.0).sqrt().unsqueeze(-2)
     core = F.unsqueeze(1).transpose(-1, -2) @ A @ F.unsqueeze(1)
     sigma = singular_values_from_gram_eigenvalues(torch.linalg.eigvalsh(core))
-    return sigma, metrics_from_singular_values(sigma)
+    return sigma.cpu(), metrics_from_singular_values(sigma).cpu()
 
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray:

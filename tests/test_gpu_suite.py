@@ -18,6 +18,7 @@ def test_gpu_suite_smoke_runs_on_cpu(tmp_path):
     for r in rows:
         assert r["gradspec_tokens_s"] > 0 and r["train_step_tokens_s"] > 0 and r["vs_reference"] > 0
     assert "| tiny | 16 |" in (tmp_path / "results.md").read_text()
+    assert result["dispatch"] == []  # the measured dispatch applies on a GPU only
     gram, jacobi64, jacobi32 = result["kernels"]
     assert gram["kernel"] == "segment_gram" and gram["max_rel_err"] < 1e-5 and gram["triton_ms"] > 0
     assert jacobi64["kernel"] == "jacobi_eigvalsh_float64" and jacobi64["max_rel_err"] < 1e-10
