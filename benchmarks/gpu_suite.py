@@ -37,6 +37,9 @@ SHAPES = {
 # (samples, tokens, features) for the segment-Gram kernel against its torch path.
 KERNEL_SHAPES = [(16, 256, 576), (16, 512, 1536), (8, 1024, 4096), (32, 256, 14336)]
 SMOKE_KERNEL_SHAPES = [(2, 16, 32)]
+# (samples, tokens, features, sketch width) for the low-rank sketch's D^T P against its torch path.
+TDOT_SHAPES = [(16, 512, 1536, 72), (8, 1024, 4096, 72), (8, 1024, 14336, 72)]
+SMOKE_TDOT_SHAPES = [(2, 16, 32, 16)]
 JACOBI_SIZES = [32, 64, 128]  # n of the batched eigenproblems (torch.linalg.eigvalsh loops for n > 32)
 SMOKE_JACOBI_SIZES = [8]
 SMOKE_SHAPES = {"tiny": ("llama", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -163,20 +166,33 @@ def jacobi_rows(args: argparse.Namespace) -> list[dict]:
 
 
 def kernel_rows(args: argparse.Namespace) -> list[dict]:
-    """The Triton segment Gram vs the fp64 torch path the engine uses without it, per shape."""
-    from gradspec.kernels import segment_gram_torch, segment_gram_triton
+    """The Triton segment Gram and segment A^T B vs the fp64 torch paths the engine has without
+    them, per shape, with the largest error relative to the largest entry."""
+    from gradspec.kernels import segment_gram_torch, segment_gram_triton, segment_tdot_torch, segment_tdot_triton
+
+    def row(kernel: str, shape: dict, fast, slow) -> dict:
+        triton_s, _ = timed(fast, args.device, args.reps)
+        torch_s, _ = timed(slow, args.device, args.reps)
+        want = slow()
+        err = ((fast().double() - want).abs().max() / want.abs().max()).item()
+        out = {"kernel": kernel, **shape, "triton_ms": triton_s * 1e3, "torch_ms": torch_s * 1e3,
+               "speedup": torch_s / triton_s, "max_rel_err": err}
+        print(json.dumps(out), flush=True)
+        return out
 
     rows = []
     for N, T, d in SMOKE_KERNEL_SHAPES if args.smoke else KERNEL_SHAPES:
         Y = torch.randn(N, T, d, generator=torch.Generator().manual_seed(d)).to(args.device)
         lengths = torch.full((N,), T, device=args.device)
-        triton_s, _ = timed(partial(segment_gram_triton, Y, lengths, None), args.device, args.reps)
-        torch_s, _ = timed(partial(segment_gram_torch, Y, lengths, None), args.device, args.reps)
-        want = segment_gram_torch(Y, lengths)[0]
-        err = ((segment_gram_triton(Y, lengths)[0].double() - want).abs().max() / want.abs().max()).item()
-        rows.append({"kernel": "segment_gram", "N": N, "T": T, "d": d, "triton_ms": triton_s * 1e3,
-                     "torch_ms": torch_s * 1e3, "speedup": torch_s / triton_s, "max_rel_err": err})
-        print(json.dumps(rows[-1]), flush=True)
+        rows.append(row("segment_gram", dict(N=N, T=T, d=d), lambda Y=Y, n=lengths: segment_gram_triton(Y, n)[0],
+                        lambda Y=Y, n=lengths: segment_gram_torch(Y, n)[0]))
+    for N, T, d, k in SMOKE_TDOT_SHAPES if args.smoke else TDOT_SHAPES:
+        g = torch.Generator().manual_seed(d)
+        D = torch.randn(N, T, d, generator=g).to(args.device)  # fp32, as the low-rank sketch passes it
+        P = torch.randn(N, T, k, generator=g).to(args.device)
+        lengths = torch.full((N,), T, device=args.device)
+        rows.append(row(f"segment_tdot_k{k}", dict(N=N, T=T, d=d), partial(segment_tdot_triton, D, P, lengths),
+                        partial(segment_tdot_torch, D, P, lengths)))
     return rows
 
 

@@ -124,6 +124,17 @@ def segment_gram(
     return gram, None if other is None else (gram * other.to(gram)).sum((1, 2))
 
 
+def segment_tdot(A: torch.Tensor, B: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Per-sample A_i^T B_i over valid tokens, (N, p, q): on CUDA the Triton kernel or torch's
+    fp64 path, whichever is measured faster for the shape; elsewhere torch."""
+    run_torch = partial(kernels.segment_tdot_torch, A, B, lengths)
+    if not _on_gpu(A) or kernels.triton is None:
+        return run_torch()
+    key = ("segment_tdot", size_bucket(A.shape[1]), A.shape[2], B.shape[2])
+    triton_path = partial(kernels.segment_tdot_triton, A, B, lengths)
+    return DISPATCH.run(key, {"triton": triton_path, "torch": run_torch}, _sync(A))
+
+
 def eigen_on_host(grams: torch.Tensor, backend: str, stage: str) -> bool:
     """Whether this eigen stage will run the extension on the host: the engine copies those Grams
     off the GPU early, on its own thread; the others stay where they are."""

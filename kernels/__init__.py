@@ -2,5 +2,7 @@
 
 from .jacobi_eigvalsh import jacobi_eigvalsh_triton
 from .segment_gram import segment_gram_torch, segment_gram_triton, token_mask, triton
+from .segment_tdot import segment_tdot_torch, segment_tdot_triton
 
-__all__ = ["jacobi_eigvalsh_triton", "segment_gram_torch", "segment_gram_triton", "token_mask", "triton"]
+__all__ = ["jacobi_eigvalsh_triton", "segment_gram_torch", "segment_gram_triton", "segment_tdot_torch",
+           "segment_tdot_triton", "token_mask", "triton"]

@@ -62,3 +62,16 @@ def test_measured_dispatch_matches_the_reference(measured_on_cpu):
             assert spectral.eigen_on_host(grams, "auto", stage) == (won == "cpp")
     grams = torch.zeros(1, 4, 4)
     assert spectral.eigen_on_host(grams, "cpp", "core") and not spectral.eigen_on_host(grams, "torch", "core")
+
+
+def test_measured_lowrank_sketch_matches_the_cpu_path(measured_on_cpu, monkeypatch):
+    """The sketch's products through the measured path (Triton's fp32 accumulation or torch) give
+    the CPU path's fp64 answer to fp32 accuracy; the rank covers these short gradients exactly."""
+    model = tiny_model("llama", vocab=500)
+    batch = padded_batch(random_sequences([5, 4], 500))
+    measured = SpectralEngine(model, "attn", method="lowrank", rank=8).score(*batch)
+    assert any(key[0] == "segment_tdot" for key in measured_on_cpu.DISPATCH.chosen)
+    monkeypatch.setattr(spectral, "_on_gpu", lambda t: False)  # the plain CPU path
+    plain = SpectralEngine(model, "attn", method="lowrank", rank=8).score(*batch)
+    for name, values in plain.metrics.items():
+        torch.testing.assert_close(measured.metrics[name], values, rtol=1e-4, atol=1e-9)

@@ -19,7 +19,8 @@ def test_gpu_suite_smoke_runs_on_cpu(tmp_path):
         assert r["gradspec_tokens_s"] > 0 and r["train_step_tokens_s"] > 0 and r["vs_reference"] > 0
     assert "| tiny | 16 |" in (tmp_path / "results.md").read_text()
     assert result["dispatch"] == []  # the measured dispatch applies on a GPU only
-    gram, jacobi64, jacobi32 = result["kernels"]
+    gram, tdot, jacobi64, jacobi32 = result["kernels"]
     assert gram["kernel"] == "segment_gram" and gram["max_rel_err"] < 1e-5 and gram["triton_ms"] > 0
+    assert tdot["kernel"] == "segment_tdot_k16" and tdot["max_rel_err"] < 1e-5 and tdot["triton_ms"] > 0
     assert jacobi64["kernel"] == "jacobi_eigvalsh_float64" and jacobi64["max_rel_err"] < 1e-10
     assert jacobi32["kernel"] == "jacobi_eigvalsh_float32" and jacobi32["max_rel_err"] < 1e-5
