@@ -111,11 +111,10 @@ def segment_gram(
     """
     if _on_gpu(Y):
         run_torch = partial(kernels.segment_gram_torch, Y, lengths, other)
-        if kernels.triton is None or backend == "torch":
+        if backend == "torch":
             return run_torch()
-        key = ("segment_gram", size_bucket(Y.shape[1]), Y.shape[2], other is not None)
         triton_path = partial(kernels.segment_gram_triton, Y, lengths, other)
-        return DISPATCH.run(key, {"triton": triton_path, "torch": run_torch}, _sync(Y))
+        return _kernel_or_torch("segment_gram", Y, (Y.shape[2], other is not None), triton_path, run_torch)
     if not _use_extension(backend):
         return kernels.segment_gram_torch(Y, lengths, other)
     Y = Y.detach() if Y.dtype in (torch.float32, torch.float64) else Y.detach().float()
@@ -128,11 +127,19 @@ def segment_tdot(A: torch.Tensor, B: torch.Tensor, lengths: torch.Tensor) -> tor
     """Per-sample A_i^T B_i over valid tokens, (N, p, q): on CUDA the Triton kernel or torch's
     fp64 path, whichever is measured faster for the shape; elsewhere torch."""
     run_torch = partial(kernels.segment_tdot_torch, A, B, lengths)
-    if not _on_gpu(A) or kernels.triton is None:
+    if not _on_gpu(A):
         return run_torch()
-    key = ("segment_tdot", size_bucket(A.shape[1]), A.shape[2], B.shape[2])
     triton_path = partial(kernels.segment_tdot_triton, A, B, lengths)
-    return DISPATCH.run(key, {"triton": triton_path, "torch": run_torch}, _sync(A))
+    return _kernel_or_torch("segment_tdot", A, (A.shape[2], B.shape[2]), triton_path, run_torch)
+
+
+def _kernel_or_torch(stage: str, t: torch.Tensor, shape: tuple, run_triton: Callable, run_torch: Callable):
+    """A Triton kernel or its torch equivalent, whichever is measured faster for this token count
+    (bucketed) and shape; torch where Triton is not installed."""
+    if kernels.triton is None:
+        return run_torch()
+    key = (stage, size_bucket(t.shape[1]), *shape)
+    return DISPATCH.run(key, {"triton": run_triton, "torch": run_torch}, _sync(t))
 
 
 def eigen_on_host(grams: torch.Tensor, backend: str, stage: str) -> bool:
