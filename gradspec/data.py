@@ -248,3 +248,13 @@ def humaneval_samples(limit: int | None = None) -> Iterator[Sample]:
             {"role": "assistant", "content": problem["canonical_solution"]},
         ]
         yield Sample(index, messages, {"task_id": problem["task_id"]})
+
+
+def data_samples(
+    path: str | Path | None, fields: Fields = Fields(), limit: int | None = None,
+    wanted: Callable[[int], bool] | None = None, on_error: str = "fail",
+) -> Iterator[Sample]:
+    """``read_samples`` of path, or of the built-in HumanEval where no path is given."""
+    if path is not None:
+        return read_samples(path, fields, limit, wanted, on_error)
+    return (s for s in humaneval_samples(limit) if wanted is None or wanted(s.index))

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from .batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
 from .classic import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
-from .data import HUMANEVAL_SIZE, Fields, Sample, count_records, humaneval_samples, read_samples
+from .data import HUMANEVAL_SIZE, Fields, Sample, count_records, data_samples
 from .distributed import Group, local_device, torchrun_shard
 from .engine import BatchScores, SpectralEngine
 from .models import DEFAULT_MODEL, load_model
@@ -210,9 +210,7 @@ class ScoreConfig:
         return n if self.limit is None else min(n, self.limit)
 
     def samples(self, wanted: Callable[[int], bool] | None = None, on_error: str = "fail") -> Iterator[Sample]:
-        if self.data is not None:
-            return read_samples(self.data, self.fields, self.limit, wanted, on_error)
-        return (s for s in humaneval_samples(self.limit) if wanted is None or wanted(s.index))
+        return data_samples(self.data, self.fields, self.limit, wanted, on_error)
 
 
 def _engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: bool):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .data import Fields, Sample, humaneval_samples, read_samples
+from .data import Fields, Sample, data_samples
 
 LOSSES = ("ntp", "wit", "sftmix")
 
@@ -49,8 +49,7 @@ def train(config: TrainConfig) -> Path:
     if config.loss not in LOSSES:
         raise ValueError(f"--loss must be one of {LOSSES}, got {config.loss!r}")
     model, tokenizer = load_model(config.model, config.device)
-    samples: list[Sample] = list(humaneval_samples(config.limit) if config.data is None
-                                 else read_samples(config.data, config.fields, config.limit))
+    samples: list[Sample] = list(data_samples(config.data, config.fields, config.limit))
     rows = [{"messages": s.messages} for s in samples]
     out = Path(config.out)
     args = TrainingArguments(
