@@ -5,17 +5,23 @@ batched eigensolver against the host's LAPACK threads; a Triton kernel against c
 is measured where it runs, once per shape bucket, instead of read from a table measured on
 another machine. The first call for a key runs every candidate twice (a warm-up that pays for
 compilation and workspaces, then the timed run) and returns the winner's result, so no work
-is thrown away; later calls run the winner alone.
+is thrown away; later calls run the winner alone. A candidate that raises is logged and left
+out (a kernel that does not compile on this GPU must not stop a run). A timing shared with other work on the
+device or the host cores would be off, so measurements hold ``lock``, and so does code that runs
+such work beside them (the engine's eigen worker).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Hashable
 from typing import TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("gradspec")
 
 
 def size_bucket(n: int) -> int:
@@ -30,7 +36,7 @@ class Fastest:
         self.clock = clock
         self.chosen: dict[Hashable, str] = {}
         self.seconds: dict[Hashable, dict[str, float]] = {}  # the measurements, for reports
-        self._lock = threading.Lock()
+        self.lock = threading.RLock()
 
     def choice(self, key: Hashable) -> str | None:
         """The measured winner for key, or None while it has not been measured."""
@@ -40,19 +46,31 @@ class Fastest:
         """The result of the fastest candidate for key; `sync` waits for queued device work, so
         each timing covers its own candidate only."""
         name = self.chosen.get(key)
-        if name is not None:
-            return candidates[name]()
+        if name is None:
+            with self.lock:
+                name = self.chosen.get(key)  # another thread may have measured it meanwhile
+                if name is None:
+                    return self._measure(key, candidates, sync)
+        return candidates[name]()
+
+    def _measure(self, key: Hashable, candidates: dict[str, Callable[[], T]], sync: Callable[[], None]) -> T:
         results: dict[str, T] = {}
         seconds: dict[str, float] = {}
         for name, candidate in candidates.items():
-            candidate()
-            sync()
-            start = self.clock()
-            results[name] = candidate()
-            sync()
+            try:
+                candidate()
+                sync()
+                start = self.clock()
+                results[name] = candidate()
+                sync()
+            except Exception as error:  # a path that fails on this machine is no candidate here
+                log.warning("%s path failed for %s, not used: %s: %s", name, key, type(error).__name__, error)
+                seconds[name] = math.inf
+                failed = error
+                continue
             seconds[name] = self.clock() - start
-        best = min(seconds, key=seconds.__getitem__)
-        with self._lock:
-            self.chosen.setdefault(key, best)
-            self.seconds[key] = seconds
-        return results[self.chosen[key]]
+        if not results:
+            raise failed
+        best = min(results, key=seconds.__getitem__)
+        self.chosen[key], self.seconds[key] = best, seconds
+        return results[best]

@@ -22,7 +22,7 @@ from .kernels import token_mask
 from .lowrank import LOWRANK_METRICS, lowrank_metrics, sketch_matrix, sketch_singular_values
 from .metrics import METRICS
 from .modules import Part, Target, select_targets
-from .spectral import core_spectra, eigen_on_host, gram_spectra, segment_gram
+from .spectral import DISPATCH, core_spectra, eigen_path, gram_spectra, segment_gram
 
 IGNORE_INDEX = -100
 FROBENIUS_CHECK_RTOL = 1e-3  # ||G||_F^2 from the spectrum vs <D D^T, X X^T>
@@ -131,10 +131,24 @@ class SpectralEngine:
     ) -> Future[BatchScores]:
         """``score`` with its eigen stage on a worker thread: the forward, the backward and the
         Grams run now; the caller can start the next batch (on the GPU, or other cores) while the
-        CPU solves this one's eigenproblems."""
+        CPU solves this one's eigenproblems. A batch whose eigen stage is still to be measured for
+        its size finishes here instead: its timings must not share the device with the next batch."""
         if self._eigen_worker is None:
             self._eigen_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradspec-eigen")
-        return self._eigen_worker.submit(self._finish, *self._forward_backward(input_ids, attention_mask, labels))
+        work = self._forward_backward(input_ids, attention_mask, labels)
+        if not work[0].measures:
+            return self._eigen_worker.submit(self._finish_beside_measurements, *work)
+        done: Future[BatchScores] = Future()
+        try:
+            done.set_result(self._finish(*work))
+        except Exception as error:  # raised from result(), as from the worker
+            done.set_exception(error)
+        return done
+
+    def _finish_beside_measurements(self, *work) -> BatchScores:
+        """On the worker: a measurement on the caller's thread (a new size's Gram path) waits for this."""
+        with DISPATCH.lock:
+            return self._finish(*work)
 
     def _forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
         lengths = attention_mask.sum(1)
@@ -198,6 +212,7 @@ class Capture:
         # (input, samples, T) -> (X X^T, [(part, D D^T, <D D^T, X X^T>)])
         self.core: dict[tuple, tuple[torch.Tensor, list]] = {}
         self.materialised: list[tuple[Part, torch.Tensor, torch.Tensor]] = []  # (part, samples, Gram of G)
+        self.measures = False  # whether an eigen stage will be measured on this batch (set by to_host)
 
     @contextmanager
     def hooks(self, model: nn.Module) -> Iterator[None]:
@@ -260,18 +275,26 @@ class Capture:
     def to_host(self) -> None:
         """Move what the eigen stage needs on the host to the CPU, on the caller's thread (so the
         copies do not queue behind the next batch's GPU work), and drop the rest. Grams whose
-        eigen stage runs on the GPU stay there."""
+        eigen stage runs on the GPU, or is still to be measured, stay there."""
         self.inputs.clear()
         self.x_grams.clear()
         self.lengths = self.lengths.cpu()
         copies = _HostCopies()
+        paths = set()
+
+        def to_host_if_solved_there(grams: torch.Tensor, stage: str) -> torch.Tensor:
+            path = eigen_path(grams, self.backend, stage)
+            paths.add(path)
+            return copies(grams) if path == "cpp" else grams
+
         core = {}
         for key, (B, items) in self.core.items():
-            there = copies if eigen_on_host(B, self.backend, "core") else (lambda t: t)
-            core[key] = (there(B), [(part, there(A), copies(inner)) for part, A, inner in items])
+            core[key] = (to_host_if_solved_there(B, "core"),
+                         [(part, to_host_if_solved_there(A, "core"), copies(inner)) for part, A, inner in items])
         self.core = core
-        self.materialised = [(part, samples, copies(gram) if eigen_on_host(gram, self.backend, "gram") else gram)
+        self.materialised = [(part, samples, to_host_if_solved_there(gram, "gram"))
                              for part, samples, gram in self.materialised]
+        self.measures = None in paths
         copies.wait()
 
     def reduce(self, finite: torch.Tensor, flags: list[set[str]], keep_spectra: bool):

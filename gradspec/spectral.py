@@ -7,19 +7,22 @@ batch) and a torch fallback that gives the same numbers:
 - ``gram_spectra``: from Grams of the materialised G (used when d_in or d_out is the smallest size);
 - ``core_spectra``: from B = X X^T and A = D D^T, T x T (used when the token count is smallest).
 
-On CUDA under backend "auto", each of them runs the path measured faster for its size
-(``DISPATCH``): the extension on the host's cores, fed by a copy, or torch on the GPU (whose
-eigensolver is cuSOLVER's batched Jacobi at every size since torch 2.12, pytorch#175403); the
-Triton Gram or torch's. "cpp" and "torch" force a path.
+On CUDA under backend "auto", each of them runs the path measured fastest for its size
+(``DISPATCH``): for the eigen stages, the extension on the host's cores (fed by a copy), torch
+on the GPU (cuSOLVER's batched eigensolver at every size since torch 2.12, pytorch#175403;
+before that a loop over the matrices for n > 32) or, when CuPy is installed, cuSOLVER's batched
+Jacobi through CuPy; for the Grams, the Triton kernel or torch. "cpp" and "torch" force a path.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Callable
-from functools import partial
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import cache, partial
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -142,14 +145,20 @@ def _kernel_or_torch(stage: str, t: torch.Tensor, shape: tuple, run_triton: Call
     return DISPATCH.run(key, {"triton": run_triton, "torch": run_torch}, _sync(t))
 
 
-def eigen_on_host(grams: torch.Tensor, backend: str, stage: str) -> bool:
-    """Whether this eigen stage will run the extension on the host: the engine copies those Grams
-    off the GPU early, on its own thread; the others stay where they are."""
-    if backend == "cpp":
-        return True
-    if backend == "torch" or not HAS_EXTENSION:
-        return False
-    return not _on_gpu(grams) or DISPATCH.choice(_eigen_key(stage, grams)) == "cpp"
+def eigen_path(grams: torch.Tensor, backend: str, stage: str) -> str | None:
+    """Where this eigen stage will run: "cpp" (the extension, on the host), "torch" or "cupy" (on
+    the Grams' device), or None while it is still to be measured. The engine copies the Grams of
+    "cpp" stages off the GPU early, on its own thread; the others stay where they are."""
+    paths = _eigen_paths(grams, backend)
+    return paths[0] if len(paths) == 1 else DISPATCH.choice(_eigen_key(stage, grams))
+
+
+def _eigen_paths(grams: torch.Tensor, backend: str) -> list[str]:
+    if backend == "torch":
+        return ["torch"]
+    if backend == "cpp" or not _on_gpu(grams):
+        return ["cpp"] if _use_extension(backend) else ["torch"]
+    return ["torch"] + ["cupy"] * (_cupy_eigen() is not None) + ["cpp"] * HAS_EXTENSION
 
 
 def _on_gpu(t: torch.Tensor) -> bool:
@@ -166,15 +175,60 @@ def _eigen_key(stage: str, grams: torch.Tensor) -> tuple:
     return (stage, size_bucket(grams.shape[-1]))
 
 
-def _eigen_stage(stage: str, grams: torch.Tensor, backend: str, run_cpp: Callable, run_torch: Callable):
-    if _on_gpu(grams) and backend == "auto" and HAS_EXTENSION:
-        return DISPATCH.run(_eigen_key(stage, grams), {"cpp": run_cpp, "torch": run_torch}, _sync(grams))
-    return run_cpp() if _use_extension(backend) else run_torch()
+class Eigensolver(NamedTuple):
+    """A batched symmetric eigensolver that works where its input lies, eigenvalues ascending."""
+
+    eigh: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+    eigvalsh: Callable[[torch.Tensor], torch.Tensor]
+
+
+TORCH_EIGEN = Eigensolver(torch.linalg.eigh, torch.linalg.eigvalsh)
+
+
+@cache
+def _cupy_eigen() -> Eigensolver | None:
+    """CuPy's batched eigensolver (cuSOLVER's syevjBatched at every size), when CuPy is installed."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return eigensolver_via(cupy)
+
+
+def eigensolver_via(cupy) -> Eigensolver:
+    """An Eigensolver on torch's CUDA tensors through CuPy: zero-copy by DLPack, on torch's stream."""
+
+    @contextmanager
+    def as_cupy(a: torch.Tensor) -> Iterator:
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(a.device).cuda_stream)
+        with cupy.cuda.Device(a.device.index), stream:
+            yield cupy.from_dlpack(a.reshape(-1, *a.shape[-2:]).contiguous())
+
+    def eigh(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with as_cupy(a) as x:
+            w, v = cupy.linalg.eigh(x)
+            return torch.from_dlpack(w).view(a.shape[:-1]), torch.from_dlpack(v).view(a.shape)
+
+    def eigvalsh(a: torch.Tensor) -> torch.Tensor:
+        with as_cupy(a) as x:
+            return torch.from_dlpack(cupy.linalg.eigvalsh(x)).view(a.shape[:-1])
+
+    return Eigensolver(eigh, eigvalsh)
+
+
+def _eigen_stage(stage: str, grams: torch.Tensor, backend: str, run_cpp: Callable, run_device: Callable):
+    """run_cpp() on the host, or run_device(eigensolver) where the Grams are: the one path there
+    is, or the fastest, measured on first use per size."""
+    calls = {"cpp": run_cpp, "torch": partial(run_device, TORCH_EIGEN), "cupy": lambda: run_device(_cupy_eigen())}
+    paths = _eigen_paths(grams, backend)
+    if len(paths) == 1:
+        return calls[paths[0]]()
+    return DISPATCH.run(_eigen_key(stage, grams), {p: calls[p] for p in paths}, _sync(grams))
 
 
 def gram_spectra(grams: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(N, n, n) Grams of G -> singular values of G (N, n) descending, metrics (N, n_metrics), on the CPU."""
-    return _eigen_stage("gram", grams, backend, partial(_gram_cpp, grams), partial(_gram_torch, grams))
+    return _eigen_stage("gram", grams, backend, partial(_gram_cpp, grams), partial(_gram_device, grams))
 
 
 def _gram_cpp(grams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,8 +237,8 @@ def _gram_cpp(grams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(sigma), torch.from_numpy(metrics)
 
 
-def _gram_torch(grams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    sigma = singular_values_from_gram_eigenvalues(torch.linalg.eigvalsh(grams.double()))
+def _gram_device(grams: torch.Tensor, eigen: Eigensolver) -> tuple[torch.Tensor, torch.Tensor]:
+    sigma = singular_values_from_gram_eigenvalues(eigen.eigvalsh(grams.double()))
     return sigma.cpu(), metrics_from_singular_values(sigma).cpu()
 
 
@@ -201,7 +255,7 @@ def core_spectra(
     """
     if lengths is None:
         lengths = torch.full((B.shape[0],), B.shape[-1], dtype=torch.int64)
-    return _eigen_stage("core", B, backend, partial(_core_cpp, B, A, lengths), partial(_core_torch, B, A, lengths))
+    return _eigen_stage("core", B, backend, partial(_core_cpp, B, A, lengths), partial(_core_device, B, A, lengths))
 
 
 def _core_cpp(B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,13 +266,15 @@ def _core_cpp(B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor) -> tuple[
     return torch.from_numpy(sigma), torch.from_numpy(metrics)
 
 
-def _core_torch(B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _core_device(
+    B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor, eigen: Eigensolver
+) -> tuple[torch.Tensor, torch.Tensor]:
     B, A = B.double(), A.double()
-    lam, U = torch.linalg.eigh(B)
-    cutoff = lengths.to(B.device)[:, None] * torch.finfo(torch.float64).eps * lam[..., -1:].clamp_min(0)
+    lam, U = eigen.eigh(B)
+    cutoff = lengths.to(B.device)[:, None] * torch.finfo(torch.float64).eps * lam.amax(-1, keepdim=True).clamp_min(0)
     F = U * torch.where(lam > cutoff, lam, 0.0).sqrt().unsqueeze(-2)
     core = F.unsqueeze(1).transpose(-1, -2) @ A @ F.unsqueeze(1)
-    sigma = singular_values_from_gram_eigenvalues(torch.linalg.eigvalsh(core))
+    sigma = singular_values_from_gram_eigenvalues(eigen.eigvalsh(core))
     return sigma.cpu(), metrics_from_singular_values(sigma).cpu()
 
 

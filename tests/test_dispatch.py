@@ -1,5 +1,11 @@
 import itertools
+import logging
+import threading
+import time
+from contextlib import nullcontext
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from conftest import assert_matches_reference, padded_batch, random_sequences, tiny_model
@@ -35,6 +41,39 @@ def test_fastest_measures_each_candidate_once_then_runs_the_winner():
     assert fastest.run("other", {"slow": candidate("slow", 1), "quick": candidate("quick", 9)}) == "slow"
 
 
+def test_a_candidate_that_fails_is_left_out_and_logged(caplog):
+    def broken():
+        raise RuntimeError("no kernel image for this GPU")
+
+    fastest = Fastest()
+    with caplog.at_level(logging.WARNING, logger="gradspec"):
+        assert fastest.run("k", {"triton": broken, "torch": lambda: 3}) == 3
+    assert fastest.choice("k") == "torch" and fastest.seconds["k"]["triton"] == float("inf")
+    assert "triton path failed" in caplog.text and "no kernel image" in caplog.text
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        fastest.run("other", {"triton": broken})
+
+
+def test_a_measurement_waits_for_work_that_holds_the_lock_and_a_measured_key_does_not():
+    fastest = Fastest()
+    fastest.run("known", {"a": lambda: 1})
+    holding, release = threading.Event(), threading.Event()
+
+    def worker():
+        with fastest.lock:
+            holding.set()
+            release.wait(5)
+
+    threading.Thread(target=worker).start()
+    holding.wait(5)
+    assert fastest.run("known", {"a": lambda: 1}) == 1  # no measurement: no wait
+    finished = threading.Event()
+    threading.Thread(target=lambda: (fastest.run("new", {"a": lambda: 2}), finished.set())).start()
+    assert not finished.wait(0.2)  # held back while the lock is held
+    release.set()
+    assert finished.wait(5) and fastest.choice("new") == "a"
+
+
 @pytest.fixture
 def measured_on_cpu(monkeypatch):
     """Take the GPU's measured dispatch on CPU tensors (the Triton Gram under the interpreter)."""
@@ -60,9 +99,67 @@ def test_measured_dispatch_matches_the_reference(measured_on_cpu):
     for (stage, *size), won in measured_on_cpu.DISPATCH.chosen.items():
         if stage != "segment_gram":
             grams = torch.zeros(1, size[0], size[0])
-            assert spectral.eigen_on_host(grams, "auto", stage) == (won == "cpp")
+            assert spectral.eigen_path(grams, "auto", stage) == won
+    assert spectral.eigen_path(torch.zeros(1, 300, 300), "auto", "core") is None  # not measured yet
     grams = torch.zeros(1, 4, 4)
-    assert spectral.eigen_on_host(grams, "cpp", "core") and not spectral.eigen_on_host(grams, "torch", "core")
+    assert spectral.eigen_path(grams, "cpp", "core") == "cpp" and spectral.eigen_path(grams, "torch", "core") == "torch"
+
+
+@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+def test_submit_measures_on_the_callers_thread_alone(measured_on_cpu, monkeypatch):
+    """A batch that measures an eigen stage is finished by submit itself (timings beside the next
+    batch's device work would be off); a batch of measured sizes goes to the worker."""
+    timed_on = set()
+    monkeypatch.setattr(measured_on_cpu.DISPATCH, "clock",
+                        lambda: timed_on.add(threading.current_thread().name) or time.perf_counter())
+    model = tiny_model("llama", vocab=500)
+    seqs = random_sequences([6, 30], 500)
+    engine = SpectralEngine(model, "all")
+    first = engine.submit(*padded_batch(seqs))
+    assert first.done() and timed_on == {threading.current_thread().name}
+    assert_matches_reference(model, first.result(), seqs, "all")
+    finished_on = []
+    monkeypatch.setattr(engine, "_finish", lambda *work: finished_on.append(threading.current_thread().name))
+    engine.submit(*padded_batch(seqs)).result()
+    assert finished_on[0].startswith("gradspec-eigen")
+
+
+class FakeCupy:
+    """The part of CuPy that spectral.eigensolver_via uses, over NumPy on the CPU."""
+
+    linalg = np.linalg
+    from_dlpack = staticmethod(np.from_dlpack)
+    cuda = SimpleNamespace(Device=lambda index: nullcontext(), ExternalStream=lambda pointer: nullcontext())
+
+
+@pytest.fixture
+def cupy_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
+    return spectral.eigensolver_via(FakeCupy)
+
+
+def test_the_cupy_eigensolver_gives_torchs_spectra(cupy_on_cpu):
+    """Through DLPack, batched over any leading dimensions, in both eigen stages."""
+    g = torch.Generator().manual_seed(0)
+    X, D = torch.randn(3, 9, 5, generator=g, dtype=torch.float64), torch.randn(3, 2, 9, 4, generator=g)
+    B, A = X @ X.mT, (D @ D.mT).double()
+    lengths = torch.tensor([9, 7, 4])
+    for ours, theirs in zip(spectral._core_device(B, A, lengths, cupy_on_cpu),
+                            spectral._core_device(B, A, lengths, spectral.TORCH_EIGEN), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9, equal_nan=True)
+    for ours, theirs in zip(spectral._gram_device(A[:, 0], cupy_on_cpu),
+                            spectral._gram_device(A[:, 0], spectral.TORCH_EIGEN), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9, equal_nan=True)
+
+
+@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+def test_cupy_is_measured_where_installed(measured_on_cpu, cupy_on_cpu, monkeypatch):
+    monkeypatch.setattr(spectral, "_cupy_eigen", lambda: cupy_on_cpu)
+    model = tiny_model("llama", vocab=500)
+    seqs = random_sequences([5, 40], 500)
+    assert_matches_reference(model, SpectralEngine(model, "all").score(*padded_batch(seqs)), seqs, "all")
+    eigen_stages = [s for key, s in measured_on_cpu.DISPATCH.seconds.items() if key[0] != "segment_gram"]
+    assert eigen_stages and all(set(s) == {"cpp", "torch", "cupy"} for s in eigen_stages)
 
 
 def test_measured_lowrank_sketch_matches_the_cpu_path(measured_on_cpu, monkeypatch):
