@@ -5,10 +5,15 @@
 
 For each model shape (SmolLM2-135M, Qwen2.5-1.5B, Llama-3-8B; random weights, no downloads),
 sequence length T and module set, it times on one batch (about --batch-tokens tokens):
-gradspec's engine, a plain training step (forward + backward with weight gradients), and
-``gradspec.reference`` per sample, and records peak memory. The reference's SVDs are timed
-on the first layer's modules and scaled to all modules (a 7B model's 4096x4096 SVDs take
-minutes per sample). Writes results.json and results.md to --out.
+gradspec's engine (``score``, and ``submit`` back to back as ``gradspec score`` runs it), a
+plain training step (forward + backward with weight gradients), and ``gradspec.reference`` per
+sample, and records peak memory. The reference is one sample's forward and backward with the
+first module's SVD, plus one timed fp64 SVD per distinct weight shape for the other modules (a
+7B model's SVDs take minutes per sample). Then the eigen stage's paths on 120 Grams per size,
+the Triton kernels against their torch paths, and what the engine's measured dispatch chose.
+Each model gets an equal share of --budget-s; a configuration that fails is recorded, not fatal,
+and results.json and results.md in --out are rewritten after every row, so a run cut short
+still leaves what it measured.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from gradspec import spectral
 from gradspec.engine import IGNORE_INDEX, SpectralEngine, response_loss_per_sample
 from gradspec.modules import select_targets
 from gradspec.reference import reference_scores
@@ -40,8 +47,10 @@ SMOKE_KERNEL_SHAPES = [(2, 16, 32)]
 # (samples, tokens, features, sketch width) for the low-rank sketch's D^T P against its torch path.
 TDOT_SHAPES = [(16, 512, 1536, 72), (8, 1024, 4096, 72), (8, 1024, 14336, 72)]
 SMOKE_TDOT_SHAPES = [(2, 16, 32, 16)]
-JACOBI_SIZES = [32, 64, 128]  # n of the batched eigenproblems (torch.linalg.eigvalsh loops for n > 32)
-SMOKE_JACOBI_SIZES = [8]
+EIGEN_SIZES = [32, 64, 128, 256, 512]  # n of 120 batched eigenproblems (torch < 2.12 loops for n > 32)
+SMOKE_EIGEN_SIZES = [8]
+JACOBI_MAX_N = 128  # the Triton Jacobi holds a whole matrix in one program
+LENGTHS = [512, 256, 1024]  # T = 512 first: the issue's training-step target is there
 SMOKE_SHAPES = {"tiny": ("llama", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=256))}
 
@@ -64,9 +73,10 @@ def make_batch(n: int, T: int, vocab: int, device: str) -> tuple[torch.Tensor, .
     return ids.to(device), torch.ones_like(ids).to(device), labels.to(device)
 
 
-def timed(fn, device: str, reps: int) -> tuple[float, float]:
-    """(median seconds, peak GiB allocated) over reps runs after one warm-up."""
-    fn()
+def timed(fn, device: str, reps: int, warm_up: bool = True) -> tuple[float, float]:
+    """(median seconds, peak GiB allocated) over reps runs, after one warm-up."""
+    if warm_up:
+        fn()
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
@@ -89,79 +99,107 @@ def train_step(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def reference_seconds_per_sample(model, batch, modules: str) -> float:
-    """Forward/backward of one sample plus the first layer's SVDs, scaled to all modules."""
+def svd_seconds(model: torch.nn.Module, device: str) -> dict[tuple[int, int], float]:
+    """Seconds of one fp64 SVD per distinct (d_out, d_in) of the model's scored matrices."""
+    torch.linalg.svdvals(torch.randn(8, 8, dtype=torch.float64, device=device))  # solver set-up
+    seconds = {}
+    for shape in sorted({(p.d_out, t.d_in) for t in select_targets(model, "all") for p in t.parts}):
+        G = torch.randn(shape, dtype=torch.float64, device=device)
+        seconds[shape] = timed(partial(torch.linalg.svdvals, G), device, 1, warm_up=False)[0]
+    return seconds
+
+
+def reference_seconds_per_sample(model, batch, modules: str, svd_s: dict[tuple[int, int], float]) -> float:
+    """One sample's forward/backward with the first module's SVD, plus one SVD per other module."""
     ids, _, labels = batch
-    n_parts = sum(len(t.parts) for t in select_targets(model, modules))
-    first = ",".join(p.name for t in select_targets(model, modules) for p in t.parts if ".0." in p.name)
-    start = time.perf_counter()
-    reference_scores(model, ids[0], labels[0], first)
-    elapsed = time.perf_counter() - start
-    start = time.perf_counter()
-    reference_scores(model, ids[0], labels[0], first.split(",")[0])  # forward/backward + one SVD
-    one = time.perf_counter() - start
-    n_first = len(first.split(","))
-    per_svd = max(elapsed - one, 0.0) / max(n_first - 1, 1)
-    return one + per_svd * (n_parts - 1)
+    parts = [(p.name, (p.d_out, t.d_in)) for t in select_targets(model, modules) for p in t.parts]
+    one, _ = timed(partial(reference_scores, model, ids[0], labels[0], parts[0][0]), str(ids.device), 1)
+    return one + sum(svd_s[shape] for _, shape in parts[1:])
 
 
-def run(args: argparse.Namespace) -> list[dict]:
+def pipelined(engine: SpectralEngine, batch, k: int) -> None:
+    """k batches through submit, as gradspec score feeds them: each one's eigen stage beside the
+    next one's forward and backward."""
+    for future in [engine.submit(*batch) for _ in range(k)]:
+        future.result()
+
+
+def measure(model, T: int, modules: str, batch, svd_s, args) -> dict:
+    n, k = len(batch[0]), 3
+    engine = SpectralEngine(model, modules)
+    g_s, g_mem = timed(partial(engine.score, *batch), args.device, args.reps)
+    p_s, _ = timed(partial(pipelined, engine, batch, k), args.device, 1)
+    t_s, t_mem = timed(partial(train_step, model, batch), args.device, args.reps)
+    model.requires_grad_(False)
+    r_s = reference_seconds_per_sample(model, batch, modules, svd_s)
+    tokens = n * T
+    return {"gradspec_samples_s": n / g_s, "gradspec_tokens_s": tokens / g_s,
+            "pipelined_tokens_s": k * tokens / p_s, "train_step_tokens_s": tokens / t_s,
+            "reference_samples_s": 1 / r_s, "vs_train_step": t_s / g_s, "pipelined_vs_train_step": k * t_s / p_s,
+            "vs_reference": (n / g_s) * r_s, "gradspec_peak_gib": g_mem, "train_step_peak_gib": t_mem}
+
+
+def run(args: argparse.Namespace, write: Callable[[list[dict]], None]) -> list[dict]:
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    lengths = [16, 32] if args.smoke else [256, 512, 1024]
+    lengths = [16, 32] if args.smoke else LENGTHS
     dtype = torch.float32 if args.smoke else getattr(torch, args.dtype)
     rows, start = [], time.perf_counter()
-    for name, (kind, shape) in shapes.items():
+    for i, (name, (kind, shape)) in enumerate(shapes.items()):
+        deadline = start + args.budget_s * (i + 1) / len(shapes)  # its share, plus what earlier models left
         model = build_model(kind, shape, args.device, dtype)
+        svd_s = svd_seconds(model, args.device)
         for T in lengths:
             n = max(1, args.batch_tokens // T)
             batch = make_batch(n, T, shape["vocab_size"], args.device)
             for modules in ("attn", "all"):
                 row = dict(model=name, T=T, batch=n, modules=modules, dtype=str(dtype).removeprefix("torch."))
-                if time.perf_counter() - start > args.budget_s:
-                    rows.append({**row, "skipped": "time budget"})
-                    continue
-                engine = SpectralEngine(model, modules)
-                g_s, g_mem = timed(partial(engine.score, *batch), args.device, args.reps)
-                t_s, t_mem = timed(partial(train_step, model, batch), args.device, args.reps)
-                model.requires_grad_(False)
-                r_s = reference_seconds_per_sample(model, batch, modules)
-                tokens = n * T
-                rows.append({**row,
-                             "gradspec_samples_s": n / g_s, "gradspec_tokens_s": tokens / g_s,
-                             "train_step_tokens_s": tokens / t_s, "reference_samples_s": 1 / r_s,
-                             "vs_train_step": t_s / g_s, "vs_reference": (n / g_s) * r_s,
-                             "gradspec_peak_gib": g_mem, "train_step_peak_gib": t_mem})
-                print(json.dumps(rows[-1]), flush=True)
+                if time.perf_counter() > deadline:
+                    row["skipped"] = "time budget"
+                else:
+                    try:
+                        row.update(measure(model, T, modules, batch, svd_s, args))
+                    except Exception as e:  # noqa: BLE001 - one configuration's failure must not cost the run
+                        row["skipped"] = f"{type(e).__name__}: {e}"[:300]
+                        if args.device.startswith("cuda"):
+                            torch.cuda.empty_cache()
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                write(rows)
         del model
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
     return rows
 
 
-def jacobi_rows(args: argparse.Namespace) -> list[dict]:
-    """The Triton batched Jacobi vs torch.linalg.eigvalsh on 120 PSD Grams per n, fp64 and fp32
-    (N = matrices, T = n, d = the dtype's bits); a failure is recorded, not fatal."""
+def eigen_rows(args: argparse.Namespace) -> list[dict]:
+    """The gram eigen stage (eigenvalues to singular values and metrics, on the host) on 120 PSD
+    fp64 Grams per n, by each path the engine can measure (C++ on the host, the copy included;
+    torch and CuPy on the device) and the Triton Jacobi; error against the first path's."""
     from gradspec.kernels import jacobi_eigvalsh_triton
 
+    paths = {"cpp": spectral._gram_cpp} if spectral.HAS_EXTENSION else {}
+    paths["torch"] = partial(spectral._gram_device, eigen=spectral.TORCH_EIGEN)
+    if spectral._cupy_eigen() is not None:
+        paths["cupy"] = partial(spectral._gram_device, eigen=spectral._cupy_eigen())
+    jacobi = spectral.Eigensolver(torch.linalg.eigh, jacobi_eigvalsh_triton)  # the gram stage uses eigvalsh only
     rows = []
-    for n in SMOKE_JACOBI_SIZES if args.smoke else JACOBI_SIZES:
-        for dtype in (torch.float64, torch.float32):
-            N = 2 if args.smoke else 120
-            Y = torch.randn(N, n, 2 * n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
-            grams = (Y @ Y.transpose(1, 2)).to(args.device, dtype)
-            row = {"kernel": f"jacobi_eigvalsh_{str(dtype)[-7:]}", "N": N, "T": n, "d": torch.finfo(dtype).bits}
+    for n in SMOKE_EIGEN_SIZES if args.smoke else EIGEN_SIZES:
+        N = 2 if args.smoke else 120
+        Y = torch.randn(N, n, 2 * n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+        grams = (Y @ Y.transpose(1, 2)).to(args.device)
+        here = paths | ({"triton_jacobi": partial(spectral._gram_device, eigen=jacobi)} if n <= JACOBI_MAX_N else {})
+        want = None
+        for path, fn in here.items():
+            row = {"n": n, "N": N, "path": path}
             try:
-                triton_s, _ = timed(partial(jacobi_eigvalsh_triton, grams), args.device, args.reps)
-                torch_s, _ = timed(partial(torch.linalg.eigvalsh, grams), args.device, args.reps)
-                want = torch.linalg.eigvalsh(grams.double())
-                err = ((jacobi_eigvalsh_triton(grams).double() - want).abs().max() / want.abs().max()).item()
-                row.update(triton_ms=triton_s * 1e3, torch_ms=torch_s * 1e3, speedup=torch_s / triton_s,
-                           max_rel_err=err)
-            except Exception as e:  # noqa: BLE001 - one kernel's failure must not cost the GPU run
-                row.update(triton_ms=float("nan"), torch_ms=float("nan"), speedup=float("nan"),
-                           max_rel_err=float("nan"), error=f"{type(e).__name__}: {e}"[:300])
+                seconds, _ = timed(partial(fn, grams), args.device, args.reps)
+                sigma = fn(grams)[0]
+                want = sigma if want is None else want
+                row.update(ms=seconds * 1e3, max_rel_err=((sigma - want).abs().max() / want.abs().max()).item())
+            except Exception as e:  # noqa: BLE001 - one path's failure must not cost the GPU run
+                row.update(ms=float("nan"), max_rel_err=float("nan"), error=f"{type(e).__name__}: {e}"[:300])
             rows.append(row)
-            print(json.dumps(rows[-1]), flush=True)
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -171,12 +209,17 @@ def kernel_rows(args: argparse.Namespace) -> list[dict]:
     from gradspec.kernels import segment_gram_torch, segment_gram_triton, segment_tdot_torch, segment_tdot_triton
 
     def row(kernel: str, shape: dict, fast, slow) -> dict:
-        triton_s, _ = timed(fast, args.device, args.reps)
-        torch_s, _ = timed(slow, args.device, args.reps)
-        want = slow()
-        err = ((fast().double() - want).abs().max() / want.abs().max()).item()
-        out = {"kernel": kernel, **shape, "triton_ms": triton_s * 1e3, "torch_ms": torch_s * 1e3,
-               "speedup": torch_s / triton_s, "max_rel_err": err}
+        out = {"kernel": kernel, **shape}
+        try:
+            triton_s, _ = timed(fast, args.device, args.reps)
+            torch_s, _ = timed(slow, args.device, args.reps)
+            want = slow()
+            err = ((fast().double() - want).abs().max() / want.abs().max()).item()
+            out.update(triton_ms=triton_s * 1e3, torch_ms=torch_s * 1e3, speedup=torch_s / triton_s, max_rel_err=err)
+        except Exception as e:  # noqa: BLE001 - one kernel's failure must not cost the GPU run
+            nan = float("nan")
+            error = f"{type(e).__name__}: {e}"[:300]
+            out.update(triton_ms=nan, torch_ms=nan, speedup=nan, max_rel_err=nan, error=error)
         print(json.dumps(out), flush=True)
         return out
 
@@ -198,23 +241,51 @@ def kernel_rows(args: argparse.Namespace) -> list[dict]:
 
 def dispatch_rows() -> list[dict]:
     """What gradspec's measured dispatch chose on this device during the runs, per stage and size."""
-    from gradspec.spectral import DISPATCH
+    dispatch = spectral.DISPATCH
+    return [{"stage": key[0], "shape": list(key[1:]), "chosen": dispatch.chosen[key],
+             "ms": {name: s * 1e3 for name, s in seconds.items()}} for key, seconds in dispatch.seconds.items()]
 
-    return [{"stage": key[0], "shape": list(key[1:]), "chosen": DISPATCH.chosen[key],
-             "ms": {name: s * 1e3 for name, s in seconds.items()}} for key, seconds in DISPATCH.seconds.items()]
+
+def environment(device: str) -> dict:
+    import triton
+
+    try:
+        import cupy
+    except ImportError:
+        cupy = None
+    return {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+            "torch": torch.__version__, "triton": triton.__version__, "cupy": cupy and cupy.__version__,
+            "host_threads": spectral.default_threads(), "extension": spectral.HAS_EXTENSION,
+            "date": time.strftime("%Y-%m-%d")}
 
 
-def markdown(rows: list[dict], device: str) -> str:
-    head = ("| model | T | batch | modules | gradspec tok/s | train-step tok/s | gradspec / train step "
-            "| gradspec / reference | peak GiB (gradspec, train) |\n|---|---:|---:|---|---:|---:|---:|---:|---:|")
-    lines = [f"Device: {device}", "", head]
-    for r in rows:
+def markdown(result: dict) -> str:
+    env = result["environment"]
+    lines = [", ".join(f"{k}: {v}" for k, v in env.items()), "",
+             "| model | T | batch | modules | gradspec tok/s | pipelined tok/s | train-step tok/s "
+             "| gradspec / train step | pipelined / train step | gradspec / reference | peak GiB (gradspec, train) |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result.get("rows", []):
+        head = f"| {r['model']} | {r['T']} | {r['batch']} | {r['modules']} |"
         if "skipped" in r:
-            lines.append(f"| {r['model']} | {r['T']} | {r['batch']} | {r['modules']} | skipped: {r['skipped']} |||||")
+            lines.append(f"{head} skipped: {r['skipped']} |||||||")
             continue
-        lines.append(f"| {r['model']} | {r['T']} | {r['batch']} | {r['modules']} | {r['gradspec_tokens_s']:.0f} "
-                     f"| {r['train_step_tokens_s']:.0f} | {r['vs_train_step']:.2f}x | {r['vs_reference']:.0f}x "
-                     f"| {r['gradspec_peak_gib']:.1f}, {r['train_step_peak_gib']:.1f} |")
+        lines.append(f"{head} {r['gradspec_tokens_s']:.0f} | {r['pipelined_tokens_s']:.0f} "
+                     f"| {r['train_step_tokens_s']:.0f} | {r['vs_train_step']:.2f}x "
+                     f"| {r['pipelined_vs_train_step']:.2f}x "
+                     f"| {r['vs_reference']:.0f}x | {r['gradspec_peak_gib']:.1f}, {r['train_step_peak_gib']:.1f} |")
+    lines += ["", "| eigen stage: n | matrices | path | ms | max rel err | error |", "|---:|---:|---|---:|---:|---|"]
+    lines += [f"| {e['n']} | {e['N']} | {e['path']} | {e['ms']:.2f} | {e['max_rel_err']:.1e} | {e.get('error', '')} |"
+              for e in result.get("eigen", [])]
+    lines += ["", "| kernel | N | T | d | Triton ms | torch ms | speed-up | max rel err | error |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines += [f"| {k['kernel']} | {k['N']} | {k['T']} | {k['d']} | {k['triton_ms']:.2f} | {k['torch_ms']:.2f} "
+              f"| {k['speedup']:.1f}x | {k['max_rel_err']:.1e} | {k.get('error', '')} |"
+              for k in result.get("kernels", [])]
+    lines += ["", "| measured dispatch: stage | shape key | chosen | ms per candidate |", "|---|---|---|---|"]
+    lines += [f"| {d['stage']} | {d['shape']} | {d['chosen']} | "
+              + ", ".join(f"{name} {ms:.2f}" for name, ms in d["ms"].items()) + " |"
+              for d in result.get("dispatch", [])]
     return "\n".join(lines) + "\n"
 
 
@@ -226,29 +297,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--budget-s", type=float, default=420.0, help="skip the remaining configurations after this")
+    p.add_argument("--budget-s", type=float, default=360.0, help="skip the remaining configurations after this")
     args = p.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
         args.batch_tokens, args.reps = 64, 1
-    rows = run(args)
-    dispatch = dispatch_rows()
-    kernels = kernel_rows(args) + jacobi_rows(args)
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"device": device, "rows": rows, "kernels": kernels,
-                                                      "dispatch": dispatch}, indent=1))
-    table = markdown(rows, device) + ("\n| kernel | N | T (n) | d (bits) | Triton ms | torch ms | speed-up "
-                                      "| max rel err | error |\n")
-    table += "|---|---:|---:|---:|---:|---:|---:|---:|---|\n" + "".join(
-        f"| {k['kernel']} | {k['N']} | {k['T']} | {k['d']} | {k['triton_ms']:.2f} | {k['torch_ms']:.2f} "
-        f"| {k['speedup']:.1f}x | {k['max_rel_err']:.1e} | {k.get('error', '')} |\n" for k in kernels)
-    table += "\n| measured dispatch: stage | shape key | chosen | ms per candidate |\n|---|---|---|---|\n" + "".join(
-        f"| {d['stage']} | {d['shape']} | {d['chosen']} | "
-        + ", ".join(f"{name} {ms:.2f}" for name, ms in d["ms"].items()) + " |\n" for d in dispatch)
-    (out / "results.md").write_text(table)
-    print(table)
+    result: dict = {"environment": environment(args.device)}
+
+    def write(**parts) -> None:
+        result.update(parts)
+        (out / "results.json").write_text(json.dumps(result, indent=1))
+        (out / "results.md").write_text(markdown(result))
+
+    write(eigen=eigen_rows(args))
+    write(kernels=kernel_rows(args))
+    run(args, lambda rows: write(rows=rows, dispatch=dispatch_rows()))
+    print(markdown(result))
 
 
 if __name__ == "__main__":
