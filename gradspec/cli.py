@@ -49,8 +49,8 @@ def _score_parser(sub) -> None:
     p.add_argument("--limit", type=int, help="score only the first N samples")
     p.add_argument("--save-spectra", action="store_true", help="also store each module's singular values")
     p.add_argument("--backend", choices=("auto", "cpp", "torch"), default="auto",
-                   help="eigen stage: auto (C++ on the CPU; on CUDA the faster of C++ and torch, measured "
-                   "per size), cpp, torch")
+                   help="eigen stage: auto (C++ on the CPU; on CUDA the fastest of C++, torch and CuPy, "
+                   "measured per size), cpp, torch")
     p.add_argument("--method", choices=("exact", "lowrank"), default=ScoreConfig.method,
                    help="lowrank: approximate top --rank singular values (nuclear norm and effective rank biased low)")
     p.add_argument("--rank", type=int, default=ScoreConfig.rank, help="singular values kept by --method lowrank")
