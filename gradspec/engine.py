@@ -18,11 +18,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import spectral
 from .kernels import token_mask
 from .lowrank import LOWRANK_METRICS, lowrank_metrics, sketch_matrix, sketch_singular_values
 from .metrics import METRICS
 from .modules import Part, Target, select_targets
-from .spectral import DISPATCH, core_spectra, eigen_path, gram_spectra, segment_gram
+from .spectral import core_spectra, eigen_path, gram_spectra, segment_gram
 
 IGNORE_INDEX = -100
 FROBENIUS_CHECK_RTOL = 1e-3  # ||G||_F^2 from the spectrum vs <D D^T, X X^T>
@@ -147,7 +148,7 @@ class SpectralEngine:
 
     def _finish_beside_measurements(self, *work) -> BatchScores:
         """On the worker: a measurement on the caller's thread (a new size's Gram path) waits for this."""
-        with DISPATCH.lock:
+        with spectral.DISPATCH.lock:
             return self._finish(*work)
 
     def _forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):

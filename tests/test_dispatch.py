@@ -118,10 +118,18 @@ def test_submit_measures_on_the_callers_thread_alone(measured_on_cpu, monkeypatc
     first = engine.submit(*padded_batch(seqs))
     assert first.done() and timed_on == {threading.current_thread().name}
     assert_matches_reference(model, first.result(), seqs, "all")
-    finished_on = []
-    monkeypatch.setattr(engine, "_finish", lambda *work: finished_on.append(threading.current_thread().name))
+    finished_on, free_meanwhile = [], []
+
+    def finish(*work):
+        finished_on.append(threading.current_thread().name)
+        lock = measured_on_cpu.DISPATCH.lock  # a measurement elsewhere would have to wait for this batch
+        other = threading.Thread(target=lambda: free_meanwhile.append(lock.acquire(blocking=False)))
+        other.start()
+        other.join()
+
+    monkeypatch.setattr(engine, "_finish", finish)
     engine.submit(*padded_batch(seqs)).result()
-    assert finished_on[0].startswith("gradspec-eigen")
+    assert finished_on[0].startswith("gradspec-eigen") and free_meanwhile == [False]
 
 
 class FakeCupy:
