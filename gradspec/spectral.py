@@ -17,6 +17,7 @@ Jacobi through CuPy; for the Grams, the Triton kernel or torch. "cpp" and "torch
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,6 +32,8 @@ from threadpoolctl import ThreadpoolController
 from . import kernels
 from .dispatch import Fastest, size_bucket
 from .metrics import metrics_from_singular_values, singular_values_from_gram_eigenvalues
+
+log = logging.getLogger("gradspec")
 
 
 def _capsule_address(capsule) -> int:
@@ -218,12 +221,20 @@ def eigensolver_via(cupy) -> Eigensolver:
 
 def _eigen_stage(stage: str, grams: torch.Tensor, backend: str, run_cpp: Callable, run_device: Callable):
     """run_cpp() on the host, or run_device(eigensolver) where the Grams are: the one path there
-    is, or the fastest, measured on first use per size."""
+    is, or the fastest, measured on first use per size. Out of GPU memory (the next batch's
+    forward shares it), a measured stage falls back to the host for this call."""
     calls = {"cpp": run_cpp, "torch": partial(run_device, TORCH_EIGEN), "cupy": lambda: run_device(_cupy_eigen())}
     paths = _eigen_paths(grams, backend)
     if len(paths) == 1:
         return calls[paths[0]]()
-    return DISPATCH.run(_eigen_key(stage, grams), {p: calls[p] for p in paths}, _sync(grams))
+    try:
+        return DISPATCH.run(_eigen_key(stage, grams), {p: calls[p] for p in paths}, _sync(grams))
+    except torch.OutOfMemoryError:
+        if "cpp" not in paths:
+            raise
+        log.warning("out of GPU memory in the %s eigen stage (n = %d); solved on the host", stage, grams.shape[-1])
+        torch.cuda.empty_cache()
+        return run_cpp()
 
 
 def gram_spectra(grams: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:

@@ -181,3 +181,21 @@ def test_measured_lowrank_sketch_matches_the_cpu_path(measured_on_cpu, monkeypat
     plain = SpectralEngine(model, "attn", method="lowrank", rank=8).score(*batch)
     for name, values in plain.metrics.items():
         torch.testing.assert_close(measured.metrics[name], values, rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+def test_a_measured_eigen_stage_out_of_gpu_memory_falls_back_to_the_host(measured_on_cpu, monkeypatch, caplog):
+    Y = torch.randn(3, 6, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    grams = Y @ Y.mT
+    want = spectral.gram_spectra(grams, "cpp")
+    measured_on_cpu.DISPATCH.chosen[("gram", 8)] = "torch"
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(spectral, "_gram_device", out_of_memory)
+    with caplog.at_level(logging.WARNING, logger="gradspec"):
+        got = spectral.gram_spectra(grams)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and "solved on the host" in caplog.text
+    with pytest.raises(torch.OutOfMemoryError):  # forced to the device: nothing to fall back to
+        spectral.gram_spectra(grams, "torch")
