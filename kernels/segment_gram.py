@@ -43,7 +43,7 @@ if triton is not None:
         stride_yn, stride_yt, stride_yd,
         HAS_OTHER: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        n = tl.program_id(0)
+        n = tl.program_id(0).to(tl.int64)  # sample offsets pass 2**31 in large batches
         ti = tl.program_id(1)
         tj = tl.program_id(2)
         length = tl.load(len_ptr + n)

@@ -22,7 +22,7 @@ if triton is not None:
         stride_an, stride_at, stride_ap, stride_bn, stride_bt, stride_bq,
         BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_Q: tl.constexpr,
     ):
-        n = tl.program_id(0)
+        n = tl.program_id(0).to(tl.int64)  # sample offsets pass 2**31 in large batches
         rows = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
         cols = tl.program_id(2) * BLOCK_Q + tl.arange(0, BLOCK_Q)
         length = tl.load(len_ptr + n)
