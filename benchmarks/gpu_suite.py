@@ -3,17 +3,17 @@
     python benchmarks/gpu_suite.py --out gpu_results      # on a GPU: < 8 minutes
     python benchmarks/gpu_suite.py --smoke --out /tmp/s   # tiny shapes on the CPU (run by the tests)
 
-For each model shape (SmolLM2-135M, Qwen2.5-1.5B, Llama-3-8B; random weights, no downloads),
-sequence length T and module set, it times on one batch (about --batch-tokens tokens):
+First, the eigen stage's paths on 120 Grams per size and the Triton kernels against their torch
+paths. Then, for each model shape (SmolLM2-135M, Qwen2.5-1.5B, Llama-3-8B; random weights, no
+downloads), sequence length T and module set, on one batch of about --batch-tokens tokens:
 gradspec's engine (``score``, and ``submit`` back to back as ``gradspec score`` runs it), a
 plain training step (forward + backward with weight gradients), and ``gradspec.reference`` per
-sample, and records peak memory. The reference is one sample's forward and backward with the
-first module's SVD, plus one timed fp64 SVD per distinct weight shape for the other modules (a
-7B model's SVDs take minutes per sample). Then the eigen stage's paths on 120 Grams per size,
-the Triton kernels against their torch paths, and what the engine's measured dispatch chose.
-Each model gets an equal share of --budget-s; a configuration that fails is recorded, not fatal,
-and results.json and results.md in --out are rewritten after every row, so a run cut short
-still leaves what it measured.
+sample, with peak memory; last, what the engine's measured dispatch chose. The reference is one
+sample's forward and backward with the first module's SVD, plus one timed fp64 SVD per other
+module (a 7B model's SVDs take minutes per sample; each weight shape is timed once, when first
+needed). Each model gets an equal share of --budget-s; a configuration that fails is recorded,
+not fatal, and results.json and results.md in --out are rewritten after every row, so a run cut
+short still leaves what it measured.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -105,22 +105,20 @@ def train_step(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def svd_seconds(model: torch.nn.Module, device: str) -> dict[tuple[int, int], float]:
-    """Seconds of one fp64 SVD per distinct (d_out, d_in) of the model's scored matrices."""
+@cache
+def svd_seconds(d_out: int, d_in: int, device: str) -> float:
+    """Seconds of one fp64 SVD of a d_out x d_in matrix, measured once per shape when first needed."""
     torch.linalg.svdvals(torch.randn(8, 8, dtype=torch.float64, device=device))  # solver set-up
-    seconds = {}
-    for shape in sorted({(p.d_out, t.d_in) for t in select_targets(model, "all") for p in t.parts}):
-        G = torch.randn(shape, dtype=torch.float64, device=device)
-        seconds[shape] = timed(partial(torch.linalg.svdvals, G), device, 1, warm_up=False)[0]
-    return seconds
+    G = torch.randn(d_out, d_in, dtype=torch.float64, device=device)
+    return timed(partial(torch.linalg.svdvals, G), device, 1, warm_up=False)[0]
 
 
-def reference_seconds_per_sample(model, batch, modules: str, svd_s: dict[tuple[int, int], float]) -> float:
+def reference_seconds_per_sample(model, batch, modules: str) -> float:
     """One sample's forward/backward with the first module's SVD, plus one SVD per other module."""
     ids, _, labels = batch
-    parts = [(p.name, (p.d_out, t.d_in)) for t in select_targets(model, modules) for p in t.parts]
+    parts = [(p.name, p.d_out, t.d_in) for t in select_targets(model, modules) for p in t.parts]
     one, _ = timed(partial(reference_scores, model, ids[0], labels[0], parts[0][0]), str(ids.device), 1)
-    return one + sum(svd_s[shape] for _, shape in parts[1:])
+    return one + sum(svd_seconds(d_out, d_in, str(ids.device)) for _, d_out, d_in in parts[1:])
 
 
 def pipelined(engine: SpectralEngine, batch, k: int) -> None:
@@ -130,7 +128,7 @@ def pipelined(engine: SpectralEngine, batch, k: int) -> None:
         future.result()
 
 
-def measure(model, T: int, modules: str, batch, svd_s, args) -> dict:
+def measure(model, T: int, modules: str, batch, args) -> dict:
     n = len(batch[0])
     engine = SpectralEngine(model, modules)
     g_s, g_mem = timed(partial(engine.score, *batch), args.device, args.reps)
@@ -138,7 +136,7 @@ def measure(model, T: int, modules: str, batch, svd_s, args) -> dict:
     p_s, _ = timed(partial(pipelined, engine, batch, k), args.device, 1, warm_up=False)  # warm: score ran
     t_s, t_mem = timed(partial(train_step, model, batch), args.device, args.reps)
     model.requires_grad_(False)
-    r_s = reference_seconds_per_sample(model, batch, modules, svd_s)
+    r_s = reference_seconds_per_sample(model, batch, modules)
     tokens = n * T
     return {"gradspec_samples_s": n / g_s, "gradspec_tokens_s": tokens / g_s,
             "pipelined_tokens_s": k * tokens / p_s, "train_step_tokens_s": tokens / t_s,
@@ -154,7 +152,6 @@ def run(args: argparse.Namespace, write: Callable[[list[dict]], None]) -> list[d
     for i, (name, (kind, shape)) in enumerate(shapes.items()):
         deadline = start + args.budget_s * (i + 1) / len(shapes)  # its share, plus what earlier models left
         model = build_model(kind, shape, args.device, dtype)
-        svd_s = svd_seconds(model, args.device)
         for T in lengths:
             n = max(1, args.batch_tokens // T)
             batch = make_batch(n, T, shape["vocab_size"], args.device)
@@ -164,7 +161,7 @@ def run(args: argparse.Namespace, write: Callable[[list[dict]], None]) -> list[d
                     row["skipped"] = "time budget"
                 else:
                     try:
-                        row.update(measure(model, T, modules, batch, svd_s, args))
+                        row.update(measure(model, T, modules, batch, args))
                     except Exception as e:  # noqa: BLE001 - one configuration's failure must not cost the run
                         row["skipped"] = f"{type(e).__name__}: {e}"[:300]
                         if args.device.startswith("cuda"):
