@@ -179,7 +179,7 @@ def _eigen_key(stage: str, grams: torch.Tensor) -> tuple:
 
 
 class Eigensolver(NamedTuple):
-    """A batched symmetric eigensolver that works where its input lies, eigenvalues ascending."""
+    """A batched symmetric eigensolver that works where its input lies (eigenvalues in any order)."""
 
     eigh: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
     eigvalsh: Callable[[torch.Tensor], torch.Tensor]
