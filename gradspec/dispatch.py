@@ -1,6 +1,6 @@
-"""Pick the faster of interchangeable implementations by timing them on the real work.
+"""Pick the fastest of interchangeable implementations by timing them on the real work.
 
-Which of two paths wins depends on the device, the library versions and the shape (a GPU's
+Which path wins depends on the device, the library versions and the shape (a GPU's
 batched eigensolver against the host's LAPACK threads; a Triton kernel against cuBLAS), so it
 is measured where it runs, once per shape bucket, instead of read from a table measured on
 another machine. The first call for a key runs every candidate twice (a warm-up that pays for
