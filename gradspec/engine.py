@@ -283,18 +283,18 @@ class Capture:
         copies = _HostCopies()
         paths = set()
 
-        def to_host_if_solved_there(grams: torch.Tensor, stage: str) -> torch.Tensor:
+        def move_for(grams: torch.Tensor, stage: str):
+            """Copies to the host where this stage's eigen path runs there; else leaves tensors be."""
             path = eigen_path(grams, self.backend, stage)
             paths.add(path)
-            return copies(grams) if path == "cpp" else grams
+            return copies if path == "cpp" else (lambda t: t)
 
         core = {}
         for key, (B, items) in self.core.items():
-            core[key] = (to_host_if_solved_there(B, "core"),
-                         [(part, to_host_if_solved_there(A, "core"), copies(inner)) for part, A, inner in items])
+            move = move_for(B, "core")  # B and its A's are solved together, on one path
+            core[key] = (move(B), [(part, move(A), copies(inner)) for part, A, inner in items])
         self.core = core
-        self.materialised = [(part, samples, to_host_if_solved_there(gram, "gram"))
-                             for part, samples, gram in self.materialised]
+        self.materialised = [(part, samples, move_for(gram, "gram")(gram)) for part, samples, gram in self.materialised]
         self.measures = None in paths
         copies.wait()
 

@@ -86,7 +86,7 @@ HAS_EXTENSION = _C is not None
 _BLAS = ThreadpoolController() if HAS_EXTENSION else None
 
 
-# On CUDA, the faster path per (stage, size bucket), measured on the first batch that needs it.
+# On CUDA, the fastest path per (stage, size bucket), measured on the first batch that needs it.
 DISPATCH = Fastest()
 
 
