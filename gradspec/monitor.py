@@ -1,11 +1,39 @@
 """Live spectral monitor: per-sample gradient spectra of training batches, from the training
 step's own forward and backward (hooks, no extra pass), every N optimizer steps.
 
-Each sample's share of the step's gradient is rescaled to the gradient of the sample's own mean
-loss (x N / n_i, N the loss's token denominator, n_i the sample's labelled tokens), so the rows
-equal `gradspec score` on the same batch and weights. That needs the labels in the model call
-(the model computes the loss: plain Trainer, or WIT installed with ``use_wit_loss``); where a
-trainer computes the loss itself (SFTMix), rows hold the unscaled share and say so.
+What a row is. The step backpropagates L = sum_i l_i / N, where l_i is sample i's summed
+(weighted) token loss and N the loss's denominator, so each hooked module sees, per sample, the
+output gradient of l_i / N. The monitor multiplies it by N / n_i, n_i the sample's own
+denominator: a row holds the spectrum of d(l_i / n_i)/dW, the gradient of the loss of sample i
+trained alone, whichever batch, accumulation split or number of processes it came in. Its
+``loss`` column says which loss:
+
+- ``ntp``, the model's own causal-LM loss: l_i = sum of the cross-entropy over its labelled
+  (response) tokens, n_i their count (``num_loss_tokens``): the gradient of the sample's mean
+  response loss, so rows equal ``gradspec score`` on the same batch and weights.
+- ``wit(lp=..,lr=..)``, WIT installed with ``use_wit_loss``: l_i = lp * sum over its prompt
+  tokens + lr * sum over its response tokens, n_i = 1[lp != 0] |P_i| + 1[lr != 0] |R_i| (WIT's
+  denominator for the sample alone). WIT at (0, 1) is ``ntp``.
+- ``unknown``: the trainer computes the loss itself (SFTMix; a ``compute_loss_func`` or a label
+  smoother, which take the labels out of the model call), or the model's loss function is neither
+  of the above: rows hold each sample's share of the step's gradient as it is (``scaled`` false).
+
+N is what the trainer divides the summed token losses by: Trainer's ``num_items_in_batch`` (the
+labelled tokens of the whole accumulated batch, over all processes with
+``average_tokens_across_devices``); for a model that takes no loss kwargs, the micro-batch's own
+count times the accumulation steps (Trainer divides such a loss by them; in an epoch's shorter
+last accumulation it divides by fewer, which the rows do not follow). Under DDP with
+``average_tokens_across_devices`` Trainer also multiplies the loss by the number of processes
+(so that DDP's gradient average is the global one); the monitor divides that factor out, so each
+rank's rows equal one process's rows for the same micro-batch.
+
+Columns: step, micro_batch, row, loss, num_tokens, num_response_tokens (response targets; null
+without labels in the model call), num_loss_tokens (n_i; null where not scaled), scaled, status
+(``no_loss_tokens`` where n_i = 0: no metrics), then every module's metrics.
+
+Refused with a ValueError: left-padded or packed batches (each row must be one sequence, right
+padded), gradient checkpointing (in the Trainer's args or on the model: the recomputed forward
+would be captured again) and DataParallel (n_gpu > 1).
 """
 
 from __future__ import annotations
@@ -13,17 +41,33 @@ from __future__ import annotations
 import math
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from torch import nn
 from transformers import TrainerCallback
+from transformers.loss.loss_utils import ForCausalLMLoss
 
-from .engine import IGNORE_INDEX, Capture
+from .engine import Capture
+from .kernels import token_mask
 from .metrics import METRICS
 from .modules import select_targets
 from .output import column, metric_columns
+from .wit import PROMPT_OFFSET, WITLoss
+
+UNKNOWN = "unknown"
+# Keyword arguments of padding-free (packed) batches, as transformers' DataCollatorWithFlattening makes them.
+PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+class _Captured(NamedTuple):
+    capture: Capture
+    loss: str  # the row's loss column
+    tokens: torch.Tensor  # n_i where scaled; else every token but the first
+    responses: torch.Tensor | None  # response targets per sample (None: no labels in the model call)
+    scaled: bool
 
 
 class SpectralMonitor(TrainerCallback):
@@ -34,15 +78,20 @@ class SpectralMonitor(TrainerCallback):
         self.every, self.modules, self.backend = every, modules, backend
         self.out = None if out is None else Path(out)
         self.active = False
-        self.captures: list[tuple[Capture, torch.Tensor, bool]] = []  # (capture, response tokens, scaled)
+        self.captures: list[_Captured] = []
         self.pending_logs: dict[str, float] = {}
         self._stash: dict[str, Any] = {}
         self._stack = ExitStack()
         self._writer: pq.ParquetWriter | None = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if getattr(args, "gradient_checkpointing", False):
-            raise ValueError("SpectralMonitor reads activations from the forward pass: turn gradient checkpointing off")
+        _refuse_checkpointing(args, model)
+        if args.n_gpu > 1:
+            raise ValueError("SpectralMonitor hooks one model copy: DataParallel (n_gpu > 1) is not supported; "
+                             "run one process per device (torchrun)")
+        self.loss_name, self.weights = model_loss(model)
+        self.accumulation = args.gradient_accumulation_steps
+        self.processes = args.world_size if getattr(args, "average_tokens_across_devices", False) else 1
         self.targets = select_targets(model, self.modules)
         self.model = model
         self._handles = [
@@ -61,34 +110,44 @@ class SpectralMonitor(TrainerCallback):
     def _start_capture(self, module, args, kwargs):
         if not self.active or not torch.is_grad_enabled():
             return
-        mask = kwargs.get("attention_mask")
+        _refuse_packing(kwargs)
         ids = kwargs.get("input_ids", args[0] if args else None)
-        lengths = mask.sum(1) if mask is not None else torch.full((len(ids),), ids.shape[1], device=ids.device)
+        lengths = _lengths(kwargs.get("attention_mask"), ids if ids is not None else kwargs["inputs_embeds"])
         labels, num_items = self._stash.pop("labels", None), self._stash.pop("num_items", None)
-        scale = None
-        if labels is not None:
-            counts = (labels[:, 1:] != IGNORE_INDEX).sum(1)
-            total = counts.sum() if num_items is None else torch.as_tensor(num_items, device=counts.device)
-            scale = torch.where(counts > 0, total.to(torch.float64) / counts.clamp_min(1), 0.0)
+        responses = None if labels is None else (labels[:, 1:] >= 0).sum(1)
+        scaled = labels is not None and self.weights is not None
+        if scaled:
+            loss, tokens = self.loss_name, loss_tokens(labels, *self.weights)
         else:  # which tokens carry loss is not known here: every sample is reduced, unscaled
-            counts = lengths - 1
+            loss, tokens = UNKNOWN, lengths - 1
+        scale = self._scale(tokens, num_items) if scaled else None
         capture = Capture(self.targets, lengths, self.backend, None, METRICS, scale)
         self._stack.enter_context(capture.hooks(self.model))
-        self.captures.append((capture, counts, labels is not None))
+        self.captures.append(_Captured(capture, loss, tokens, responses, scaled))
+
+    def _scale(self, tokens: torch.Tensor, num_items: torch.Tensor | int | None) -> torch.Tensor:
+        """N / n_i: from each sample's share of the step's loss to the loss of the sample alone."""
+        if num_items is None:  # the model's mean over this micro-batch; Trainer divides it by the accumulation steps
+            total = tokens.sum().double() * self.accumulation
+        else:  # over the global batch's tokens; Trainer multiplied the loss by the processes under DDP
+            total = torch.as_tensor(num_items, device=tokens.device).double() / self.processes
+        return torch.where(tokens > 0, total / tokens.clamp_min(1), 0.0)
 
     def on_step_end(self, args, state, control, **kwargs):
         if not self.captures:
             return
         rows = []
-        for micro_batch, (capture, counts, scaled) in enumerate(self.captures):
+        for micro_batch, captured in enumerate(self.captures):
+            capture, tokens = captured.capture, captured.tokens.cpu()
             capture.to_host()
-            counts = counts.cpu()
-            flags: list[set[str]] = [set() for _ in counts]
-            metrics, _ = capture.reduce(counts > 0, flags, keep_spectra=False)
-            for i in range(len(counts)):
-                row = {"step": state.global_step, "micro_batch": micro_batch, "row": i,
-                       "num_tokens": int(capture.lengths[i]), "num_response_tokens": int(counts[i]) if scaled else None,
-                       "scaled": scaled, "status": ";".join(sorted(flags[i])) or "ok"}
+            flags: list[set[str]] = [set() if n > 0 else {"no_loss_tokens"} for n in tokens.tolist()]
+            metrics, _ = capture.reduce(tokens > 0, flags, keep_spectra=False)
+            for i in range(len(tokens)):
+                row = {"step": state.global_step, "micro_batch": micro_batch, "row": i, "loss": captured.loss,
+                       "num_tokens": int(capture.lengths[i]),
+                       "num_response_tokens": None if captured.responses is None else int(captured.responses[i]),
+                       "num_loss_tokens": int(tokens[i]) if captured.scaled else None,
+                       "scaled": captured.scaled, "status": ";".join(sorted(flags[i])) or "ok"}
                 rows.append({**row, **metric_columns(metrics, i, METRICS)})
         self.captures = []
         self.pending_logs = _summary(rows, self.targets)
@@ -116,6 +175,70 @@ class SpectralMonitor(TrainerCallback):
             self.out.parent.mkdir(parents=True, exist_ok=True)
             self._writer = pq.ParquetWriter(self.out, table.schema)
         self._writer.write_table(table.cast(self._writer.schema))
+
+
+def model_loss(model: nn.Module) -> tuple[str, tuple[float, float] | None]:
+    """The loss the model computes when called with labels: its name and its token weights
+    (prompt, response); None where the monitor does not know how it weighs tokens."""
+    loss_function = getattr(model, "loss_function", None)
+    wit = getattr(loss_function, "__self__", None)
+    if isinstance(wit, WITLoss):
+        return f"wit(lp={wit.prompt_weight:g},lr={wit.response_weight:g})", (wit.prompt_weight, wit.response_weight)
+    if loss_function is ForCausalLMLoss:
+        return "ntp", (0.0, 1.0)
+    return UNKNOWN, None
+
+
+def loss_tokens(labels: torch.Tensor, prompt_weight: float, response_weight: float) -> torch.Tensor:
+    """n_i, each sample's own denominator: its targets whose weight is not zero (WIT's
+    1[lp != 0] |P_i| + 1[lr != 0] |R_i|; prompt targets are encoded as -(id + PROMPT_OFFSET))."""
+    target = labels[:, 1:]
+    weighted = ((target <= -PROMPT_OFFSET) & (prompt_weight != 0)) | ((target >= 0) & (response_weight != 0))
+    return weighted.sum(1)
+
+
+def _refuse_checkpointing(args, model: nn.Module) -> None:
+    """A checkpointed forward runs again inside the backward, and the hooks would capture it twice."""
+    places = [place for place, on in (
+        ("in TrainingArguments", getattr(args, "gradient_checkpointing", False)),
+        ("in the model (model.gradient_checkpointing_disable())",
+         any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())),
+    ) if on]
+    if places:
+        raise ValueError(f"SpectralMonitor reads activations from the forward pass: gradient checkpointing is on "
+                         f"{' and '.join(places)}; turn it off")
+
+
+def _refuse_packing(kwargs: dict[str, Any]) -> None:
+    """A packed row holds several samples; the monitor's rows are one sample each."""
+    packing = [k for k in PACKING_KWARGS if kwargs.get(k) is not None]
+    positions = kwargs.get("position_ids")
+    if positions is not None and _restarts(positions, kwargs.get("attention_mask")):
+        packing.append("position_ids restarting within a row")
+    if packing:
+        raise ValueError(f"SpectralMonitor needs one sample per row, right-padded: packed batches "
+                         f"({', '.join(packing)}) are not supported")
+
+
+def _restarts(positions: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether a position id falls back within a row's real tokens (a new packed sequence begins)."""
+    fall = positions[..., 1:] <= positions[..., :-1]
+    if mask is not None and mask.dim() == 2:
+        fall = fall & mask[:, 1:].bool()
+    return bool(fall.any())
+
+
+def _lengths(mask: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+    """Each row's token count; the hooks take a row's first `length` positions as the sample."""
+    if mask is None:
+        return torch.full((tokens.shape[0],), tokens.shape[1], device=tokens.device)
+    if mask.dim() != 2:
+        raise ValueError(f"SpectralMonitor needs a 2-D attention_mask (batch x tokens), got shape {tuple(mask.shape)}")
+    lengths = mask.sum(1)
+    if not torch.equal(mask.bool(), token_mask(lengths, mask.shape[1], mask.device)):
+        raise ValueError("SpectralMonitor needs right-padded batches (each attention_mask row a prefix of ones): "
+                         "this batch is left-padded or has holes; pad on the right (tokenizer.padding_side = 'right')")
+    return lengths
 
 
 def _summary(rows: list[dict[str, Any]], targets) -> dict[str, float]:
