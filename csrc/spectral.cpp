@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <atomic>
+#include <exception>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -33,6 +34,12 @@ dsyevd_t* dsyevd_ = nullptr;
 dgemm_t* dgemm_ = nullptr;
 dpstrf_t* dpstrf_ = nullptr;
 dsyrk_t* dsyrk_ = nullptr;
+
+// A LAPACK routine that reports failure (info != 0): raised in Python as gradspec._C.LapackError,
+// which the caller retries on another path and otherwise flags, instead of ending the run.
+struct LapackError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
 
 // Order matches gradspec.metrics.METRICS.
 constexpr int kNumMetrics = 6;
@@ -83,17 +90,20 @@ struct SymmetricEigen {
       cached_vectors = vectors;
     }
     dsyevd_(&jobz, &uplo, &n, a, &n, w, work.data(), &lwork, iwork.data(), &liwork, &info);
-    if (info != 0) throw std::runtime_error("dsyevd failed with info=" + std::to_string(info));
+    if (info != 0) throw LapackError("dsyevd failed with info=" + std::to_string(info));
   }
 };
 
+// The rounding floor of an n x n Gram formed from sums of `terms` products at precision eps:
+// max(n, terms) * eps * top (the rule of gradspec.metrics.eigenvalue_cutoff).
+double cutoff_of(int n, int terms, double eps, double top) { return std::max(n, terms) * eps * std::max(top, 0.0); }
+
 // sigma (descending, length n, zero-padded) and the metrics from the ascending
-// eigenvalues lam of a Gram of G. Eigenvalues below n * eps * max are rounding noise
-// and count as zero (as in gradspec.metrics). A zero gradient gives NaN ratios; the
-// caller flags it.
-void metrics_from_eigenvalues(const double* lam, int n, double* sigma, double* m) {
+// eigenvalues lam of a Gram of G. Eigenvalues below the cut-off are the Gram's rounding and
+// count as zero. A zero gradient gives NaN ratios; the caller flags it.
+void metrics_from_eigenvalues(const double* lam, int n, double eps, int terms, double* sigma, double* m) {
   double nuclear = 0, frob2 = 0;
-  const double cutoff = n > 0 ? n * std::numeric_limits<double>::epsilon() * std::max(lam[n - 1], 0.0) : 0.0;
+  const double cutoff = n > 0 ? cutoff_of(n, terms, eps, lam[n - 1]) : 0.0;
   for (int k = 0; k < n; ++k) {
     double l = lam[n - 1 - k];
     double s = l > cutoff ? std::sqrt(l) : 0.0;
@@ -123,7 +133,7 @@ void metrics_from_eigenvalues(const double* lam, int n, double* sigma, double* m
 void parallel_for(int n, int threads, const std::function<void(int, SymmetricEigen&)>& task) {
   threads = std::max(1, std::min(threads, n));
   std::atomic<int> next{0};
-  std::vector<std::string> errors(threads);
+  std::vector<std::exception_ptr> errors(threads);
   auto worker = [&](int t) {
     // The pool supplies the parallelism: OpenMP (hence MKL) stays single-threaded on these
     // threads. The setting is per thread, and these threads are the pool's own.
@@ -131,8 +141,8 @@ void parallel_for(int n, int threads, const std::function<void(int, SymmetricEig
     SymmetricEigen solver;
     try {
       for (int i = next++; i < n; i = next++) task(i, solver);
-    } catch (const std::exception& e) {
-      errors[t] = e.what();
+    } catch (...) {
+      errors[t] = std::current_exception();  // rethrown with its type (LapackError stays one)
       next = n;
     }
   };
@@ -143,7 +153,7 @@ void parallel_for(int n, int threads, const std::function<void(int, SymmetricEig
     for (auto& th : pool) th.join();
   }
   for (const auto& e : errors)
-    if (!e.empty()) throw std::runtime_error(e);
+    if (e) std::rethrow_exception(e);
 }
 
 using Array = py::array_t<double, py::array::c_style | py::array::forcecast>;
@@ -158,7 +168,7 @@ const int64_t* checked_lengths(const Lengths& lengths, int N, int T) {
 }
 
 // Spectra of G from Grams G G^T (or G^T G): grams is (N, n, n).
-py::tuple gram_spectra(Array grams, int threads) {
+py::tuple gram_spectra(Array grams, int threads, double eps, int terms) {
   require_bound();
   if (grams.ndim() != 3 || grams.shape(1) != grams.shape(2))
     throw std::invalid_argument("grams must have shape (N, n, n)");
@@ -171,7 +181,7 @@ py::tuple gram_spectra(Array grams, int threads) {
     eig.scratch.assign(in + static_cast<size_t>(i) * n * n, in + static_cast<size_t>(i + 1) * n * n);
     eig.values.resize(n);
     eig(eig.scratch.data(), n, eig.values.data(), false);
-    metrics_from_eigenvalues(eig.values.data(), n, s_out + static_cast<size_t>(i) * n,
+    metrics_from_eigenvalues(eig.values.data(), n, eps, terms, s_out + static_cast<size_t>(i) * n,
                              m_out + static_cast<size_t>(i) * kNumMetrics);
   });
   return py::make_tuple(sigma, metrics);
@@ -183,7 +193,7 @@ py::tuple gram_spectra(Array grams, int threads) {
 // (dpstrf), which is rank-revealing for PSD B and ~25x cheaper than an eigendecomposition;
 // one factorisation serves all M modules that share the input X. Sample i uses the
 // leading lengths[i] x lengths[i] blocks (the rest is padding), so padding costs nothing.
-py::tuple core_spectra(Array B, Array A, Lengths lengths, int threads) {
+py::tuple core_spectra(Array B, Array A, Lengths lengths, int threads, double eps, int terms) {
   require_bound();
   if (B.ndim() != 3 || B.shape(1) != B.shape(2)) throw std::invalid_argument("B must have shape (N, T, T)");
   if (A.ndim() != 4 || A.shape(0) != B.shape(0) || A.shape(2) != B.shape(1) || A.shape(3) != B.shape(1))
@@ -208,9 +218,11 @@ py::tuple core_spectra(Array B, Array A, Lengths lengths, int threads) {
     if (n > 0) {
       char lower = 'L';
       int n_ = n, info = 0;
-      double tol = -1.0;  // LAPACK's default: n * eps * max(diag B)
+      double max_diag = 0;
+      for (int c = 0; c < n; ++c) max_diag = std::max(max_diag, l[static_cast<size_t>(c) * n + c]);
+      double tol = cutoff_of(n, terms, eps, max_diag);  // pivots below it are B's rounding
       dpstrf_(&lower, &n_, l.data(), &n_, piv.data(), &r, &tol, chol_work.data(), &info);
-      if (info < 0) throw std::runtime_error("dpstrf failed with info=" + std::to_string(info));
+      if (info < 0) throw LapackError("dpstrf failed with info=" + std::to_string(info));
     }
     const int r1 = std::max(r, 1);
     // F = P L: row piv[t]-1 of F is row t of the lower-triangular L (first r columns).
@@ -230,7 +242,7 @@ py::tuple core_spectra(Array B, Array A, Lengths lengths, int threads) {
         dgemm_(&tr, &nn, &r_, &r_, &n_, &one, f.data(), &n_, w.data(), &n_, &zero, core.data(), &r_);
         eig(core.data(), r, ev.data(), false);
       }
-      metrics_from_eigenvalues(ev.data(), r, s_out + (static_cast<size_t>(i) * M + j) * T,
+      metrics_from_eigenvalues(ev.data(), r, eps, terms, s_out + (static_cast<size_t>(i) * M + j) * T,
                                m_out + (static_cast<size_t>(i) * M + j) * kNumMetrics);
     }
   });
@@ -280,15 +292,19 @@ py::array_t<double> segment_gram(py::array_t<Scalar> Y, Lengths lengths, int thr
 PYBIND11_MODULE(_C, m) {
   m.doc() = "gradspec batched spectral reductions (LAPACK via SciPy, threads over the batch)";
   m.attr("NUM_METRICS") = kNumMetrics;
+  py::register_exception<LapackError>(m, "LapackError", PyExc_RuntimeError);
   m.def("bind_lapack", &bind_lapack, py::arg("dsyevd"), py::arg("dpstrf"), py::arg("dgemm"), py::arg("dsyrk"),
         py::arg("omp_set_num_threads") = 0,
         "Bind LAPACK dsyevd, dpstrf and BLAS dgemm, dsyrk by address (Fortran calling convention, 32-bit ints).");
   m.def("segment_gram", &segment_gram<float>, py::arg("Y"), py::arg("lengths"), py::arg("threads"),
         "fp64 Gram Y_i Y_i^T over each sample's first lengths[i] rows of Y (N, T, d), zero-padded to (N, T, T).");
   m.def("segment_gram", &segment_gram<double>, py::arg("Y"), py::arg("lengths"), py::arg("threads"));
-  m.def("gram_spectra", &gram_spectra, py::arg("grams"), py::arg("threads"),
+  const double eps64 = std::numeric_limits<double>::epsilon();
+  m.def("gram_spectra", &gram_spectra, py::arg("grams"), py::arg("threads"), py::arg("eps") = eps64,
+        py::arg("terms") = 0,
         "Singular values (descending) and metrics of G from a batch (N, n, n) of its Grams.");
   m.def("core_spectra", &core_spectra, py::arg("B"), py::arg("A"), py::arg("lengths"), py::arg("threads"),
+        py::arg("eps") = eps64, py::arg("terms") = 0,
         "Singular values and metrics of G_ij = D_ij^T X_i from B = X X^T (N,T,T), A = D D^T (N,M,T,T)\n"
         "and each sample's token count (N,).");
 }

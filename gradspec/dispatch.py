@@ -6,7 +6,9 @@ is measured where it runs, once per shape bucket, instead of read from a table m
 another machine. The first call for a key runs every candidate twice (a warm-up that pays for
 compilation and workspaces, then the timed run) and returns the winner's result, so no work
 is thrown away; later calls run the winner alone. A candidate that raises is logged and left
-out (a kernel that does not compile on this GPU must not stop a run). A timing shared with other work on the
+out (a kernel that does not compile on this GPU must not stop a run), for a while: after
+``RETRY_AFTER`` more calls the key is measured again, every candidate included, so a transient
+failure (an out-of-memory beside another batch) does not ban a path for good. A timing shared with other work on the
 device or the host cores would be off, so measurements hold ``lock``, and so does code that runs
 such work beside them (the engine's eigen worker).
 """
@@ -22,6 +24,7 @@ from typing import TypeVar
 
 T = TypeVar("T")
 log = logging.getLogger("gradspec")
+RETRY_AFTER = 256  # calls of a key before a candidate that failed in its measurement is tried again
 
 
 def size_bucket(n: int) -> int:
@@ -36,6 +39,7 @@ class Fastest:
         self.clock = clock
         self.chosen: dict[Hashable, str] = {}
         self.seconds: dict[Hashable, dict[str, float]] = {}  # the measurements, for reports
+        self.retry_in: dict[Hashable, int] = {}  # calls left before a key with a failed candidate is re-measured
         self.lock = threading.RLock()
 
     def choice(self, key: Hashable) -> str | None:
@@ -46,6 +50,12 @@ class Fastest:
         """The result of the fastest candidate for key; `sync` waits for queued device work, so
         each timing covers its own candidate only."""
         name = self.chosen.get(key)
+        if name is not None and key in self.retry_in:
+            self.retry_in[key] -= 1
+            if self.retry_in[key] <= 0:
+                del self.retry_in[key]
+                self.chosen.pop(key, None)
+                name = None
         if name is None:
             with self.lock:
                 name = self.chosen.get(key)  # another thread may have measured it meanwhile
@@ -73,4 +83,6 @@ class Fastest:
             raise failed
         best = min(results, key=seconds.__getitem__)
         self.chosen[key], self.seconds[key] = best, seconds
+        if len(results) < len(candidates):
+            self.retry_in[key] = RETRY_AFTER
         return results[best]

@@ -9,23 +9,29 @@ X X^T and D D^T when T is smallest, else the Gram of the materialised G.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
 from torch import nn
 
 from . import spectral
+from .host_copies import HostCopies
 from .kernels import token_mask
 from .lowrank import LOWRANK_METRICS, lowrank_metrics, sketch_matrix, sketch_singular_values
 from .metrics import METRICS
 from .modules import Part, Target, select_targets
-from .spectral import core_spectra, eigen_path, gram_spectra, segment_gram
+from .policy import Policy
+from .spectral import core_spectra, eigen_faults, eigen_path, gram_spectra, segment_gram
 
 IGNORE_INDEX = -100
+log = logging.getLogger("gradspec")
 FROBENIUS_CHECK_RTOL = 1e-3  # ||G||_F^2 from the spectrum vs <D D^T, X X^T>
 
 
@@ -56,6 +62,47 @@ def response_loss_per_sample(logits: torch.Tensor, labels: torch.Tensor) -> tupl
     return tok.sum(1) / count.clamp_min(1), count
 
 
+# Per model: whether its logits are its output embeddings applied to its base model's last hidden
+# state, as the head shortcut assumes (checked once, on the first batch it scores).
+_HEAD_SHORTCUT: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def _shortcut_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows, cols):
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    return model.get_output_embeddings()(hidden.last_hidden_state[rows, cols])
+
+
+@torch.no_grad()
+def check_head_shortcut(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
+) -> bool:
+    """Whether the LM head may be applied at labelled positions alone for this model: its output
+    embeddings on the base model's hidden states must give the model's own logits. Models that
+    transform their logits (soft-capping, scaling under any name, e.g. Granite's
+    ``logits_scaling``) fail the check, with a warning, and take the full path. Checked once per
+    model, on the first sample of a batch that has labelled tokens; call it outside any hooks."""
+    if model in _HEAD_SHORTCUT:
+        return _HEAD_SHORTCUT[model]
+    if model.get_output_embeddings() is None or not hasattr(model, "base_model"):
+        _HEAD_SHORTCUT[model] = False
+        return False
+    labelled = torch.nonzero((labels[:, 1:] != IGNORE_INDEX).any(1)).flatten()
+    if len(labelled) == 0:
+        return True  # nothing to compare on yet: no logits are needed for this batch either
+    i = labelled[:1]
+    ids, mask = input_ids[i], attention_mask[i]
+    rows, cols = torch.nonzero(labels[i, 1:] != IGNORE_INDEX, as_tuple=True)
+    full = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[rows, cols].float()
+    short = _shortcut_logits(model, ids, mask, rows, cols).float()
+    tol = max(1e-4, 16 * torch.finfo(model.get_output_embeddings().weight.dtype).eps)
+    ok = bool((short - full).abs().max() <= tol * full.abs().max().clamp_min(1e-30))
+    if not ok:
+        log.warning("%s's logits are not its output embeddings of its hidden states (scaled or capped logits): "
+                    "the LM head runs at every position", type(model).__name__)
+    _HEAD_SHORTCUT[model] = ok
+    return ok
+
+
 def response_losses(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor,
     token_stats: bool = False,
@@ -65,17 +112,15 @@ def response_losses(
     teacher-forced token accuracy and the mean probability of the target token over those positions.
 
     Prompt positions need no logits: skipping them saves the head's forward and backward
-    there. Models that transform their logits (soft-capping, scaling) take the full path.
+    there. A model whose logits are more than its head of its hidden states takes the full
+    path (check_head_shortcut).
     """
-    config = getattr(model, "config", None)
-    head = model.get_output_embeddings()
     target = labels[:, 1:]
     rows, cols = torch.nonzero(target != IGNORE_INDEX, as_tuple=True)
-    if head is None or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[rows, cols]
+    if check_head_shortcut(model, input_ids, attention_mask, labels):
+        logits = _shortcut_logits(model, input_ids, attention_mask, rows, cols)
     else:
-        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        logits = head(hidden.last_hidden_state[rows, cols])
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[rows, cols]
     logits, wanted = logits.float(), target[rows, cols]
     count = torch.bincount(rows, minlength=len(labels))
 
@@ -96,23 +141,26 @@ def response_losses(
 
 
 class SpectralEngine:
-    """Scores tokenized batches for one model; reusable across batches and inside training loops."""
+    """Scores tokenized batches for one model; reusable across batches and inside training loops.
+
+    The model is borrowed, not taken: for each batch it is put in eval mode with frozen
+    parameters, and its modes and requires_grad flags are restored after the backward."""
 
     def __init__(
         self, model: nn.Module, modules: str | list[str] = "attn",
         backend: str = "auto", keep_spectra: bool = False,
         method: str = "exact", rank: int = 64, power_iters: int = 2, seed: int = 0, token_stats: bool = False,
+        precision: str = "fp64", force: dict[str, str] | None = None,
     ) -> None:
         """method="lowrank" approximates the top `rank` singular values (see gradspec.lowrank);
-        token_stats adds each sample's mean predictive entropy and token accuracy."""
+        token_stats adds each sample's mean predictive entropy and token accuracy; precision and
+        force (a path per stage) are gradspec.policy's, and ``policy.describe()`` says what ran."""
         if method not in ("exact", "lowrank"):
             raise ValueError(f"method must be 'exact' or 'lowrank', got {method!r}")
-        model.eval()
-        model.requires_grad_(False)
         self.model = model
         self.targets: list[Target] = select_targets(model, modules)
         self.parts: list[Part] = [p for t in self.targets for p in t.parts]
-        self.backend = backend
+        self.policy = Policy(precision, backend, dict(force or {}))
         self.keep_spectra = keep_spectra
         self.sketch = _Sketch(rank, power_iters, seed) if method == "lowrank" else None
         self.metric_names = METRICS if self.sketch is None else LOWRANK_METRICS
@@ -152,15 +200,20 @@ class SpectralEngine:
             return self._finish(*work)
 
     def _forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
-        lengths = attention_mask.sum(1)
-        if not torch.equal(attention_mask.bool(), token_mask(lengths, attention_mask.shape[1], attention_mask.device)):
+        # The batch's one host synchronisation: its lengths, from which every split is decided.
+        mask = attention_mask.cpu().bool()
+        lengths = mask.sum(1)
+        if not torch.equal(mask, token_mask(lengths, mask.shape[1], "cpu")):
             raise ValueError("the batch must be right-padded (attention_mask a prefix of ones)")
-        capture = Capture(self.targets, lengths, self.backend, self.sketch, self.metric_names)
-        with capture.hooks(self.model):
-            loss, count, stats = response_losses(self.model, input_ids, attention_mask, labels, self.token_stats)
-            finite = torch.isfinite(loss) & (count > 0)
-            if finite.any():
-                loss[finite].sum().backward()
+        capture = Capture(self.targets, lengths, self.policy, self.sketch, self.metric_names,
+                          device=input_ids.device)
+        with borrowed(self.model), torch.enable_grad():
+            check_head_shortcut(self.model, input_ids, attention_mask, labels)
+            with capture.hooks(self.model):
+                loss, count, stats = response_losses(self.model, input_ids, attention_mask, labels, self.token_stats)
+                finite = torch.isfinite(loss) & (count > 0)
+                if finite.any():
+                    loss[finite].sum().backward()
         capture.to_host()
         return capture, loss.detach().double().cpu(), count.cpu(), finite.cpu(), stats
 
@@ -171,8 +224,29 @@ class SpectralEngine:
         flags: list[set[str]] = [set() for _ in range(len(loss))]
         for i in torch.nonzero(~finite).flatten().tolist():
             flags[i].add("no_response_tokens" if count[i] == 0 else "nonfinite_loss")
-        metrics, spectra = capture.reduce(finite, flags, self.keep_spectra)
+        try:
+            metrics, spectra = capture.reduce(finite, flags, self.keep_spectra)
+        finally:
+            capture.release()
         return BatchScores(loss, count, flags, metrics, spectra, stats)
+
+
+@contextmanager
+def borrowed(model: nn.Module) -> Iterator[None]:
+    """The model in eval mode with frozen parameters (input-gradient backward only), then every
+    module's mode and every parameter's requires_grad as they were: an engine built inside a
+    training script must not stop its training."""
+    modes = [(m, m.training) for m in model.modules()]
+    grads = [(p, p.requires_grad) for p in model.parameters()]
+    model.eval()
+    model.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+        for p, requires_grad in grads:
+            p.requires_grad_(requires_grad)
 
 
 class _Sketch:
@@ -191,29 +265,63 @@ class _Sketch:
         return self.omegas[part.name]
 
 
+@dataclass
+class _Samples:
+    """Some samples of a batch: their rows on the host, and a gather index on the device (None
+    when they are the whole batch: a slice, no copy); T is the longest of them."""
+
+    rows: tuple[int, ...]
+    index: torch.Tensor | None
+    T: int
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.index is None else t[self.index]
+
+
 class Capture:
     """Hook state for one batch: inputs in the forward, reductions as gradients arrive.
 
-    scale multiplies each sample's output gradient (e.g. from a training loss's share back to
-    the sample's own mean loss)."""
+    Which samples take the core path, and how many tokens each reduction spans, are decided from
+    the lengths on the host, once per batch: the hooks never wait for the device. scale
+    multiplies each sample's output gradient (e.g. from a training loss's share back to the
+    sample's own mean loss)."""
 
     def __init__(
-        self, targets: list[Target], lengths: torch.Tensor, backend: str, sketch: _Sketch | None,
-        metric_names: tuple[str, ...], scale: torch.Tensor | None = None,
+        self, targets: list[Target], lengths: torch.Tensor, policy: Policy | str, sketch: _Sketch | None,
+        metric_names: tuple[str, ...], scale: torch.Tensor | None = None, device: torch.device | str | None = None,
     ) -> None:
         self.targets = targets
-        self.scale = None if scale is None else scale.view(-1, 1, 1)
+        self.policy = Policy.of(policy)
         self.metric_names = metric_names
-        self.lengths = lengths
-        self.backend = backend
+        self.device = torch.device(device) if device is not None else lengths.device
+        self.lengths = lengths.cpu().to(torch.int64)
+        self.device_lengths = self.lengths.to(self.device, non_blocking=True)
+        self.scale = None if scale is None else scale.to(self.device).view(-1, 1, 1)
         self.sketch = sketch
         self.sketched: list[tuple[Part, torch.Tensor, torch.Tensor]] = []  # (part, top-k sigma, ||G||_F^2)
         self.inputs: dict[str, torch.Tensor] = {}
-        self.x_grams: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # input -> (samples, X X^T)
+        self.x_grams: dict[tuple, tuple[_Samples, torch.Tensor]] = {}  # input -> (samples, X X^T)
         # (input, samples, T) -> (X X^T, [(part, D D^T, <D D^T, X X^T>)])
         self.core: dict[tuple, tuple[torch.Tensor, list]] = {}
-        self.materialised: list[tuple[Part, torch.Tensor, torch.Tensor]] = []  # (part, samples, Gram of G)
+        self.materialised: list[tuple[Part, tuple[int, ...], torch.Tensor]] = []  # (part, samples, Gram of G)
         self.measures = False  # whether an eigen stage will be measured on this batch (set by to_host)
+        self._splits: dict[int, tuple[_Samples, _Samples]] = {}
+        self._copies = HostCopies()
+
+    def _samples(self, rows: list[int]) -> _Samples:
+        T = max((int(self.lengths[i]) for i in rows), default=0)
+        whole = rows == list(range(len(self.lengths)))
+        index = None if whole else torch.tensor(rows).to(self.device, non_blocking=True)
+        return _Samples(tuple(rows), index, T)
+
+    def _split(self, n: int) -> tuple[_Samples, _Samples]:
+        """(samples shorter than n tokens, the rest): the core path for a module whose smaller
+        side is n, and the materialised one."""
+        if n not in self._splits:
+            short = (self.lengths < n).tolist()
+            self._splits[n] = (self._samples([i for i, s in enumerate(short) if s]),
+                               self._samples([i for i, s in enumerate(short) if not s]))
+        return self._splits[n]
 
     @contextmanager
     def hooks(self, model: nn.Module) -> Iterator[None]:
@@ -243,35 +351,37 @@ class Capture:
             if self.sketch is not None:
                 s = self.sketch
                 omega = s.omega(part, target.d_in)
-                self.sketched.append((part, *sketch_singular_values(X, D, self.lengths, omega, s.rank, s.power_iters)))
+                self.sketched.append((part, *sketch_singular_values(
+                    X, D, self.device_lengths, omega, s.rank, s.power_iters, self.policy)))
                 continue
-            core = self.lengths < min(target.d_in, part.d_out)
-            if core.any():
-                samples = torch.nonzero(core).flatten()
-                T = int(self.lengths[samples].max())
-                key = (_input_key(X), tuple(samples.tolist()), T)
+            core, materialised = self._split(min(target.d_in, part.d_out))
+            if core.rows:
+                key = (_input_key(X), core.rows, core.T)
                 if key not in self.core:
-                    self.core[key] = (self._x_gram(X, samples, T, target.d_in), [])
+                    self.core[key] = (self._x_gram(X, core, target.d_in), [])
                 B, items = self.core[key]
-                A, inner = segment_gram(D[samples, :T], self.lengths[samples], B, self.backend)
+                A, inner = segment_gram(core.take(D)[:, :core.T], core.take(self.device_lengths), B, self.policy)
                 items.append((part, A, inner))
-            if not core.all():
-                samples = torch.nonzero(~core).flatten()
-                Xs = X[samples].double() * token_mask(self.lengths[samples], X.shape[1], X.device)[..., None]
-                G = D[samples].double().transpose(1, 2) @ Xs  # (n, d_out, d_in)
+            if materialised.rows:
+                dtype, lengths = self.policy.dtype, materialised.take(self.device_lengths)
+                Xs = materialised.take(X).to(dtype) * token_mask(lengths, X.shape[1], X.device)[..., None]
+                G = materialised.take(D).to(dtype).transpose(1, 2) @ Xs  # (n, d_out, d_in)
                 gram = G @ G.transpose(1, 2) if part.d_out <= target.d_in else G.transpose(1, 2) @ G
-                self.materialised.append((part, samples.cpu(), gram))
+                self.materialised.append((part, materialised.rows, gram))
 
-    def _x_gram(self, X: torch.Tensor, samples: torch.Tensor, T: int, d_in: int) -> torch.Tensor:
-        """X X^T for these samples, from one Gram per input shared by all modules that read it."""
+    def _x_gram(self, X: torch.Tensor, core: _Samples, d_in: int) -> torch.Tensor:
+        """X X^T for these samples, from one Gram per input shared by all modules that read it
+        (over every sample shorter than d_in, a superset of any module's core samples)."""
         key = _input_key(X)
         if key not in self.x_grams:
-            wide = torch.nonzero(self.lengths < d_in).flatten()
-            T_all = int(self.lengths[wide].max())
-            self.x_grams[key] = (wide, segment_gram(X[wide, :T_all], self.lengths[wide], backend=self.backend)[0])
+            wide = self._split(d_in)[0]
+            gram = segment_gram(wide.take(X)[:, :wide.T], wide.take(self.device_lengths), policy=self.policy)[0]
+            self.x_grams[key] = (wide, gram)
         wide, gram = self.x_grams[key]
-        rows = torch.searchsorted(wide, samples)
-        return gram[rows, :T, :T]
+        if core.rows != wide.rows:
+            position = {row: k for k, row in enumerate(wide.rows)}
+            gram = gram[torch.tensor([position[r] for r in core.rows]).to(gram.device, non_blocking=True)]
+        return gram[:, :core.T, :core.T]
 
     def to_host(self) -> None:
         """Move what the eigen stage needs on the host to the CPU, on the caller's thread (so the
@@ -279,13 +389,12 @@ class Capture:
         eigen stage runs on the GPU, or is still to be measured, stay there."""
         self.inputs.clear()
         self.x_grams.clear()
-        self.lengths = self.lengths.cpu()
-        copies = _HostCopies()
+        copies = self._copies
         paths = set()
 
         def move_for(grams: torch.Tensor, stage: str):
             """Copies to the host where this stage's eigen path runs there; else leaves tensors be."""
-            path = eigen_path(grams, self.backend, stage)
+            path = eigen_path(grams, self.policy, stage)
             paths.add(path)
             return copies if path == "cpp" else (lambda t: t)
 
@@ -298,6 +407,11 @@ class Capture:
         self.measures = None in paths
         copies.wait()
 
+    def release(self) -> None:
+        """Gives the pinned host buffers back once the eigen stage has read them."""
+        self.core, self.materialised, self.sketched = {}, [], []
+        self._copies.release()
+
     def reduce(self, finite: torch.Tensor, flags: list[set[str]], keep_spectra: bool):
         N = len(self.lengths)
         nan = float("nan")
@@ -305,9 +419,13 @@ class Capture:
                    for t in self.targets for p in t.parts}
         spectra: dict[str, list[np.ndarray]] = {name: [np.zeros(0)] * N for name in metrics} if keep_spectra else {}
 
-        def record(part: Part, samples: list[int], sigma: torch.Tensor, m: torch.Tensor, ok: torch.Tensor) -> None:
+        def record(part: Part, samples: tuple[int, ...], sigma: torch.Tensor, m: torch.Tensor, ok: torch.Tensor,
+                   failed: set[int]) -> None:
             for row, i in enumerate(samples):
                 if not finite[i]:
+                    continue
+                if row in failed:
+                    flags[i].add("eigen_failed")
                     continue
                 if not ok[row]:
                     flags[i].add("nonfinite_gradient")
@@ -322,42 +440,46 @@ class Capture:
         for (_, samples, _), (B, items) in self.core.items():
             A = torch.stack([a for _, a, _ in items], 1)
             ok = _finite_rows(B) & _finite_rows(A)
-            lengths = self.lengths[torch.tensor(samples, device=self.lengths.device)]
-            sigma, m = core_spectra(_zero_rows(B, ok), _zero_rows(A, ok), lengths, self.backend)
+            lengths = self.lengths[list(samples)]
+            terms = max(max(part.d_in, part.d_out) for part, _, _ in items)
+            (sigma, m), failed = _isolating_failures(
+                partial(core_spectra, policy=self.policy, terms=terms), _zero_rows(B, ok), _zero_rows(A, ok), lengths)
             for j, (part, _, inner) in enumerate(items):
-                record(part, list(samples), sigma[:, j], m[:, j], ok)
+                record(part, samples, sigma[:, j], m[:, j], ok, failed)
                 frob2 = m[:, j, METRICS.index("frobenius_norm")] ** 2
-                bad = ok & ~torch.isclose(frob2, inner.double(), rtol=FROBENIUS_CHECK_RTOL, atol=1e-30)
+                bad = ok & ~torch.isclose(frob2, inner.double().cpu(), rtol=FROBENIUS_CHECK_RTOL, atol=1e-30)
                 for row in torch.nonzero(bad).flatten().tolist():
-                    flags[samples[row]].add("frobenius_check_failed")
-        everyone = list(range(N))
+                    if row not in failed:
+                        flags[samples[row]].add("frobenius_check_failed")
+        everyone = tuple(range(N))
         for part, sigma, frob2 in self.sketched:
-            record(part, everyone, sigma, lowrank_metrics(sigma, frob2), torch.isfinite(frob2))
+            record(part, everyone, sigma, lowrank_metrics(sigma, frob2), torch.isfinite(frob2), set())
         for part, samples, gram in self.materialised:
             ok = _finite_rows(gram)
-            sigma, m = gram_spectra(_zero_rows(gram, ok), self.backend)
-            record(part, samples.tolist(), sigma, m, ok)
+            solve = partial(gram_spectra, policy=self.policy, terms=max(part.d_in, part.d_out))
+            (sigma, m), failed = _isolating_failures(solve, _zero_rows(gram, ok))
+            record(part, samples, sigma, m, ok, failed)
         return metrics, spectra
 
 
-class _HostCopies:
-    """Device-to-host copies into pinned memory, all queued before one wait: pinned copies run
-    at full bus speed and overlap each other."""
-
-    def __init__(self) -> None:
-        self.devices: set[torch.device] = set()
-
-    def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        if not t.is_cuda:
-            return t
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        self.devices.add(t.device)
-        return host
-
-    def wait(self) -> None:
-        for device in self.devices:
-            torch.cuda.current_stream(device).synchronize()
+def _isolating_failures(solve, *batched: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], set[int]]:
+    """solve(*batched) -> (sigma, metrics); where it fails even on the host (the eigen stage has
+    retried it there), each sample alone, so that only the samples that fail by themselves are
+    lost: their rows come back in the failed set (and are solved as zeros to keep the shapes)."""
+    try:
+        return solve(*batched), set()
+    except eigen_faults() as error:
+        log.warning("eigen stage failed on a batch of %d (%s: %s); solving its samples one by one",
+                    len(batched[0]), type(error).__name__, error)
+    rows, failed = [], set()
+    for i in range(len(batched[0])):
+        one = tuple(t[i : i + 1] for t in batched)
+        try:
+            rows.append(solve(*one))
+        except eigen_faults():
+            failed.add(i)
+            rows.append(solve(*(torch.zeros_like(t) if t.is_floating_point() else t for t in one)))
+    return (torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])), failed
 
 
 def _input_key(X: torch.Tensor) -> tuple:

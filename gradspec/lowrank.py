@@ -6,8 +6,8 @@ The top singular values (so the spectral norm) come out close to exact; the nucl
 effective rank see only the top k and are biased low (measured on SmolLM2 in benchmarks/RESULTS.md),
 which is why this mode is opt-in and never the default. ||G||_F is exact, so the stable rank is
 too, and ``topk_energy`` (sum of the top-k sigma^2 over ||G||_F^2) says how much the top k hold.
-Every product over tokens is a per-sample A^T B (``spectral.segment_tdot``: a Triton kernel or
-torch on a GPU, whichever is measured faster).
+Every product over tokens is a per-sample A^T B (``spectral.segment_tdot``) at the policy's
+precision (gradspec.policy); the small factorisations are always fp64.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .metrics import METRICS, metrics_from_singular_values
+from .policy import Policy
 from .spectral import segment_gram, segment_tdot
 
 LOWRANK_METRICS: tuple[str, ...] = METRICS + ("topk_energy",)
@@ -29,19 +30,18 @@ def sketch_matrix(d_in: int, d_out: int, rank: int, seed: int) -> torch.Tensor:
 
 
 def sketch_singular_values(
-    X: torch.Tensor, D: torch.Tensor, lengths: torch.Tensor, omega: torch.Tensor, rank: int, power_iters: int
+    X: torch.Tensor, D: torch.Tensor, lengths: torch.Tensor, omega: torch.Tensor, rank: int, power_iters: int,
+    policy: Policy | str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """X (N, T, d_in), D (N, T, d_out), omega (d_in, k) -> top-`rank` singular values of each
-    D_i^T X_i (N, rank) and the exact ||D_i^T X_i||_F^2 (N,), in fp64.
-
-    The products over tokens run in fp64 on the CPU and in fp32 on a GPU (no fp64 copies of
-    X and D there); the small factorisations always in fp64.
+    """X (N, T, d_in), D (N, T, d_out), omega (d_in, k), lengths on X's device -> top-`rank`
+    singular values of each D_i^T X_i (N, rank) and the exact ||D_i^T X_i||_F^2 (N,), in fp64.
     """
-    wide = torch.float64 if X.device.type == "cpu" else torch.float32
+    policy = Policy.of(policy)
+    wide = policy.dtype
     X, D = X.to(wide), D.to(wide)
 
     def tdot(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-        return segment_tdot(A, B, lengths).double()
+        return segment_tdot(A, B, lengths, policy).double()
 
     Y = tdot(D, X @ omega.to(X))  # G Omega = D^T (X Omega): (N, d_out, k)
     for _ in range(power_iters):
@@ -51,7 +51,7 @@ def sketch_singular_values(
     Q = torch.linalg.qr(Y).Q
     sigma = torch.linalg.svdvals(tdot(D @ Q.to(wide), X))[:, :rank]  # of Q^T G = (D Q)^T X: (N, k, d_in)
     if X.shape[1] < min(X.shape[-1], D.shape[-1]):  # ||G||_F^2 = <D D^T, X X^T>, cheaper than G when T is small
-        frob2 = segment_gram(D, lengths, segment_gram(X, lengths)[0])[1].double()
+        frob2 = segment_gram(D, lengths, segment_gram(X, lengths, policy=policy)[0], policy)[1].double()
     else:
         frob2 = tdot(D, X).square().sum((1, 2))
     return sigma.cpu(), frob2.cpu()

@@ -14,6 +14,8 @@ METRICS: tuple[str, ...] = (
     "sigma1_ratio",
 )
 
+EPS64 = torch.finfo(torch.float64).eps
+
 # Below this nuclear norm the ratios are undefined: they come out NaN and the row is flagged.
 ZERO_NUCLEAR_NORM = 1e-12
 
@@ -49,12 +51,18 @@ def metrics_dict(row: torch.Tensor, names: tuple[str, ...] = METRICS) -> dict[st
     return dict(zip(names, row.tolist(), strict=True))
 
 
-def singular_values_from_gram_eigenvalues(eigenvalues: torch.Tensor) -> torch.Tensor:
-    """Eigenvalues of G G^T (any order) -> singular values of G, descending.
+def eigenvalue_cutoff(lam: torch.Tensor, n: int | torch.Tensor, eps: float = EPS64, terms: int = 0) -> torch.Tensor:
+    """max(n, terms) * eps * max(lam): below it, an eigenvalue of an n x n Gram whose entries are
+    sums of `terms` products formed at precision eps is that Gram's rounding, not spectrum (a
+    sum of k products is off by up to k * eps of its size). The rule of csrc/spectral.cpp too."""
+    return torch.clamp(torch.as_tensor(n), min=terms) * eps * lam.amax(-1, keepdim=True).clamp_min(0)
 
-    Eigenvalues below n * eps * max are rounding noise of the Gram and count as zero.
-    """
+
+def singular_values_from_gram_eigenvalues(
+    eigenvalues: torch.Tensor, eps: float = EPS64, terms: int = 0
+) -> torch.Tensor:
+    """Eigenvalues of G G^T (any order) -> singular values of G, descending; eigenvalues below
+    the cut-off count as zero."""
     lam = eigenvalues.to(torch.float64)
-    n = lam.shape[-1]
-    cutoff = n * torch.finfo(torch.float64).eps * lam.amax(-1, keepdim=True).clamp_min(0)
-    return torch.where(lam > cutoff, lam, 0.0).sqrt().sort(dim=-1, descending=True).values
+    return torch.where(lam > eigenvalue_cutoff(lam, lam.shape[-1], eps, terms), lam, 0.0).sqrt().sort(
+        dim=-1, descending=True).values

@@ -1,17 +1,19 @@
 """Batched spectra of per-sample gradients from small symmetric Grams.
 
-Each entry point has the C++ extension (gradspec._C: LAPACK via SciPy, threads over the
-batch) and a torch fallback that gives the same numbers:
+Four stages (gradspec.policy.STAGES), each with paths that give the same numbers at one precision:
 
-- ``segment_gram``: the per-sample Grams X X^T and D D^T (on CUDA: the Triton kernel or torch);
-- ``gram_spectra``: from Grams of the materialised G (used when d_in or d_out is the smallest size);
-- ``core_spectra``: from B = X X^T and A = D D^T, T x T (used when the token count is smallest).
+- ``segment_gram``: per-sample Grams X X^T and D D^T: the C++ extension's dsyrk (host, fp64),
+  torch (at the policy's precision) or the Triton kernel (fp32 accumulation: fp32 policy only);
+- ``segment_tdot``: the low-rank sketch's per-sample A^T B: torch, or the Triton kernel (fp32 only);
+- ``gram_spectra``: spectra from Grams of the materialised G (d_in or d_out the smallest size);
+- ``core_spectra``: spectra from B = X X^T and A = D D^T, T x T (the token count the smallest).
+  The eigen stages solve in fp64 with the extension on the host (LAPACK, threads over the
+  batch), torch on the Grams' device (cuSOLVER's batched eigensolver since torch 2.12) or CuPy.
 
-On CUDA under backend "auto", each of them runs the path measured fastest for its size
-(``DISPATCH``): for the eigen stages, the extension on the host's cores (fed by a copy), torch
-on the GPU (cuSOLVER's batched eigensolver at every size since torch 2.12, pytorch#175403;
-before that a loop over the matrices for n > 32) or, when CuPy is installed, cuSOLVER's batched
-Jacobi through CuPy; for the Grams, the Triton kernel or torch. "cpp" and "torch" force a path.
+Which path runs is the policy's (gradspec.policy): forced, else measured on a GPU, else the first
+of a fixed preference, so CPU reruns are bit-identical. An eigen stage that fails (out of
+memory, a solver that does not converge) is solved again on the host; the caller isolates
+what still fails.
 """
 
 from __future__ import annotations
@@ -19,21 +21,25 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache, partial
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
 from threadpoolctl import ThreadpoolController
 
 from . import kernels
+from .blas_threads import OneBlasThread
 from .dispatch import Fastest, size_bucket
-from .metrics import metrics_from_singular_values, singular_values_from_gram_eigenvalues
+from .metrics import EPS64, eigenvalue_cutoff, metrics_from_singular_values, singular_values_from_gram_eigenvalues
+from .policy import Policy
 
 log = logging.getLogger("gradspec")
+T = TypeVar("T")
 
 
 def _capsule_address(capsule) -> int:
@@ -80,88 +86,17 @@ def _load_extension():
 
 _C = _load_extension()
 HAS_EXTENSION = _C is not None
-# The extension parallelises over the batch; BLAS threads inside each task would oversubscribe
-# the cores (measured 4x slower on 2 cores), so SciPy's BLAS runs single-threaded during a call
-# (the extension does the same for MKL on its own threads).
-_BLAS = ThreadpoolController() if HAS_EXTENSION else None
+# SciPy's BLAS at one thread while the extension runs (see gradspec.blas_threads).
+ONE_BLAS_THREAD = OneBlasThread(ThreadpoolController() if HAS_EXTENSION else None)
 
 
-# On CUDA, the fastest path per (stage, size bucket), measured on the first batch that needs it.
+# On a GPU, the fastest path per (stage, precision, size bucket), measured on the first batch that needs it.
 DISPATCH = Fastest()
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def default_threads() -> int:
     return int(os.environ.get("GRADSPEC_THREADS", 0)) or torch.get_num_threads()
-
-
-def _use_extension(backend: str) -> bool:
-    if backend == "torch":
-        return False
-    if backend == "cpp":
-        if not HAS_EXTENSION:
-            raise RuntimeError("gradspec._C is not built: reinstall gradspec (pip install -e .)")
-        return True
-    if backend != "auto":
-        raise ValueError(f"backend must be 'auto', 'cpp' or 'torch', got {backend!r}")
-    return HAS_EXTENSION
-
-
-def segment_gram(
-    Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None = None, backend: str = "auto"
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-sample Gram Y_i Y_i^T over valid tokens (N, T, T), and <Gram_i, other_i> when other is given.
-
-    CUDA: the Triton kernel (fp32 accumulation) or torch's fp64 path, whichever is measured
-    faster for the shape ("torch" forces the latter). CPU: the extension's dsyrk in fp64 (half
-    a GEMM's work, none on padding), else the fp64 torch reference.
-    """
-    if _on_gpu(Y):
-        run_torch = partial(kernels.segment_gram_torch, Y, lengths, other)
-        if backend == "torch":
-            return run_torch()
-        triton_path = partial(kernels.segment_gram_triton, Y, lengths, other)
-        return _kernel_or_torch("segment_gram", Y, (Y.shape[2], other is not None), triton_path, run_torch)
-    if not _use_extension(backend):
-        return kernels.segment_gram_torch(Y, lengths, other)
-    Y = Y.detach() if Y.dtype in (torch.float32, torch.float64) else Y.detach().float()
-    with _BLAS.limit(limits=1, user_api="blas"):
-        gram = torch.from_numpy(_C.segment_gram(Y.numpy(), lengths.to(torch.int64).numpy(), default_threads()))
-    return gram, None if other is None else (gram * other.to(gram)).sum((1, 2))
-
-
-def segment_tdot(A: torch.Tensor, B: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Per-sample A_i^T B_i over valid tokens, (N, p, q): on CUDA the Triton kernel or torch's
-    fp64 path, whichever is measured faster for the shape; elsewhere torch."""
-    run_torch = partial(kernels.segment_tdot_torch, A, B, lengths)
-    if not _on_gpu(A):
-        return run_torch()
-    triton_path = partial(kernels.segment_tdot_triton, A, B, lengths)
-    return _kernel_or_torch("segment_tdot", A, (A.shape[2], B.shape[2]), triton_path, run_torch)
-
-
-def _kernel_or_torch(stage: str, t: torch.Tensor, shape: tuple, run_triton: Callable, run_torch: Callable):
-    """A Triton kernel or its torch equivalent, whichever is measured faster for this token count
-    (bucketed) and shape; torch where Triton is not installed."""
-    if kernels.triton is None:
-        return run_torch()
-    key = (stage, size_bucket(t.shape[1]), *shape)
-    return DISPATCH.run(key, {"triton": run_triton, "torch": run_torch}, _sync(t))
-
-
-def eigen_path(grams: torch.Tensor, backend: str, stage: str) -> str | None:
-    """Where this eigen stage will run: "cpp" (the extension, on the host), "torch" or "cupy" (on
-    the Grams' device), or None while it is still to be measured. The engine copies the Grams of
-    "cpp" stages off the GPU early, on its own thread; the others stay where they are."""
-    paths = _eigen_paths(grams, backend)
-    return paths[0] if len(paths) == 1 else DISPATCH.choice(_eigen_key(stage, grams))
-
-
-def _eigen_paths(grams: torch.Tensor, backend: str) -> list[str]:
-    if backend == "torch":
-        return ["torch"]
-    if backend == "cpp" or not _on_gpu(grams):
-        return ["cpp"] if _use_extension(backend) else ["torch"]
-    return ["torch"] + ["cupy"] * (_cupy_eigen() is not None) + ["cpp"] * HAS_EXTENSION
 
 
 def _on_gpu(t: torch.Tensor) -> bool:
@@ -174,8 +109,90 @@ def _sync(t: torch.Tensor) -> Callable[[], None]:
     return partial(torch.cuda.synchronize, t.device) if t.is_cuda else (lambda: None)
 
 
-def _eigen_key(stage: str, grams: torch.Tensor) -> tuple:
-    return (stage, size_bucket(grams.shape[-1]))
+def paths(stage: str, t: torch.Tensor, policy: Policy) -> list[str]:
+    """The paths this stage has for t at the policy's precision, preferred first."""
+    fp64 = policy.precision == "fp64"
+    triton_here = kernels.triton is not None and not fp64 and (t.is_cuda or TRITON_INTERPRETED)
+    if stage == "segment_gram":
+        found = ["cpp"] * (fp64 and HAS_EXTENSION and not t.is_cuda) + ["torch"] + ["triton"] * triton_here
+    elif stage == "segment_tdot":
+        found = ["torch"] + ["triton"] * triton_here
+    else:
+        found = ["cpp"] * HAS_EXTENSION + ["torch"] + ["cupy"] * (_on_gpu(t) and _cupy_eigen() is not None)
+    if policy.backend == "cpp" and not HAS_EXTENSION and stage in ("core", "gram"):
+        raise RuntimeError("gradspec._C is not built: reinstall gradspec (pip install -e .)")
+    return found
+
+
+def _key(stage: str, t: torch.Tensor, policy: Policy, shape: tuple) -> tuple:
+    return (stage, policy.precision, *shape)
+
+
+def chosen_path(stage: str, t: torch.Tensor, policy: Policy, shape: tuple) -> str | None:
+    """The path this stage will take for t: forced, the only one, the CPU's preference or the
+    measured winner; None while it is still to be measured."""
+    found = paths(stage, t, policy)
+    name = policy.wanted(stage, found)
+    if name is not None:
+        return name
+    if len(found) == 1 or not _on_gpu(t):
+        return found[0]
+    return DISPATCH.choice(_key(stage, t, policy, shape))
+
+
+def _run(stage: str, t: torch.Tensor, policy: Policy, shape: tuple, calls: dict[str, Callable[[], T]]) -> T:
+    """The chosen path's result, measuring the candidates first where the choice is open."""
+    name = chosen_path(stage, t, policy, shape)
+    if name is None:
+        key = _key(stage, t, policy, shape)
+        result = DISPATCH.run(key, {p: calls[p] for p in paths(stage, t, policy)}, _sync(t))
+        name = DISPATCH.choice(key)
+    else:
+        result = calls[name]()
+    policy.record(stage, name)
+    return result
+
+
+def segment_gram(
+    Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None = None, policy: Policy | str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-sample Gram Y_i Y_i^T over valid tokens (N, T, T) in the policy's precision, and
+    <Gram_i, other_i> when other is given. lengths lie on Y's device (the host copy for the
+    extension is then free, or the caller's own once per batch)."""
+    policy = Policy.of(policy)
+    dtype = policy.dtype
+    calls = {
+        "cpp": partial(_segment_gram_cpp, Y, lengths, other),
+        "torch": partial(kernels.segment_gram_torch, Y, lengths, other, dtype),
+        "triton": partial(kernels.segment_gram_triton, Y, lengths, other),
+    }
+    return _run("segment_gram", Y, policy, (size_bucket(Y.shape[1]), Y.shape[2], other is not None), calls)
+
+
+def _segment_gram_cpp(Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None):
+    Y = Y.detach() if Y.dtype in (torch.float32, torch.float64) else Y.detach().float()
+    with ONE_BLAS_THREAD():
+        gram = torch.from_numpy(_C.segment_gram(Y.numpy(), lengths.cpu().to(torch.int64).numpy(), default_threads()))
+    return gram, None if other is None else (gram * other.to(gram)).sum((1, 2))
+
+
+def segment_tdot(
+    A: torch.Tensor, B: torch.Tensor, lengths: torch.Tensor, policy: Policy | str = "auto"
+) -> torch.Tensor:
+    """Per-sample A_i^T B_i over valid tokens, (N, p, q), in the policy's precision."""
+    policy = Policy.of(policy)
+    calls = {
+        "torch": partial(kernels.segment_tdot_torch, A, B, lengths, policy.dtype),
+        "triton": partial(kernels.segment_tdot_triton, A, B, lengths),
+    }
+    return _run("segment_tdot", A, policy, (size_bucket(A.shape[1]), A.shape[2], B.shape[2]), calls)
+
+
+def eigen_path(grams: torch.Tensor, policy: Policy | str, stage: str) -> str | None:
+    """Where this eigen stage will run: "cpp" (the extension, on the host), "torch" or "cupy" (on
+    the Grams' device), or None while it is still to be measured. The engine copies the Grams of
+    "cpp" stages off the GPU early, on its own thread; the others stay where they are."""
+    return chosen_path(stage, grams, Policy.of(policy), (size_bucket(grams.shape[-1]),))
 
 
 class Eigensolver(NamedTuple):
@@ -219,73 +236,109 @@ def eigensolver_via(cupy) -> Eigensolver:
     return Eigensolver(eigh, eigvalsh)
 
 
-def _eigen_stage(stage: str, grams: torch.Tensor, backend: str, run_cpp: Callable, run_device: Callable):
-    """run_cpp() on the host, or run_device(eigensolver) where the Grams are: the one path there
-    is, or the fastest, measured on first use per size. Out of GPU memory (the next batch's
-    forward shares it), a measured stage falls back to the host for this call."""
-    calls = {"cpp": run_cpp, "torch": partial(run_device, TORCH_EIGEN), "cupy": lambda: run_device(_cupy_eigen())}
-    paths = _eigen_paths(grams, backend)
-    if len(paths) == 1:
-        return calls[paths[0]]()
+def eigen_faults() -> tuple[type[BaseException], ...]:
+    """What an eigen path raises when it fails on its input or its device, not on a bug: out of
+    (GPU) memory, a solver that does not converge (LAPACK info > 0, torch's or NumPy's LinAlgError)."""
+    faults: list[type[BaseException]] = [torch.OutOfMemoryError, torch.linalg.LinAlgError, np.linalg.LinAlgError]
+    if HAS_EXTENSION:
+        faults.append(_C.LapackError)
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        faults.append(cupy.cuda.memory.OutOfMemoryError)
+    return tuple(faults)
+
+
+def _eigen_stage(stage: str, tensors: tuple, policy: Policy, on_host: Callable, on_device: Callable):
+    """on_host(*tensors) through the extension, or on_device(eigensolver, *tensors) where they lie:
+    the policy's path. A path that fails (eigen_faults) is retried on the host, by the extension
+    and then by torch; what fails there too is raised, for the caller to isolate."""
+    calls = {"cpp": partial(on_host, *tensors), "torch": partial(on_device, TORCH_EIGEN, *tensors),
+             "cupy": lambda: on_device(_cupy_eigen(), *tensors)}
     try:
-        return DISPATCH.run(_eigen_key(stage, grams), {p: calls[p] for p in paths}, _sync(grams))
-    except torch.OutOfMemoryError:
-        if "cpp" not in paths:
-            raise
-        log.warning("out of GPU memory in the %s eigen stage (n = %d); solved on the host", stage, grams.shape[-1])
+        return _run(stage, tensors[0], policy, (size_bucket(tensors[0].shape[-1]),), calls)
+    except eigen_faults() as error:
+        failure = error
+    if tensors[0].is_cuda:
         torch.cuda.empty_cache()
-        return run_cpp()
+    host = tuple(t.cpu() for t in tensors)
+    retries = {"cpp": partial(on_host, *host)} if HAS_EXTENSION else {}
+    retries["torch"] = partial(on_device, TORCH_EIGEN, *host)
+    for name, retry in retries.items():
+        try:
+            result = retry()
+        except eigen_faults() as error:
+            failure = error
+            continue
+        log.warning("%s eigen stage (%d matrices, n = %d) failed (%s: %s); solved on the host by %s", stage,
+                    tensors[0].shape[0], tensors[0].shape[-1], type(failure).__name__, failure, name)
+        policy.record(stage, name)
+        return result
+    raise failure
 
 
-def gram_spectra(grams: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, n, n) Grams of G -> singular values of G (N, n) descending, metrics (N, n_metrics), on the CPU."""
-    return _eigen_stage("gram", grams, backend, partial(_gram_cpp, grams), partial(_gram_device, grams))
+def gram_spectra(
+    grams: torch.Tensor, policy: Policy | str = "auto", terms: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, n, n) Grams of G -> singular values of G (N, n) descending, metrics (N, n_metrics), on the CPU.
+    Eigenvalues below max(n, terms) * eps * max are the Grams' rounding (eps: the policy's
+    precision; terms: the length of the sums that formed G and its Grams)."""
+    policy = Policy.of(policy)
+    return _eigen_stage("gram", (grams,), policy, partial(_gram_cpp, eps=policy.eps, terms=terms),
+                        partial(_gram_device, eps=policy.eps, terms=terms))
 
 
-def _gram_cpp(grams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    with _BLAS.limit(limits=1, user_api="blas"):
-        sigma, metrics = _C.gram_spectra(_as_numpy(grams), default_threads())
+def _gram_cpp(grams: torch.Tensor, eps: float, terms: int) -> tuple[torch.Tensor, torch.Tensor]:
+    with ONE_BLAS_THREAD():
+        sigma, metrics = _C.gram_spectra(_as_numpy(grams), default_threads(), eps, terms)
     return torch.from_numpy(sigma), torch.from_numpy(metrics)
 
 
-def _gram_device(grams: torch.Tensor, eigen: Eigensolver) -> tuple[torch.Tensor, torch.Tensor]:
-    sigma = singular_values_from_gram_eigenvalues(eigen.eigvalsh(grams.double()))
+def _gram_device(
+    eigen: Eigensolver, grams: torch.Tensor, eps: float = EPS64, terms: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    sigma = singular_values_from_gram_eigenvalues(eigen.eigvalsh(grams.double()), eps, terms)
     return sigma.cpu(), metrics_from_singular_values(sigma).cpu()
 
 
 def core_spectra(
-    B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor | None = None, backend: str = "auto"
+    B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor | None = None, policy: Policy | str = "auto",
+    terms: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """B = X X^T (N, T, T) and A_j = D_j D_j^T (N, M, T, T) -> sigma (N, M, T), metrics (N, M, n_metrics), on the CPU.
 
     For any F with B = F F^T, the singular values of D_j^T X are the square roots of the
-    eigenvalues of F^T A_j F. The extension takes F from a pivoted Cholesky; the torch path
-    from B's eigendecomposition, F = U L^(1/2), dropping directions below n * eps * max(L).
-    ``lengths`` (N,) are the tokens per sample: beyond them B and A are zero padding, which
-    the extension skips (the torch path computes through it: same result, more work).
+    eigenvalues of F^T A_j F. The extension takes F from a pivoted Cholesky; the device paths
+    from B's eigendecomposition, F = U L^(1/2); both drop directions below max(n, terms) * eps
+    * max (eps: the policy's precision; terms: the feature sizes the Grams summed over).
+    ``lengths`` (N,) are the tokens per sample: beyond them B and
+    A are zero padding, which the extension skips (the device paths compute through it).
     """
+    policy = Policy.of(policy)
     if lengths is None:
         lengths = torch.full((B.shape[0],), B.shape[-1], dtype=torch.int64)
-    return _eigen_stage("core", B, backend, partial(_core_cpp, B, A, lengths), partial(_core_device, B, A, lengths))
+    return _eigen_stage("core", (B, A, lengths), policy, partial(_core_cpp, eps=policy.eps, terms=terms),
+                        partial(_core_device, eps=policy.eps, terms=terms))
 
 
-def _core_cpp(B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    with _BLAS.limit(limits=1, user_api="blas"):
+def _core_cpp(
+    B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor, eps: float, terms: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    with ONE_BLAS_THREAD():
         sigma, metrics = _C.core_spectra(
-            _as_numpy(B), _as_numpy(A), lengths.cpu().to(torch.int64).numpy(), default_threads()
+            _as_numpy(B), _as_numpy(A), lengths.cpu().to(torch.int64).numpy(), default_threads(), eps, terms
         )
     return torch.from_numpy(sigma), torch.from_numpy(metrics)
 
 
 def _core_device(
-    B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor, eigen: Eigensolver
+    eigen: Eigensolver, B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor, eps: float = EPS64, terms: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, A = B.double(), A.double()
     lam, U = eigen.eigh(B)
-    cutoff = lengths.to(B.device)[:, None] * torch.finfo(torch.float64).eps * lam.amax(-1, keepdim=True).clamp_min(0)
-    F = U * torch.where(lam > cutoff, lam, 0.0).sqrt().unsqueeze(-2)
+    keep = lam > eigenvalue_cutoff(lam, lengths.to(B.device)[:, None], eps, terms)
+    F = U * torch.where(keep, lam, 0.0).sqrt().unsqueeze(-2)
     core = F.unsqueeze(1).transpose(-1, -2) @ A @ F.unsqueeze(1)
-    sigma = singular_values_from_gram_eigenvalues(eigen.eigvalsh(core))
+    sigma = singular_values_from_gram_eigenvalues(eigen.eigvalsh(core), eps, terms)
     return sigma.cpu(), metrics_from_singular_values(sigma).cpu()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from .launch import launch
 from .segment_gram import triton
 
 if triton is not None:
@@ -66,5 +67,5 @@ def jacobi_eigvalsh_triton(A: torch.Tensor, sweeps: int = 10) -> torch.Tensor:
     padded[:, :n, :n] = A
     padded.diagonal(dim1=1, dim2=2)[:, n:] = sentinel
     out = torch.empty((B, block), device=A.device, dtype=A.dtype)
-    _jacobi_kernel[(B,)](padded, out, sweeps, BLOCK=block)
+    launch(_jacobi_kernel, (B,), padded, out, sweeps, BLOCK=block)
     return out.sort(dim=1).values[:, block - n:]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .launch import launch
+
 try:
     import triton
     import triton.language as tl
@@ -24,11 +26,12 @@ def token_mask(lengths: torch.Tensor, T: int, device: torch.device | str) -> tor
 
 
 def segment_gram_torch(
-    Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None = None
+    Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None = None, dtype: torch.dtype = torch.float64
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Y (N, T, d), lengths (N,) -> Gram (N, T, T) in fp64, zero beyond each length; inner (N,) or None."""
+    """Y (N, T, d), lengths (N,) -> Gram (N, T, T) in dtype (fp64: the reference), zero beyond each
+    length; inner (N,) or None."""
     T = Y.shape[1]
-    Yv = Y.to(torch.float64) * token_mask(lengths, T, Y.device)[..., None]
+    Yv = Y.to(dtype) * token_mask(lengths, T, Y.device)[..., None]
     gram = Yv @ Yv.transpose(1, 2)
     inner = None if other is None else (gram * other.to(gram)).sum((1, 2))
     return gram, inner
@@ -85,7 +88,8 @@ def segment_gram_triton(
     gram = torch.empty((N, T, T), device=Y.device, dtype=torch.float32)
     partial = torch.zeros((N, n_tiles, n_tiles), device=Y.device, dtype=torch.float32)
     other32 = None if other is None else other.to(torch.float32).contiguous()
-    _segment_gram_kernel[(N, n_tiles, n_tiles)](
+    launch(
+        _segment_gram_kernel, (N, n_tiles, n_tiles),
         Y, lengths.to(device=Y.device, dtype=torch.int32).contiguous(), gram,
         other32 if other32 is not None else gram, partial,
         T, d, n_tiles, Y.stride(0), Y.stride(1), Y.stride(2),

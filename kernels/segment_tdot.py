@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .launch import launch
 from .segment_gram import token_mask, triton
 
 if triton is not None:
@@ -39,10 +40,13 @@ if triton is not None:
                  mask=(rows[:, None] < p) & (cols[None, :] < q))
 
 
-def segment_tdot_torch(A: torch.Tensor, B: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """A (N, T, p), B (N, T, q), lengths (N,) -> sum over t < length_i of A[i, t]^T B[i, t], (N, p, q) in fp64."""
+def segment_tdot_torch(
+    A: torch.Tensor, B: torch.Tensor, lengths: torch.Tensor, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
+    """A (N, T, p), B (N, T, q), lengths (N,) -> sum over t < length_i of A[i, t]^T B[i, t], (N, p, q) in
+    dtype (fp64: the reference)."""
     valid = token_mask(lengths, A.shape[1], A.device)[..., None]
-    return (A.double() * valid).transpose(1, 2) @ B.double()
+    return (A.to(dtype) * valid).transpose(1, 2) @ B.to(dtype)
 
 
 def segment_tdot_triton(
@@ -55,8 +59,8 @@ def segment_tdot_triton(
     q = B.shape[2]
     out = torch.empty((N, p, q), device=A.device, dtype=torch.float32)
     grid = (N, triton.cdiv(p, block_p), triton.cdiv(q, block_q))
-    _segment_tdot_kernel[grid](
-        A, B, lengths.to(device=A.device, dtype=torch.int32).contiguous(), out, p, q,
+    launch(
+        _segment_tdot_kernel, grid, A, B, lengths.to(device=A.device, dtype=torch.int32).contiguous(), out, p, q,
         A.stride(0), A.stride(1), A.stride(2), B.stride(0), B.stride(1), B.stride(2),
         BLOCK_T=block_t, BLOCK_P=block_p, BLOCK_Q=block_q,
     )

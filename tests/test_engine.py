@@ -49,10 +49,28 @@ def test_cpp_and_torch_backends_agree():
         torch.testing.assert_close(a.metrics[name], b.metrics[name], rtol=1e-6, atol=1e-12)
 
 
-def test_parameters_stay_frozen_and_gradless():
-    model = tiny_model("llama", vocab=VOCAB)
-    SpectralEngine(model, "attn").score(*padded_batch(random_sequences([9, 20], VOCAB)))
-    assert all(not p.requires_grad and p.grad is None for p in model.parameters())
+def test_the_model_is_left_as_it_was_found():
+    """Built and used inside a training script: modes, requires_grad flags and .grad buffers
+    stay as they were (a mixed state included), and scoring works under no_grad too."""
+    model = tiny_model("llama", vocab=VOCAB).train()
+    model.model.layers[1].eval()  # a mixed state: one submodule in eval mode
+    model.lm_head.requires_grad_(False)  # some parameters frozen, the rest trainable
+    before_grad = torch.ones_like(model.model.norm.weight)
+    model.model.norm.weight.grad = before_grad.clone()
+    modes = {name: m.training for name, m in model.named_modules()}
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    engine = SpectralEngine(model, "attn")
+    assert {name: m.training for name, m in model.named_modules()} == modes  # building changes nothing
+    batch = padded_batch(random_sequences([9, 20], VOCAB))
+    first = engine.score(*batch)
+    with torch.no_grad():
+        again = engine.score(*batch)
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+    assert torch.equal(model.model.norm.weight.grad, before_grad)
+    assert all(p.grad is None for name, p in model.named_parameters() if name != "model.norm.weight")
+    for name in first.metrics:  # eval mode inside: dropout-free, the same numbers each time
+        torch.testing.assert_close(first.metrics[name], again.metrics[name], rtol=0, atol=0)
 
 
 def test_nonfinite_loss_is_flagged_and_others_kept():
