@@ -7,6 +7,7 @@ import os
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .parts import Shard
@@ -20,10 +21,14 @@ def torchrun_shard() -> Shard | None:
     return Shard(int(os.environ["RANK"]), world) if world > 1 else None
 
 
-def local_device(device: str) -> str:
-    """A bare 'cuda' means this process's own GPU under torchrun."""
+def bind_device(device: str) -> str:
+    """Under torchrun a bare 'cuda' means this process's own GPU, which is made current here,
+    once, before the model loads: library calls that use the current device (Triton launches,
+    CuPy, torch.cuda.*) then see this rank's GPU, not GPU 0."""
     if device == "cuda" and "LOCAL_RANK" in os.environ:
-        return f"cuda:{os.environ['LOCAL_RANK']}"
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        return f"cuda:{local}"
     return device
 
 

@@ -258,10 +258,13 @@ class _Sketch:
         self.rank, self.power_iters, self.seed = rank, power_iters, seed
         self.omegas: dict[str, torch.Tensor] = {}
 
-    def omega(self, part: Part, d_in: int) -> torch.Tensor:
+    def omega(self, part: Part, d_in: int, device: torch.device) -> torch.Tensor:
+        """The part's Omega on device (made and copied there once, not per batch)."""
         if part.name not in self.omegas:
             seed = self.seed * 1_000_003 + len(self.omegas)
             self.omegas[part.name] = sketch_matrix(d_in, part.d_out, self.rank, seed)
+        if self.omegas[part.name].device != device:
+            self.omegas[part.name] = self.omegas[part.name].to(device)
         return self.omegas[part.name]
 
 
@@ -350,7 +353,7 @@ class Capture:
             D = grad[..., part.start : part.start + part.d_out]
             if self.sketch is not None:
                 s = self.sketch
-                omega = s.omega(part, target.d_in)
+                omega = s.omega(part, target.d_in, X.device)
                 self.sketched.append((part, *sketch_singular_values(
                     X, D, self.device_lengths, omega, s.rank, s.power_iters, self.policy)))
                 continue
@@ -404,6 +407,7 @@ class Capture:
             core[key] = (move(B), [(part, move(A), copies(inner)) for part, A, inner in items])
         self.core = core
         self.materialised = [(part, samples, move_for(gram, "gram")(gram)) for part, samples, gram in self.materialised]
+        self.sketched = [(part, copies(sigma), copies(frob2)) for part, sigma, frob2 in self.sketched]
         self.measures = None in paths
         copies.wait()
 
@@ -465,21 +469,25 @@ class Capture:
 def _isolating_failures(solve, *batched: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], set[int]]:
     """solve(*batched) -> (sigma, metrics); where it fails even on the host (the eigen stage has
     retried it there), each sample alone, so that only the samples that fail by themselves are
-    lost: their rows come back in the failed set (and are solved as zeros to keep the shapes)."""
+    lost: their rows come back in the failed set, with zero sigma and NaN metrics."""
     try:
         return solve(*batched), set()
     except eigen_faults() as error:
         log.warning("eigen stage failed on a batch of %d (%s: %s); solving its samples one by one",
                     len(batched[0]), type(error).__name__, error)
-    rows, failed = [], set()
+    # sigma is (1, ..., n) per sample: the Grams' shape less one side (A's for the core, G's Gram's)
+    sigma_shape = [t for t in batched if t.is_floating_point()][-1].shape[1:-1]
+    sigmas, metrics, failed = [], [], set()
     for i in range(len(batched[0])):
-        one = tuple(t[i : i + 1] for t in batched)
         try:
-            rows.append(solve(*one))
+            sigma, m = solve(*(t[i : i + 1] for t in batched))
         except eigen_faults():
             failed.add(i)
-            rows.append(solve(*(torch.zeros_like(t) if t.is_floating_point() else t for t in one)))
-    return (torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])), failed
+            sigma = torch.zeros(1, *sigma_shape, dtype=torch.float64)
+            m = torch.full((1, *sigma_shape[:-1], len(METRICS)), float("nan"), dtype=torch.float64)
+        sigmas.append(sigma)
+        metrics.append(m)
+    return (torch.cat(sigmas), torch.cat(metrics)), failed
 
 
 def _input_key(X: torch.Tensor) -> tuple:

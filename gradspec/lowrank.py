@@ -34,7 +34,8 @@ def sketch_singular_values(
     policy: Policy | str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """X (N, T, d_in), D (N, T, d_out), omega (d_in, k), lengths on X's device -> top-`rank`
-    singular values of each D_i^T X_i (N, rank) and the exact ||D_i^T X_i||_F^2 (N,), in fp64.
+    singular values of each D_i^T X_i (N, rank) and the exact ||D_i^T X_i||_F^2 (N,), in fp64,
+    on X's device (the caller copies them to the host with the batch's other results).
     """
     policy = Policy.of(policy)
     wide = policy.dtype
@@ -54,7 +55,7 @@ def sketch_singular_values(
         frob2 = segment_gram(D, lengths, segment_gram(X, lengths, policy=policy)[0], policy)[1].double()
     else:
         frob2 = tdot(D, X).square().sum((1, 2))
-    return sigma.cpu(), frob2.cpu()
+    return sigma, frob2
 
 
 def lowrank_metrics(sigma: torch.Tensor, frob2: torch.Tensor) -> torch.Tensor:

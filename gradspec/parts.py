@@ -140,6 +140,7 @@ class RunFolder:
             raise RuntimeError(f"{self.path}: {len(missing)} chunks not scored yet ({shown}); finish the run first")
         parts = [self.part(c) for c in chunks]
         schema = pa.unify_schemas([pq.read_schema(p) for p in parts], promote_options="permissive")
+        schema = schema.with_metadata({METADATA_KEY: json.dumps(_merged_metadata(parts)).encode()})
         rows = 0
         errors: list[str] = []
 
@@ -157,6 +158,19 @@ class RunFolder:
             _atomic(self.errors_path, lambda f: f.write("".join(errors).encode()))
         shutil.rmtree(self.path)
         return rows
+
+
+def _merged_metadata(parts: list[Path]) -> dict[str, Any]:
+    """The run as the first part describes it, with the paths that any part's stages took (on a
+    GPU they are measured per process, so they can differ between parts)."""
+    described = [json.loads((pq.read_schema(p).metadata or {}).get(METADATA_KEY, b"{}")) for p in parts]
+    merged, paths = dict(described[0]), {}
+    for d in described:
+        for stage, names in d.get("paths", {}).items():
+            paths.setdefault(stage, set()).update(names)
+    if paths:
+        merged["paths"] = {stage: sorted(names) for stage, names in sorted(paths.items())}
+    return merged
 
 
 def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:

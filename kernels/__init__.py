@@ -1,9 +1,8 @@
 """Triton kernels, each next to the torch reference it is tested against."""
 
 from .jacobi_eigvalsh import jacobi_eigvalsh_triton
-from .launch import launch, tensors_device
 from .segment_gram import segment_gram_torch, segment_gram_triton, token_mask, triton
 from .segment_tdot import segment_tdot_torch, segment_tdot_triton
 
-__all__ = ["jacobi_eigvalsh_triton", "launch", "tensors_device", "segment_gram_torch", "segment_gram_triton",
+__all__ = ["jacobi_eigvalsh_triton", "segment_gram_torch", "segment_gram_triton",
            "segment_tdot_torch", "segment_tdot_triton", "token_mask", "triton"]

@@ -93,3 +93,27 @@ def test_fp32_is_never_measured_against_fp64():
         spectral.segment_gram(Y, torch.tensor([8, 3]), policy=Policy("fp64", force={"segment_gram": "triton"}))
     with pytest.raises(ValueError, match="precision"):
         Policy("fp16")
+
+
+def test_the_score_file_records_the_precision_and_each_stages_paths(tiny_model_dir, tmp_path):
+    from gradspec.output import read_metadata
+    from gradspec.scoring import score
+
+    out = tmp_path / "scores.parquet"
+    score(model=str(tiny_model_dir), out=out, limit=3, progress=False, modules="all")
+    meta = read_metadata(out)
+    assert meta["precision"] == "fp64"
+    want = "cpp" if spectral.HAS_EXTENSION else "torch"
+    assert "gram" in meta["paths"] and all(paths == [want] for paths in meta["paths"].values()), meta["paths"]
+
+
+def test_merged_parts_carry_every_path_any_part_took(tmp_path):
+    from gradspec.output import read_metadata
+    from gradspec.parts import RunFolder
+
+    folder = RunFolder(tmp_path / "run.parquet")
+    folder.start({"model": "m"}, resume=False, overwrite=False, shared=False)
+    for chunk, paths in enumerate([{"core": ["cpp"]}, {"core": ["torch"], "gram": ["cupy"]}]):
+        folder.write_part(chunk, [{"index": chunk, "status": "ok"}], {"precision": "fp64", "paths": paths})
+    folder.merge(records=2, chunk_rows=1)
+    assert read_metadata(tmp_path / "run.parquet")["paths"] == {"core": ["cpp", "torch"], "gram": ["cupy"]}
