@@ -7,8 +7,8 @@ with the token counts over the whole global batch. (0, 1) is the usual completio
 (1, 1) continued pre-training; the paper recommends lp in 0-0.5 with lr in 0.5-1.
 
 Prompt and response targets travel in one labels tensor, so the loss fits Trainer's
-``compute_loss_func``: response tokens keep their id, prompt tokens with lp != 0 become
-``-(id + 101)`` (never the ignore index -100), everything else is -100. Trainer then counts
+``compute_loss_func``: response tokens keep their id when lr != 0, prompt tokens with lp != 0
+become ``-(id + 101)`` (never the ignore index -100), everything else is -100. Trainer then counts
 exactly WIT's denominator as ``num_items_in_batch`` (labels != -100, shifted, summed over
 gradient-accumulation steps and devices), which is what keeps the loss exact under both.
 """
@@ -30,11 +30,13 @@ PROMPT_OFFSET = 101  # prompt token id t is stored as -(t + PROMPT_OFFSET)
 
 
 def encode_labels(input_ids: torch.Tensor, response_mask: torch.Tensor, attention_mask: torch.Tensor,
-                  prompt_weight: float) -> torch.Tensor:
-    """WIT labels: response tokens as ids, prompt tokens encoded (only when they carry weight), rest -100."""
+                  prompt_weight: float, response_weight: float = 1.0) -> torch.Tensor:
+    """WIT labels: response tokens as ids and prompt tokens encoded, each only when they carry
+    weight (so that counting labels != -100 gives WIT's denominator), the rest -100."""
     labels = torch.full_like(input_ids, IGNORE_INDEX)
     real = attention_mask.bool()
-    labels[real & response_mask] = input_ids[real & response_mask]
+    if response_weight != 0:
+        labels[real & response_mask] = input_ids[real & response_mask]
     if prompt_weight != 0:
         prompt = real & ~response_mask
         labels[prompt] = -(input_ids[prompt] + PROMPT_OFFSET)
@@ -91,6 +93,7 @@ class WITCollator:
     template: str = "plain"
     max_length: int = 2048
     fields: Fields = Fields()
+    response_weight: float = 1.0
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         tokens = [tokenize(to_sample(i, f"batch row {i}", row, self.fields).messages, self.tokenizer,
@@ -99,4 +102,5 @@ class WITCollator:
         input_ids, attention_mask, labels = pad_batch(tokens, pad_id, "cpu")
         response = labels != IGNORE_INDEX
         return {"input_ids": input_ids, "attention_mask": attention_mask,
-                "labels": encode_labels(input_ids, response, attention_mask, self.prompt_weight)}
+                "labels": encode_labels(input_ids, response, attention_mask, self.prompt_weight,
+                                        self.response_weight)}

@@ -35,8 +35,11 @@ def test_wit_equals_a_hand_computation():
                 w = lr if is_response else lp
                 total += w * float(logp[i, t - 1, input_ids[i, t]])
                 count += (lr != 0) if is_response else (lp != 0)
-        labels = encode_labels(input_ids, response, attention, lp)
+        labels = encode_labels(input_ids, response, attention, lp, lr)
         assert float(wit_loss(logits, labels, lp, lr)) == pytest.approx(-total / count, rel=1e-6)
+        # what Trainer counts as num_items_in_batch is WIT's denominator, lr = 0 included
+        assert int((labels[:, 1:] != IGNORE_INDEX).sum()) == count
+        assert float(wit_loss(logits, labels, lp, lr, num_items=count)) == pytest.approx(-total / count, rel=1e-6)
 
 
 def test_wit_at_0_1_is_the_standard_completion_loss(tokenizer):
