@@ -221,7 +221,9 @@ def _select(args: argparse.Namespace) -> int:
                     length_buckets=args.length_buckets)
     columns = ["gradspec_score", *dict.fromkeys(name for name, _ in criteria(args.by)), "loss", "num_tokens"]
     n = write_selection(data, chosen, args.out, columns)
-    print(f"wrote {n} of {len(scores)} rows ({(scores['status'] != 'ok').sum()} not scored) to {args.out}")
+    left_out = scores.loc[scores["status"] != "ok", "status"].value_counts()
+    why = ", ".join(f"{count} {status}" for status, count in left_out.items()) or "none"
+    print(f"wrote {n} of {len(scores)} rows to {args.out} (only status ok competes; left out: {why})")
     return 0
 
 

@@ -28,6 +28,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -41,7 +42,7 @@ from .dynamics import from_checkpoints, measure, measure_tokens, read_dynamics, 
 from .engine import IGNORE_INDEX
 from .models import load_model
 from .output import read_scores
-from .templates import Tokenized, tokenize
+from .templates import Tokenized, check_response_tokens, tokenize
 
 CAUSES = ("inconsistent_data", "forgetting", "pretraining_conflict", "missing_knowledge", "under_training")
 
@@ -113,7 +114,7 @@ def nearest(embeddings: torch.Tensor, k: int, block: int = 4096) -> np.ndarray:
 
 
 def _likelihood_test(model, tokenizer, samples: list[Sample], neighbours: np.ndarray, responses: list[list[int]],
-                     gold: dict[int, dict[str, float]], t: Thresholds, template: str,
+                     gold: dict[int, dict[str, Any]], t: Thresholds, template: str,
                      max_length: int) -> tuple[np.ndarray, np.ndarray]:
     """(share of draws the gold response wins, distractors available) per sample; gold: the
     model's measures of the samples themselves."""
@@ -204,12 +205,28 @@ def _reproduction(tuned, tokenizer, prompt: list[int], gold: list[int], t: Thres
 
 def detect(tuned, base, tokenizer, samples: list[Sample], template: str = "plain", max_length: int = 2048,
            thresholds: Thresholds = Thresholds()) -> pd.DataFrame:
-    """One row per sample: the detection signals, the base model's view of the response and of
-    the prompt, and the nearest other prompt with its response's ROUGE-L against this one."""
-    t = thresholds
-    if t.criterion not in ("reproduction", "likelihood"):
-        raise ValueError(f"criterion must be 'reproduction' or 'likelihood', got {t.criterion!r}")
+    """One row per sample: its tokenizer status, the detection signals, the base model's view of
+    the response and of the prompt, and the nearest other prompt with its response's ROUGE-L
+    against this one. A sample with no response token to judge keeps its status and gets no
+    signals and no verdict (`unlearned` is NA); most samples without one stop the run."""
+    if thresholds.criterion not in ("reproduction", "likelihood"):
+        raise ValueError(f"criterion must be 'reproduction' or 'likelihood', got {thresholds.criterion!r}")
     items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples]
+    check_response_tokens(Counter(i.tokens.status for i in items))
+    judged = [i for i in items if i.tokens.scorable]
+    rows = _judge(tuned, base, tokenizer, judged, template, max_length, thresholds) if judged else []
+    rows += [{"index": i.sample.index} for i in items if not i.tokens.scorable]
+    status = {i.sample.index: i.tokens.status for i in items}
+    table = pd.DataFrame(rows).set_index("index").loc[[s.index for s in samples]].reset_index()
+    table.insert(1, "status", table["index"].map(status))
+    table["unlearned"] = table["unlearned"].astype("boolean")
+    return table
+
+
+def _judge(tuned, base, tokenizer, items: list[Item], template: str, max_length: int,
+           t: Thresholds) -> list[dict[str, Any]]:
+    """detect()'s rows for samples that have response tokens, compared among themselves."""
+    samples = [i.sample for i in items]
     prompts, responses = zip(*(_split(i.tokens) for i in items), strict=True)
     order = nearest(prompt_embeddings(tuned, tokenizer, list(prompts)), max(t.pool * 2, 1))
     tuned_view = measure_tokens(tuned, tokenizer, items)
@@ -245,7 +262,7 @@ def detect(tuned, base, tokenizer, samples: list[Sample], template: str = "plain
             "nearest_prompt_similarity": prompt_similarity,
             "nearest_response_rouge_l": rouge_l(list(responses[twin]), gold) if twin >= 0 else math.nan,
         })
-    return pd.DataFrame(rows)
+    return rows
 
 
 def attribute(table: pd.DataFrame, dynamics: pd.DataFrame | None = None,
@@ -272,9 +289,10 @@ def attribute(table: pd.DataFrame, dynamics: pd.DataFrame | None = None,
         table["js_divergence"] >= t.js_threshold)
     missing = ~familiar & (table["base_token_prob"] < t.missing_probability)
     rules = [inconsistent, forgot, conflict, missing]
+    unlearned = table["unlearned"].fillna(False).astype(bool)  # NA: not judged (see detect)
     causes = []
     for k in range(len(table)):
-        if not table["unlearned"].iloc[k]:
+        if not unlearned.iloc[k]:
             causes.append(None)
             continue
         causes.append(next((c for c, rule in zip(CAUSES, rules, strict=False) if rule.iloc[k]), CAUSES[-1]))

@@ -58,19 +58,31 @@ def _snippet(text: str, n: int = 80) -> str:
     return (text[: n - 1] + "…" if len(text) > n else text).replace("|", "\\|")
 
 
+def _not_judged(table: pd.DataFrame) -> list[str]:
+    """A paragraph on the samples with no response token to judge (by status), if any."""
+    flagged = table[table["unlearned"].isna()]
+    if flagged.empty:
+        return []
+    counts = ", ".join(f"{n} `{status}`" for status, n in flagged["status"].value_counts().items())
+    return [f"{len(flagged)} more samples were not judged: they have no response token to score ({counts}; "
+            "see `status` in `diagnosis.parquet` and the statuses in gradspec's README).", ""]
+
+
 def write_diagnosis(table: pd.DataFrame, samples: list[Sample], out: str | Path, examples: int = 3) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     table = table.assign(position=table["index"] / max(len(table) - 1, 1))
     table.to_parquet(out / "diagnosis.parquet", index=False)
     by_index = {s.index: s for s in samples}
-    unlearned = table[table["unlearned"]]
+    unlearned = table[table["unlearned"].fillna(False).astype(bool)]
+    judged = int(table["unlearned"].notna().sum())
     lines = [
         "# Why didn't SFT learn it?", "",
-        f"{len(unlearned)} of {len(table)} training samples ({len(unlearned) / max(len(table), 1):.1%}) are "
+        f"{len(unlearned)} of {judged} training samples ({len(unlearned) / max(judged, 1):.1%}) are "
         "**unlearned**: the fine-tuned model does not reproduce them (see `diagnosis.parquet` for every "
         "signal of every sample). Each is attributed to the first cause whose evidence it shows, in the "
         "order below.", "",
+        *_not_judged(table),
         "| cause | samples | share of unlearned | what helps |", "| --- | ---: | ---: | --- |",
     ]
     counts = unlearned["cause"].value_counts()

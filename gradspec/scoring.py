@@ -27,7 +27,7 @@ from .engine import BatchScores, SpectralEngine
 from .models import DEFAULT_MODEL, load_model
 from .output import SPECTRA, carried_name, column, file_metadata, metric_columns, read_scores
 from .parts import CHUNK_ROWS, INPUT_ERROR, RunFolder, Shard
-from .templates import tokenize
+from .templates import check_response_tokens, tokenize
 
 log = logging.getLogger("gradspec")
 
@@ -87,11 +87,15 @@ class _Progress:
 
 
 def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, template: str, max_length: int,
-                 batch_tokens: int, progress: _Progress) -> list[dict[str, Any]]:
-    """Output rows of consecutive samples, in their order; batches within are sorted by length."""
+                 batch_tokens: int, progress: _Progress, seen: Counter[str]) -> list[dict[str, Any]]:
+    """Output rows of consecutive samples, in their order; batches within are sorted by length.
+    seen: the tokenizer's statuses of the rows read so far (a run where most have no response
+    tokens stops here)."""
     device = next(engine.model.parameters()).device
     pad_id = pad_id_of(tokenizer)
     items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples if s.error is None]
+    seen.update(item.tokens.status for item in items)
+    check_response_tokens(seen)
     rows = {item.sample.index: _row(item) for item in items}
     rows.update({s.index: _error_row(s) for s in samples if s.error is not None})
     scorable = [i for i in items if i.tokens.scorable]
@@ -114,12 +118,14 @@ def score_samples(
     batch_tokens: int = BATCH_TOKENS, progress: bool = True, total: int | None = None,
 ) -> Counter[str]:
     """Scores samples chunk by chunk (chunk = index // chunk_rows); write(chunk, rows) gets each
-    chunk's rows in input order. Returns how many rows got each status."""
+    chunk's rows in input order. Returns how many rows got each status. Stops (ValueError) once
+    most rows read have no response tokens (see templates.check_response_tokens)."""
     statuses: Counter[str] = Counter()
+    seen: Counter[str] = Counter()
     bar = _Progress(total, progress)
     try:
         for chunk, group in groupby(samples, key=lambda s: s.index // chunk_rows):
-            rows = _score_chunk(list(group), engine, tokenizer, template, max_length, batch_tokens, bar)
+            rows = _score_chunk(list(group), engine, tokenizer, template, max_length, batch_tokens, bar, seen)
             write(chunk, rows)
             statuses.update(row["status"] for row in rows)
     finally:

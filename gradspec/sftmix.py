@@ -31,7 +31,9 @@ MU = 0.2
 
 def confidence_halves(dynamics: pd.DataFrame) -> tuple[list[int], list[int]]:
     """(confident, unconfident) sample indices: above and below the median of -mean perplexity.
-    With an odd count the middle sample goes to the unconfident half."""
+    With an odd count the middle sample goes to the unconfident half. A sample without a
+    perplexity (no response token to measure) is in neither: it has nothing to mix."""
+    dynamics = dynamics[np.isfinite(dynamics["mean_perplexity"])]
     ranked = dynamics.assign(confidence=-dynamics["mean_perplexity"]).sort_values(
         ["confidence", "index"], ascending=[False, True], kind="stable")
     order = ranked["index"].tolist()

@@ -3,10 +3,15 @@ sftmix), the live spectral monitor and the training dynamics; saves the model an
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from .data import Fields, Sample, data_samples
+from .templates import NO_RESPONSE, check_response_tokens, tokenize
+
+log = logging.getLogger("gradspec")
 
 LOSSES = ("ntp", "wit", "sftmix")
 
@@ -50,6 +55,7 @@ def train(config: TrainConfig) -> Path:
         raise ValueError(f"--loss must be one of {LOSSES}, got {config.loss!r}")
     model, tokenizer = load_model(config.model, config.device)
     samples: list[Sample] = list(data_samples(config.data, config.fields, config.limit))
+    _check_labels(samples, tokenizer, config.template, config.max_length)
     rows = [{"messages": s.messages} for s in samples]
     out = Path(config.out)
     args = TrainingArguments(
@@ -87,3 +93,14 @@ def _reference(config: TrainConfig, model, tokenizer, samples: list[Sample]):
         return read_dynamics(config.reference_dynamics)[0]
     start = measure(model, tokenizer, samples, config.template, config.max_length)
     return summarise({"start": start})
+
+
+def _check_labels(samples: list[Sample], tokenizer, template: str, max_length: int) -> None:
+    """Stops before training when most samples have no response token (templates.check_response_tokens);
+    otherwise says how many have none (they add no response loss; dynamics.parquet flags them)."""
+    statuses = Counter(tokenize(s.messages, tokenizer, template, max_length).status for s in samples)
+    check_response_tokens(statuses)
+    missing = {s: n for s, n in statuses.items() if s in NO_RESPONSE}
+    if missing:
+        log.warning("%d of %d samples have no response tokens to train on (%s); dynamics.parquet flags them",
+                    sum(missing.values()), len(samples), ", ".join(f"{s} {n}" for s, n in sorted(missing.items())))

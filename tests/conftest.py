@@ -102,3 +102,22 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     tiny_model("llama").save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def one_token_tokenizer():
+    """A tokenizer that maps every text to one token (<unk>): no sample has a response token."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                   pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="session")
+def one_token_model_dir(tmp_path_factory):
+    """A tiny random Llama whose tokenizer maps every text to one token."""
+    path = tmp_path_factory.mktemp("one-token")
+    tiny_model("llama", vocab=4).save_pretrained(path)
+    one_token_tokenizer().save_pretrained(path)
+    return path

@@ -62,13 +62,24 @@ def test_skip_flags_rows_lists_them_and_scores_the_rest(tmp_path, tiny_model_dir
 
 def test_text_problems_are_flagged_rows(tmp_path, tiny_model_dir):
     rows = [GOOD, {"instruction": "", "output": "An answer to nothing."}, {"instruction": "Say it.", "output": " "},
-            {"instruction": "word " * 80, "output": "late"}]
+            {"instruction": "word " * 80, "output": "late"}, {"instruction": "Name a colour:\n", "output": "Blue."}]
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert _score(tiny_model_dir, data, tmp_path / "s.parquet", "--max-length", "40") == 0
     df = pd.read_parquet(tmp_path / "s.parquet")
-    assert df["status"].tolist() == ["ok", "empty_prompt", "empty_response", "prompt_too_long"]
-    assert df["loss"].notna().tolist() == [True, True, False, False]  # an empty prompt is still scored
+    assert df["status"].tolist() == ["ok", "empty_prompt", "empty_response", "prompt_too_long", "boundary_merge"]
+    # an empty prompt and a boundary merge are still scored
+    assert df["loss"].notna().tolist() == [True, True, False, False, True]
+    assert df.loc[4, "num_response_tokens"] == 2  # "Blue" and ".", not the "\n" before them
+
+
+def test_most_rows_without_response_tokens_stop_the_run(tmp_path, one_token_model_dir, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD) + "\n")
+    assert _score(one_token_model_dir, data, tmp_path / "s.parquet") == 2
+    err = capsys.readouterr().err
+    assert "gradspec: error: 2 of 2 rows have no response tokens (no_response_tokens 2): check the tokenizer" in err
+    assert not (tmp_path / "s.parquet").exists()
 
 
 def test_nonfinite_loss_flags_the_row_and_the_run_goes_on(tmp_path, tokenizer):

@@ -12,7 +12,9 @@ import torch
 
 from gradspec.batching import pad_batch
 from gradspec.cli import main
-from gradspec.diagnose import CAUSES, attribute, nearest, rouge_l
+from gradspec.data import Sample
+from gradspec.diagnose import CAUSES, Thresholds, attribute, detect, nearest, rouge_l
+from gradspec.diagnose_report import write_diagnosis
 from gradspec.templates import tokenize
 
 
@@ -176,3 +178,38 @@ def test_report_explains_each_cause(planted):
     for heading in ("## Forgetting", "## Inconsistent data", "## Conflict with pre-training",
                     "What helps: Shuffle globally", "| cause | samples | share of unlearned | what helps |"):
         assert heading in report
+
+
+def test_diagnose_stops_when_the_tokenizer_leaves_no_response_tokens(tmp_path, one_token_model_dir, capsys):
+    """Every text is one token, so no sample has a response token: no verdict on any of them
+    (the old output called every row unlearned, under-training), but an error naming the cause."""
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"instruction": m[0]["content"], "output": m[1]["content"]}) + "\n"
+                            for m in (_messages((f"Kalomi{k}", "1234")) for k in range(3))))
+    model = str(one_token_model_dir)
+    assert main(["diagnose", "--base", model, "--model", model, "--data", str(path), "--out",
+                 str(tmp_path / "diagnosis")]) == 2
+    assert ("3 of 3 rows have no response tokens (no_response_tokens 3): check the tokenizer and --template"
+            in capsys.readouterr().err)
+    assert not (tmp_path / "diagnosis").exists()
+
+
+def test_a_sample_without_response_tokens_is_flagged_not_judged(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _char_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, hidden_size=32, intermediate_size=64,
+                                         pad_token_id=tokenizer.pad_token_id)).eval()
+    facts = [("Kalomi", "1234"), ("Zuveta", "5678"), ("Rotani", "9012"), ("Pe" * 40, "3456")]
+    samples = [Sample(k, _messages(f)) for k, f in enumerate(facts)]
+    table = detect(model, model, tokenizer, samples, max_length=40, thresholds=Thresholds(repetitions=1))
+    assert table["status"].tolist() == ["ok", "ok", "ok", "prompt_too_long"]
+    assert table["unlearned"].isna().tolist() == [False, False, False, True]
+    assert table.loc[3, ["token_accuracy", "rouge_l", "loss"]].isna().all()
+    table = attribute(table)
+    assert pd.isna(table.loc[3, "cause"])
+    report = write_diagnosis(table, samples, tmp_path / "d").read_text()
+    assert f"{int(table['unlearned'].sum())} of 3 training samples" in report
+    assert "1 more samples were not judged: they have no response token to score (1 `prompt_too_long`" in report

@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_model
 
 from gradspec.data import Sample
-from gradspec.dynamics import DynamicsCallback, measure, read_dynamics, summarise
+from gradspec.dynamics import MEASURES, DynamicsCallback, from_checkpoints, measure, read_dynamics, summarise
 from gradspec.templates import tokenize
 
 SAMPLES = [
@@ -29,7 +29,8 @@ def test_measure_matches_a_direct_computation(tokenizer):
         assert got[s.index]["mean_token_prob"] == pytest.approx(float(p.mean()), rel=1e-4)
         assert got[s.index]["perplexity"] == pytest.approx(math.exp(float(-p.log().mean())), rel=1e-4)
         assert got[s.index]["token_accuracy"] == pytest.approx(sum(hits) / len(hits))
-    assert all(math.isnan(v) for v in got[2].values())  # empty response: nothing to measure
+    assert all(math.isnan(got[2][m]) for m in MEASURES)  # empty response: nothing to measure
+    assert [got[i]["status"] for i in range(3)] == ["ok", "ok", "empty_response"]
 
 
 def test_summary_statistics_and_forgetting():
@@ -63,3 +64,17 @@ def test_callback_records_each_epoch(tiny_model_dir, tokenizer, tmp_path):
     assert meta["checkpoints"] == ["epoch 1", "epoch 2", "epoch 3"]
     assert table["index"].tolist() == [0, 1] and all(len(p) == 3 for p in table["perplexity"])
     assert all(p[-1] < p[0] for p in table["perplexity"])  # training lowered every sample's perplexity
+
+
+def test_a_sample_without_response_tokens_gets_its_status_and_no_statistics(tokenizer):
+    model = tiny_model("llama")
+    table = summarise({"a": measure(model, tokenizer, SAMPLES), "b": measure(model, tokenizer, SAMPLES)})
+    assert table["status"].tolist() == ["ok", "ok", "empty_response"]
+    assert table.loc[:1, ["confidence", "correctness", "mean_perplexity"]].notna().all().all()
+    assert table.loc[2, ["confidence", "variability", "correctness", "mean_perplexity"]].isna().all()
+    assert table.loc[2, "forgetting_events"] == 0
+
+
+def test_checkpoints_whose_tokenizer_leaves_no_response_tokens_stop(one_token_model_dir):
+    with pytest.raises(ValueError, match="3 of 3 rows have no response tokens .*check the tokenizer"):
+        from_checkpoints([str(one_token_model_dir)], SAMPLES)

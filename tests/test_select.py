@@ -40,6 +40,11 @@ def test_choose_top_bottom_and_only_scored_rows():
     assert 3 not in choose(s, "loss", top=True, fraction=1.0)["index"].tolist()
 
 
+def test_flagged_rows_never_compete():
+    s = _scores().assign(status=["ok", "boundary_merge", "ok", "no_response_tokens", "ok", "empty_prompt"])
+    assert choose(s, "loss", top=True, fraction=1.0)["index"].tolist() == [0, 2, 4]
+
+
 def test_length_buckets_choose_within_each_bucket():
     s = _scores()  # loss grows with length: unstratified top picks the longest
     assert choose(s, "loss", count=2)["index"].tolist() == [4, 5]
@@ -76,13 +81,15 @@ def _read(path):
 
 
 @pytest.mark.parametrize("name", ["d.json", "d.jsonl", "d.parquet", "ds"])
-def test_select_round_trips_the_input_format(tmp_path, tiny_model_dir, name):
+def test_select_round_trips_the_input_format(tmp_path, tiny_model_dir, name, capsys):
     if name == "ds":
         pytest.importorskip("datasets")
     data, scores, out = tmp_path / name, tmp_path / "s.parquet", tmp_path / ("chosen" + (tmp_path / name).suffix)
     _write(data, ROWS)
     assert main(["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(scores), "--quiet"]) == 0
+    capsys.readouterr()
     assert main(["select", "--scores", str(scores), "--out", str(out), "--by", "effective_rank", "--count", "3"]) == 0
+    assert "wrote 3 of 6 rows to " + str(out) + " (only status ok competes; left out: none)" in capsys.readouterr().out
     chosen = _read(out)
     df = pd.read_parquet(scores)
     er = criterion_values(df, "effective_rank")

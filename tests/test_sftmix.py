@@ -30,6 +30,8 @@ def test_mixup_at_lambda_1_is_the_confident_samples_ntp_loss(tokenizer):
 def test_confidence_halves_split_at_the_median():
     dynamics = pd.DataFrame({"index": [0, 1, 2, 3, 4], "mean_perplexity": [3.0, 9.0, 1.5, 20.0, 5.0]})
     assert confidence_halves(dynamics) == ([0, 2], [1, 3, 4])
+    unmeasured = pd.concat([dynamics, pd.DataFrame({"index": [5], "mean_perplexity": [float("nan")]})])
+    assert confidence_halves(unmeasured) == ([0, 2], [1, 3, 4])  # no response tokens: in neither half
 
 
 def test_paired_batches_are_balanced_and_cover_every_sample():

@@ -49,3 +49,10 @@ def test_gradspec_dynamics_from_checkpoints(data, tiny_model_dir, tmp_path):
     dynamics, meta = read_dynamics(table)
     assert meta["checkpoints"] == [str(tiny_model_dir), str(out / "model")]
     assert all(p[1] < p[0] for p in dynamics["perplexity"])  # the fine-tuned checkpoint fits better
+
+
+def test_train_stops_when_most_samples_have_no_response_tokens(data, one_token_model_dir, tmp_path, capsys):
+    args = ["train", "--model", str(one_token_model_dir), "--data", str(data), "--out", str(tmp_path / "run")]
+    assert main(args) == 2
+    assert "8 of 8 rows have no response tokens (no_response_tokens 8): check the tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "model").exists()
