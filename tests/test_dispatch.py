@@ -158,11 +158,11 @@ def test_the_cupy_eigensolver_gives_torchs_spectra(cupy_on_cpu):
     X, D = torch.randn(3, 9, 5, generator=g, dtype=torch.float64), torch.randn(3, 2, 9, 4, generator=g)
     B, A = X @ X.mT, (D @ D.mT).double()
     lengths = torch.tensor([9, 7, 4])
-    for ours, theirs in zip(spectral._core_device(B, A, lengths, cupy_on_cpu),
-                            spectral._core_device(B, A, lengths, spectral.TORCH_EIGEN), strict=True):
+    for ours, theirs in zip(spectral._core_device(cupy_on_cpu, B, A, lengths),
+                            spectral._core_device(spectral.TORCH_EIGEN, B, A, lengths), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9, equal_nan=True)
-    for ours, theirs in zip(spectral._gram_device(A[:, 0], cupy_on_cpu),
-                            spectral._gram_device(A[:, 0], spectral.TORCH_EIGEN), strict=True):
+    for ours, theirs in zip(spectral._gram_device(cupy_on_cpu, A[:, 0]),
+                            spectral._gram_device(spectral.TORCH_EIGEN, A[:, 0]), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9, equal_nan=True)
 
 
