@@ -51,6 +51,9 @@ def _score_parser(sub) -> None:
     p.add_argument("--backend", choices=("auto", "cpp", "torch"), default="auto",
                    help="eigen stage: auto (C++ on the CPU; on CUDA the fastest of C++, torch and CuPy, "
                    "measured per size), cpp, torch")
+    p.add_argument("--precision", choices=("fp64", "fp32"), default=ScoreConfig.precision,
+                   help="of the Grams: fp64 (exact, default) or fp32 (the Triton kernels; norms close, nuclear "
+                   "norm and effective rank approximate: see README)")
     p.add_argument("--method", choices=("exact", "lowrank"), default=ScoreConfig.method,
                    help="lowrank: approximate top --rank singular values (nuclear norm and effective rank biased low)")
     p.add_argument("--rank", type=int, default=ScoreConfig.rank, help="singular values kept by --method lowrank")
@@ -210,7 +213,7 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _select(args: argparse.Namespace) -> int:
-    from .output import read_metadata, read_scores
+    from .output import complete, read_metadata, read_scores
     from .select import choose, criteria, write_selection
 
     data = args.data or read_metadata(args.scores).get("data")
@@ -221,9 +224,9 @@ def _select(args: argparse.Namespace) -> int:
                     length_buckets=args.length_buckets)
     columns = ["gradspec_score", *dict.fromkeys(name for name, _ in criteria(args.by)), "loss", "num_tokens"]
     n = write_selection(data, chosen, args.out, columns)
-    left_out = scores.loc[scores["status"] != "ok", "status"].value_counts()
+    left_out = scores.loc[~complete(scores["status"]), "status"].value_counts()
     why = ", ".join(f"{count} {status}" for status, count in left_out.items()) or "none"
-    print(f"wrote {n} of {len(scores)} rows to {args.out} (only status ok competes; left out: {why})")
+    print(f"wrote {n} of {len(scores)} rows to {args.out} (only complete rows compete; left out: {why})")
     return 0
 
 
@@ -252,7 +255,7 @@ def _score(args: argparse.Namespace) -> int:
         args.data, args.model, args.template, args.modules, args.max_length, args.dtype, args.method, args.rank,
         args.seed, args.classic, args.save_spectra,
         Fields(args.instruction_field, args.input_field, args.output_field, args.messages_field),
-        args.limit, args.chunk_rows,
+        args.limit, args.chunk_rows, args.precision,
     )
     statuses = run(
         config, args.out, device=args.device, backend=args.backend, batch_tokens=args.batch_tokens,

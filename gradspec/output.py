@@ -12,10 +12,17 @@ import torch
 
 from .metrics import METRICS, metrics_dict
 from .modules import Part, layer_index
+from .templates import SCORED
 
 BASE_COLUMNS = ("index", "status", "error", "loss", "num_tokens", "num_response_tokens")
 SPECTRA = "singular_values"
 METADATA_KEY = b"gradspec"
+
+
+def complete(status: pd.Series) -> pd.Series:
+    """Rows whose every metric was computed: no flag but the tokenizer's flags of scored rows
+    (templates.SCORED), no numeric one. They compete in a selection and enter a report."""
+    return status.str.split(";").map(lambda flags: set(flags) <= set(SCORED))
 
 
 def column(part: str, metric: str) -> str:

@@ -20,7 +20,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 from scipy import stats  # noqa: E402
 
-from .output import read_metadata, read_scores  # noqa: E402
+from .output import complete, read_metadata, read_scores  # noqa: E402
 
 CURVE_METRICS = ("nuclear_norm", "effective_rank")
 ROLE_ORDER = ("q", "k", "v", "o", "gate", "up", "down")
@@ -34,14 +34,14 @@ def load_group(label: str, path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame
     effective_rank_fraction added to long: effective rank / min(T, d_in, d_out), its ceiling, which
     takes out the bound set by length."""
     wide, long = read_scores(path)
-    ok = wide.loc[wide["status"] == "ok", "index"]
+    ok = wide.loc[complete(wide["status"]), "index"]
     long = long[long["index"].isin(ok)]
     dims = {p["name"]: min(p.get("d_in", np.inf), p.get("d_out", np.inf)) for p in read_metadata(path).get("parts", [])}
     er = long[long["metric"] == "effective_rank"].copy()
     tokens = wide.set_index("index")["num_tokens"]
     er["value"] = er["value"] / np.minimum(er["index"].map(tokens), er["name"].map(dims))
     er["metric"] = "effective_rank_fraction"
-    wide, long = wide[wide["status"] == "ok"].copy(), pd.concat([long, er], ignore_index=True)
+    wide, long = wide[complete(wide["status"])].copy(), pd.concat([long, er], ignore_index=True)
     for frame in (wide, long):
         frame["sample"] = label + ":" + frame["index"].astype(str)
     return wide, long

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from .data import InputError, read_records
+from .output import complete
 
 
 def criterion_values(scores: pd.DataFrame, name: str) -> pd.Series:
@@ -57,14 +58,15 @@ def choose(
     scores: pd.DataFrame, by: str, top: bool = True, fraction: float | None = None, count: int | None = None,
     length_buckets: int = 0,
 ) -> pd.DataFrame:
-    """The chosen rows of a score table (status ok only), with their selection score in ``gradspec_score``.
+    """The chosen rows of a score table (complete rows only: output.complete), with their selection score in
+    ``gradspec_score``.
 
     With length_buckets > 0 the choice is made within each quantile bucket of num_tokens, so that a
     criterion correlated with length does not select by length alone.
     """
     if (fraction is None) == (count is None):
         raise ValueError("give exactly one of --fraction and --count")
-    ok = scores[scores["status"] == "ok"].copy()
+    ok = scores[complete(scores["status"])].copy()
     for name, _ in criteria(by):
         if name not in ok.columns:
             ok[name] = criterion_values(ok, name)

@@ -40,9 +40,12 @@ def test_choose_top_bottom_and_only_scored_rows():
     assert 3 not in choose(s, "loss", top=True, fraction=1.0)["index"].tolist()
 
 
-def test_flagged_rows_never_compete():
-    s = _scores().assign(status=["ok", "boundary_merge", "ok", "no_response_tokens", "ok", "empty_prompt"])
-    assert choose(s, "loss", top=True, fraction=1.0)["index"].tolist() == [0, 2, 4]
+def test_only_complete_rows_compete():
+    """Rows scored whole compete, flagged by the tokenizer or not; unscored rows and rows with a
+    numeric flag never do."""
+    s = _scores().assign(status=["ok", "boundary_merge", "ok", "no_response_tokens", "boundary_merge;zero_gradient",
+                                 "empty_prompt"])
+    assert choose(s, "loss", top=True, fraction=1.0)["index"].tolist() == [0, 1, 2, 5]
 
 
 def test_length_buckets_choose_within_each_bucket():
@@ -89,7 +92,8 @@ def test_select_round_trips_the_input_format(tmp_path, tiny_model_dir, name, cap
     assert main(["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(scores), "--quiet"]) == 0
     capsys.readouterr()
     assert main(["select", "--scores", str(scores), "--out", str(out), "--by", "effective_rank", "--count", "3"]) == 0
-    assert "wrote 3 of 6 rows to " + str(out) + " (only status ok competes; left out: none)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "wrote 3 of 6 rows to " + str(out) + " (only complete rows compete; left out: none)" in printed
     chosen = _read(out)
     df = pd.read_parquet(scores)
     er = criterion_values(df, "effective_rank")
