@@ -101,6 +101,8 @@ class WITCollator:
         pad_id = pad_id_of(self.tokenizer)
         input_ids, attention_mask, labels = pad_batch(tokens, pad_id, "cpu")
         response = labels != IGNORE_INDEX
-        return {"input_ids": input_ids, "attention_mask": attention_mask,
-                "labels": encode_labels(input_ids, response, attention_mask, self.prompt_weight,
-                                        self.response_weight)}
+        labels = encode_labels(input_ids, response, attention_mask, self.prompt_weight, self.response_weight)
+        # A row whose spans could not be located (label_span_mismatch) or that has nothing to learn
+        # trains on nothing, not on its prompt alone
+        labels[torch.tensor([not t.scorable for t in tokens])] = IGNORE_INDEX
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

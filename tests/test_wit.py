@@ -118,3 +118,10 @@ def test_sft_trainer_takes_the_wit_loss(tiny_model_dir, tokenizer, tmp_path):
     want = _train_one_step(tiny_model_dir, tokenizer, loss, 8, 1, tmp_path)
     for name, w in model.state_dict().items():
         torch.testing.assert_close(w, want[name], rtol=1e-5, atol=1e-6)
+
+
+def test_a_row_whose_spans_cannot_be_located_trains_on_nothing(tokenizer):
+    """Not on its prompt alone either, whatever the prompt weight."""
+    rows = [ROWS[0], {"instruction": "Say nothing.", "output": ""}]
+    labels = WITCollator(tokenizer, prompt_weight=0.5)(rows)["labels"]
+    assert (labels[0] != IGNORE_INDEX).any() and (labels[1] == IGNORE_INDEX).all()
