@@ -19,10 +19,10 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from .batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
+from .batching import BATCH_TOKENS, Item, device_batches, pad_batch, pad_id_of
 from .classic import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
 from .data import HUMANEVAL_SIZE, Fields, Sample, count_records, data_samples
-from .distributed import Group, local_device, torchrun_shard
+from .distributed import Group, bind_device, torchrun_shard
 from .engine import BatchScores, SpectralEngine
 from .models import DEFAULT_MODEL, load_model
 from .output import SPECTRA, carried_name, column, file_metadata, metric_columns, read_scores
@@ -101,7 +101,7 @@ def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, templ
     scorable = [i for i in items if i.tokens.scorable]
     # One batch in flight: its eigen stage runs while the next batch's forward and backward do.
     pending: list[tuple[Item, Future[BatchScores] | None, int]] = []
-    for batch in token_batches(scorable, batch_tokens):
+    for batch in device_batches(scorable, batch_tokens, device):  # on the CPU: no padding
         submitted = submit_with_split(engine, batch, pad_id, device)
         progress.advance(len(pending), _collect(pending, rows, engine.metric_names))
         pending = submitted
@@ -198,6 +198,7 @@ class ScoreConfig:
     fields: Fields = Fields()
     limit: int | None = None
     chunk_rows: int = CHUNK_ROWS
+    precision: str = "fp64"  # of the Grams and sketch products (gradspec.policy)
 
     def describe(self) -> dict[str, Any]:
         """The manifest and file metadata: the config, the data file's size and the version."""
@@ -222,6 +223,7 @@ class ScoreConfig:
 def _engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: bool):
     net, tokenizer = load_model(config.model, device, config.dtype, trust_remote_code)
     engine = SpectralEngine(net, config.modules, backend=backend, keep_spectra=config.save_spectra,
+                            precision=config.precision,
                             method=config.method, rank=config.rank, seed=config.seed, token_stats=config.classic)
     return engine, tokenizer
 
@@ -244,7 +246,8 @@ def run(
         raise ValueError("--shard and torchrun both split the data; use one of them")
     mine = ranks or shard or Shard()
     with Group() if ranks else nullcontext() as group:
-        engine, tokenizer = _engine(config, local_device(device) if ranks else device, backend, trust_remote_code)
+        # A torchrun rank makes its own GPU current before anything touches CUDA (bind_device)
+        engine, tokenizer = _engine(config, bind_device(device) if ranks else device, backend, trust_remote_code)
         folder, info = RunFolder(out), config.describe()
         if group is None:
             folder.start(info, resume, overwrite, shared=mine.count > 1)
@@ -270,7 +273,8 @@ def run(
         metadata = file_metadata(engine.parts, engine.metric_names, info)
         statuses = score_samples(
             config.samples(wanted, on_error), engine, tokenizer,
-            lambda chunk, rows: folder.write_part(chunk, rows, metadata), config.chunk_rows, config.template,
+            lambda chunk, rows: folder.write_part(chunk, rows, {**metadata, **engine.policy.describe()}),
+            config.chunk_rows, config.template,
             config.max_length, batch_tokens, progress and (ranks is None or mine.index == 0), total,
         )
         if group is not None:
@@ -287,6 +291,7 @@ def score(
     fields: Fields = Fields(), save_spectra: bool = False, backend: str = "auto", progress: bool = True,
     trust_remote_code: bool = False, overwrite: bool = False, resume: bool = False, method: str = "exact",
     rank: int = 64, seed: int = 0, classic: bool = False, on_error: str = "fail", chunk_rows: int = CHUNK_ROWS,
+    precision: str = "fp64",
 ) -> pd.DataFrame:
     """Scores a dataset file (default: HumanEval) with a model (default: SmolLM2-135M-Instruct).
 
@@ -296,7 +301,7 @@ def score(
     config = ScoreConfig(
         None if data is None else str(data), model, template,
         modules if isinstance(modules, str) else ",".join(modules), max_length, dtype, method, rank, seed,
-        classic, save_spectra, fields, limit, chunk_rows,
+        classic, save_spectra, fields, limit, chunk_rows, precision,
     )
     settings = {"device": device, "backend": backend, "batch_tokens": batch_tokens, "progress": progress,
                 "trust_remote_code": trust_remote_code}
