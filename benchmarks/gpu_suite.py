@@ -7,13 +7,14 @@ First, the eigen stage's paths on 120 Grams per size and the Triton kernels agai
 paths. Then, for each model shape (SmolLM2-135M, Qwen2.5-1.5B, Llama-3-8B; random weights, no
 downloads), sequence length T and module set, on one batch of about --batch-tokens tokens:
 gradspec's engine (``score``, and ``submit`` back to back as ``gradspec score`` runs it), a
-plain training step (forward + backward with weight gradients), and ``gradspec.reference`` per
-sample, with peak memory; last, what the engine's measured dispatch chose. The reference is one
-sample's forward and backward with the first module's SVD, plus one timed fp64 SVD per other
-module (a 7B model's SVDs take minutes per sample; each weight shape is timed once, when first
-needed). Each model gets an equal share of --budget-s; a configuration that fails is recorded,
-not fatal, and results.json and results.md in --out are rewritten after every row, so a run cut
-short still leaves what it measured.
+plain training step (forward + backward with weight gradients, LM head at response positions
+only, as in the engine), and an estimate of ``gradspec.reference`` per sample, with peak memory;
+last, what the engine's measured dispatch chose. The reference estimate is one sample's forward
+and backward with the first module's SVD, plus one timed fp64 SVD per other module (a 7B
+model's SVDs take minutes per sample; each weight shape is timed once, when first needed), not
+a measured run of the reference. Each model gets an equal share of --budget-s; a configuration
+that fails is recorded, not fatal, and results.json and results.md in --out are rewritten after
+every row, so a run cut short still leaves what it measured.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from pathlib import Path
 import torch
 
 from gradspec import spectral
-from gradspec.engine import IGNORE_INDEX, SpectralEngine, response_loss_per_sample
+from gradspec.engine import IGNORE_INDEX, SpectralEngine, response_losses
+from gradspec.metrics import EPS64
 from gradspec.modules import select_targets
 from gradspec.reference import reference_scores
 
@@ -98,10 +100,11 @@ def timed(fn, device: str, reps: int, warm_up: bool = True) -> tuple[float, floa
 
 
 def train_step(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> None:
+    """Forward and backward with weight gradients, the LM head at response positions only (the
+    engine's own loss, so neither side gains from skipping the prompt's logits)."""
     ids, mask, labels = batch
     model.requires_grad_(True)
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    response_loss_per_sample(logits, labels)[0].sum().backward()
+    response_losses(model, ids, mask, labels)[0].sum().backward()
     model.zero_grad(set_to_none=True)
 
 
@@ -181,17 +184,17 @@ def eigen_rows(args: argparse.Namespace) -> list[dict]:
     torch and CuPy on the device) and the Triton Jacobi; error against the first path's."""
     from gradspec.kernels import jacobi_eigvalsh_triton
 
-    paths = {"cpp": spectral._gram_cpp} if spectral.HAS_EXTENSION else {}
-    paths["torch"] = partial(spectral._gram_device, eigen=spectral.TORCH_EIGEN)
+    paths = {"cpp": partial(spectral._gram_cpp, eps=EPS64, terms=0)} if spectral.HAS_EXTENSION else {}
+    paths["torch"] = partial(spectral._gram_device, spectral.TORCH_EIGEN)
     if spectral._cupy_eigen() is not None:
-        paths["cupy"] = partial(spectral._gram_device, eigen=spectral._cupy_eigen())
+        paths["cupy"] = partial(spectral._gram_device, spectral._cupy_eigen())
     jacobi = spectral.Eigensolver(torch.linalg.eigh, jacobi_eigvalsh_triton)  # the gram stage uses eigvalsh only
     rows = []
     for n in SMOKE_EIGEN_SIZES if args.smoke else EIGEN_SIZES:
         N = 2 if args.smoke else 120
         Y = torch.randn(N, n, 2 * n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
         grams = (Y @ Y.transpose(1, 2)).to(args.device)
-        here = paths | ({"triton_jacobi": partial(spectral._gram_device, eigen=jacobi)} if n <= JACOBI_MAX_N else {})
+        here = paths | ({"triton_jacobi": partial(spectral._gram_device, jacobi)} if n <= JACOBI_MAX_N else {})
         want = None
         for path, fn in here.items():
             row = {"n": n, "N": N, "path": path}
@@ -263,11 +266,17 @@ def environment(device: str) -> dict:
             "date": time.strftime("%Y-%m-%d")}
 
 
+REFERENCE_NOTE = ("gradspec / reference is an estimate, not a measured run of the reference: one sample's "
+                  "forward/backward with the first module's SVD, plus one timed fp64 SVD per other module "
+                  "(each weight shape timed once)")
+
+
 def markdown(result: dict) -> str:
     env = result["environment"]
-    lines = [", ".join(f"{k}: {v}" for k, v in env.items()), "",
+    lines = [", ".join(f"{k}: {v}" for k, v in env.items()), "", REFERENCE_NOTE + ".", "",
              "| model | T | batch | modules | gradspec tok/s | pipelined tok/s | train-step tok/s "
-             "| gradspec / train step | pipelined / train step | gradspec / reference | peak GiB (gradspec, train) |",
+             "| gradspec / train step | pipelined / train step | gradspec / reference (estimate) "
+             "| peak GiB (gradspec, train) |",
              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result.get("rows", []):
         head = f"| {r['model']} | {r['T']} | {r['batch']} | {r['modules']} |"
@@ -308,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         args.batch_tokens, args.reps = 64, 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    result: dict = {"environment": environment(args.device)}
+    result: dict = {"environment": environment(args.device), "reference": REFERENCE_NOTE}
 
     def write(**parts) -> None:
         result.update(parts)
