@@ -1,72 +1,106 @@
-"""gradspec vs the full-SVD reference and vs the forward+backward floor, on SmolLM2-135M.
+"""gradspec vs the forward+backward floor and vs the full-SVD reference, on SmolLM2-135M.
 
-16 HumanEval samples, q/k/v/o of all 30 layers, this machine's CPU. Run with
-``pytest benchmarks/bench_score.py -s``; ratios are printed at the end and are only
-meaningful within one run (the machine is noisy).
+q/k/v/o of all 30 layers, this machine's CPU, two sets of HumanEval samples: the first 16 and
+problems 30-47. Rows, per set:
+
+- floor, padded batches: the batches gradspec makes (token_batches: 4,096 padded tokens, at most
+  20% padding), one forward and one input-gradient backward each, no hooks, with the LM head at
+  response positions only (``gradspec.engine.response_losses``, the engine's own loss) and the
+  embeddings' output requiring grad, as in the engine;
+- floor, one sample per pass: the same, each sample alone (no padding, attention mask of ones);
+- gradspec engine: ``SpectralEngine.score`` on the padded batches, one after the other;
+- gradspec score: ``gradspec.scoring.score_samples`` as ``gradspec score`` runs it
+  (tokenization, the padded batches, ``submit`` with one batch in flight, the output rows; no
+  model loading, no Parquet);
+- the reference (first set only): ``gradspec.reference`` one sample at a time, parameter
+  gradients and a full SVD per module.
+
+Every row gets ROUNDS rounds over the whole set, after an untimed warm-up of the floors and the
+engine; within a round the rows run back to back, each round starting at another row, so rows
+compared share the machine's load of the moment. Medians over rounds are printed with their
+ratios to the faster floor. Run with ``pytest benchmarks/bench_score.py -s``; ratios are only
+meaningful within one run (the machine is noisy); about 20 minutes on 2 cores.
 """
+
+import statistics
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
-from conftest import MEDIANS
 
 from gradspec.batching import BATCH_TOKENS, Item, pad_batch, token_batches
 from gradspec.data import humaneval_samples
-from gradspec.engine import SpectralEngine, response_loss_per_sample
+from gradspec.engine import SpectralEngine, response_losses
 from gradspec.models import load_model
 from gradspec.reference import reference_scores
+from gradspec.scoring import score_samples
 from gradspec.templates import tokenize
 
-N_SAMPLES = 16
+ROUNDS = 3
+SETS = {"HumanEval 0-15": slice(0, 16), "HumanEval 30-47": slice(30, 48)}
+REFERENCE_SET = "HumanEval 0-15"
+
+
+def floor(model: torch.nn.Module, batches: list[tuple[torch.Tensor, ...]]) -> None:
+    """Forward and input-gradient backward, as the engine runs them, without its hooks."""
+    hook = model.get_input_embeddings().register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+    try:
+        for ids, mask, labels in batches:
+            loss, count, _ = response_losses(model, ids, mask, labels)
+            loss[count > 0].sum().backward()
+    finally:
+        hook.remove()
+
+
+def rows_for(model, tok, engine, name: str, items: list[Item]) -> dict[str, Callable[[], object]]:
+    """The timed rows on these items."""
+    padded = [pad_batch([i.tokens for i in b], tok.pad_token_id, "cpu") for b in token_batches(items, BATCH_TOKENS)]
+    single = [pad_batch([i.tokens], tok.pad_token_id, "cpu") for i in items]
+    samples = [i.sample for i in items]
+    rows = {
+        "floor, padded batches": lambda: floor(model, padded),
+        "floor, one sample per pass": lambda: floor(model, single),
+        "gradspec engine": lambda: [engine.score(*b) for b in padded],
+        "gradspec score": lambda: score_samples(samples, engine, tok, lambda chunk, rows: None, progress=False),
+    }
+    if name == REFERENCE_SET:
+        pairs = [(torch.tensor(i.tokens.input_ids), torch.tensor(i.tokens.labels)) for i in items]
+        rows["reference"] = lambda: [reference_scores(model, ids, labels, "attn") for ids, labels in pairs]
+    return rows
 
 
 @pytest.fixture(scope="module")
 def setup():
     model, tok = load_model()
-    items = [Item(s, tokenize(s.messages, tok, "plain", 2048)) for s in humaneval_samples(N_SAMPLES)]
-    batches = [pad_batch([i.tokens for i in b], tok.pad_token_id, "cpu") for b in token_batches(items, BATCH_TOKENS)]
-    singles = [(torch.tensor(i.tokens.input_ids), torch.tensor(i.tokens.labels)) for i in items]
-    return model, batches, singles
-
-
-def test_floor_forward_backward(setup, record):
-    """The same batches through a plain forward and input-gradient backward, no hooks."""
-    model, batches, _ = setup
     model.requires_grad_(False)
-
-    def run():
-        for ids, mask, labels in batches:
-            embeds = model.get_input_embeddings()(ids).requires_grad_(True)
-            logits = model(inputs_embeds=embeds, attention_mask=mask, use_cache=False).logits
-            response_loss_per_sample(logits, labels)[0].sum().backward()
-
-    record("floor", run, rounds=5)
+    samples = list(humaneval_samples(max(s.stop for s in SETS.values())))
+    return model, tok, {name: samples[s] for name, s in SETS.items()}
 
 
-def test_gradspec(setup, record):
-    model, batches, _ = setup
+def test_score_vs_floor_and_reference(setup):
+    model, tok, sets = setup
     engine = SpectralEngine(model, "attn")
-    record("gradspec", lambda: [engine.score(*b) for b in batches], rounds=5)
-
-
-def test_gradspec_pipelined(setup, record):
-    """submit(): each batch's eigen stage overlaps the next batch's forward and backward."""
-    model, batches, _ = setup
-    engine = SpectralEngine(model, "attn")
-    record("pipelined", lambda: [f.result() for f in [engine.submit(*b) for b in batches]], rounds=5)
-
-
-def test_reference(setup, record):
-    model, _, singles = setup
-    record("reference", lambda: [reference_scores(model, ids, labels, "attn") for ids, labels in singles], rounds=1)
-
-
-def test_report_ratios():
-    if not {"floor", "gradspec", "reference"} <= MEDIANS.keys():
-        pytest.skip("run the whole file")
-    print(f"\n{N_SAMPLES} samples: floor {MEDIANS['floor']:.2f} s, gradspec {MEDIANS['gradspec']:.2f} s, "
-          f"reference {MEDIANS['reference']:.2f} s")
-    print(f"gradspec / floor = {MEDIANS['gradspec'] / MEDIANS['floor']:.2f}x (target <= 1.3x)")
-    print(f"reference / gradspec = {MEDIANS['reference'] / MEDIANS['gradspec']:.1f}x faster (target >= 5x)")
-    if "pipelined" in MEDIANS:
-        print(f"pipelined {MEDIANS['pipelined']:.2f} s: {MEDIANS['pipelined'] / MEDIANS['floor']:.2f}x the floor, "
-              f"reference / pipelined = {MEDIANS['reference'] / MEDIANS['pipelined']:.1f}x")
+    for name, samples in sets.items():
+        items = [Item(s, tokenize(s.messages, tok, "plain", 2048)) for s in samples]
+        rows = rows_for(model, tok, engine, name, items)
+        for warm in ("floor, padded batches", "floor, one sample per pass", "gradspec engine"):
+            rows[warm]()  # allocator, the extension's thread pool: not timed
+        times: dict[str, list[float]] = {row: [] for row in rows}
+        names = list(rows)
+        for r in range(ROUNDS):
+            for row in names[r % len(names):] + names[: r % len(names)]:  # each round starts at another row
+                start = time.perf_counter()
+                rows[row]()
+                times[row].append(time.perf_counter() - start)
+            print(f"\n{name}, round {r + 1}/{ROUNDS}: " + ", ".join(f"{row} {t[r]:.2f} s" for row, t in times.items()))
+        tokens = [i.tokens.num_tokens for i in items]
+        med = {row: statistics.median(t) for row, t in times.items()}
+        best_floor = min(med["floor, padded batches"], med["floor, one sample per pass"])
+        print(f"\n{name}: {len(samples)} samples, {min(tokens)}-{max(tokens)} tokens ({sum(tokens)} in all), "
+              f"median of {ROUNDS} rounds each")
+        for row, m in med.items():
+            print(f"  {row:28s} {m:7.2f} s  {m / len(samples):6.3f} s/sample  {m / best_floor:5.2f}x the faster floor  "
+                  f"(rounds: {', '.join(f'{t:.2f}' for t in times[row])})")
+        if "reference" in med:
+            print(f"  reference / gradspec score = {med['reference'] / med['gradspec score']:.1f}x")

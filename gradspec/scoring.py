@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from .batching import BATCH_TOKENS, Item, device_batches, pad_batch, pad_id_of
+from .batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
 from .classic import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
 from .data import HUMANEVAL_SIZE, Fields, Sample, count_records, data_samples
 from .distributed import Group, bind_device, torchrun_shard
@@ -101,7 +101,7 @@ def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, templ
     scorable = [i for i in items if i.tokens.scorable]
     # One batch in flight: its eigen stage runs while the next batch's forward and backward do.
     pending: list[tuple[Item, Future[BatchScores] | None, int]] = []
-    for batch in device_batches(scorable, batch_tokens, device):  # on the CPU: no padding
+    for batch in token_batches(scorable, batch_tokens):
         submitted = submit_with_split(engine, batch, pad_id, device)
         progress.advance(len(pending), _collect(pending, rows, engine.metric_names))
         pending = submitted

@@ -1,13 +1,11 @@
-"""The CPU's batching policy: no padding, and the same scores as padded batches."""
+"""Scores do not depend on the batching: a sample alone or in a padded batch gets the same numbers."""
 
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import random_sequences, tiny_model
 
-import gradspec
 from gradspec import batching
 from gradspec.data import Sample
 from gradspec.engine import SpectralEngine, response_losses
@@ -26,40 +24,20 @@ def _padded(items):
     return batching.pad_batch([i.tokens for i in items], 0, "cpu")
 
 
-def test_cpu_batches_carry_no_padding():
-    items = _items(LENGTHS)
-    batches = list(batching.device_batches(items, batching.BATCH_TOKENS, "cpu"))
-    assert sorted(i.sample.index for b in batches for i in b) == list(range(len(LENGTHS)))
-    assert all(len({i.tokens.num_tokens for i in b}) == 1 for b in batches)  # same length: no padding
-    assert sorted(len(b) for b in batches) == [1, 1, 1, 1, 2, 2]  # the two 9s and the two 30s share a pass
-    assert all(bool(_padded(b)[1].all()) for b in batches)  # attention masks of ones
-    small = list(batching.device_batches(items, 30, "cpu"))  # the token budget still holds
-    assert all(len(b) * b[0].tokens.num_tokens <= 30 or len(b) == 1 for b in small)
-
-
-def test_gpu_batches_are_padded_token_batches():
-    items = _items(LENGTHS)
-    want = [[i.sample.index for i in b] for b in batching.token_batches(items, 100)]
-    got = [[i.sample.index for i in b] for b in batching.device_batches(items, 100, torch.device("cuda"))]
-    assert got == want and any(len({items[k].tokens.num_tokens for k in b}) > 1 for b in got)
-
-
-def test_cpu_batches_score_as_one_padded_batch():
-    """Per-sample scores do not depend on the batching: in fp64, the CPU's unpadded passes give
-    what one padded batch of every sample gives, to 1e-9 relative."""
+def test_one_sample_per_pass_scores_as_one_padded_batch():
+    """In fp64, each sample alone (no padding, attention mask of ones) gets what one padded batch
+    of every sample gives, to 1e-9 relative."""
     model = tiny_model("llama", vocab=64).double()
     engine = SpectralEngine(model, "all")
     items = _items(LENGTHS)
     together = engine.score(*_padded(items))
-    for batch in batching.device_batches(items, batching.BATCH_TOKENS, "cpu"):
-        alone = engine.score(*_padded(batch))
-        for k, item in enumerate(batch):
-            i = item.sample.index
-            assert alone.status(k) == together.status(i) == "ok"
-            assert alone.loss[k].item() == pytest.approx(together.loss[i].item(), rel=1e-9)
-            for name in together.metrics:
-                torch.testing.assert_close(alone.metrics[name][k], together.metrics[name][i], rtol=1e-9, atol=0,
-                                           msg=f"{name}, sample {i}, metrics {METRICS}")
+    for i, item in enumerate(items):
+        alone = engine.score(*_padded([item]))
+        assert alone.status(0) == together.status(i) == "ok"
+        assert alone.loss[0].item() == pytest.approx(together.loss[i].item(), rel=1e-9)
+        for name in together.metrics:
+            torch.testing.assert_close(alone.metrics[name][0], together.metrics[name][i], rtol=1e-9, atol=0,
+                                       msg=f"{name}, sample {i}, metrics {METRICS}")
 
 
 def test_item_losses_match_one_padded_batch():
@@ -73,21 +51,3 @@ def test_item_losses_match_one_padded_batch():
         i = item.sample.index
         assert value == pytest.approx(loss[i].item(), rel=1e-9)
         assert row == pytest.approx({name: column[i].item() for name, column in stats.items()}, rel=1e-9)
-
-
-def test_score_runs_unpadded_passes_on_the_cpu(tmp_path, tiny_model_dir, monkeypatch):
-    """gradspec score on the CPU: every pass it makes has an attention mask of ones."""
-    masks = []
-    real_submit = gradspec.SpectralEngine.submit
-
-    def submit(self, input_ids, attention_mask, labels):
-        masks.append(attention_mask.clone())
-        return real_submit(self, input_ids, attention_mask, labels)
-
-    monkeypatch.setattr(gradspec.SpectralEngine, "submit", submit)
-    rows = [{"instruction": "word " * n, "output": "reply " * (n % 3 + 1)} for n in (1, 5, 2, 9, 5)]
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    df = gradspec.score(data, str(tiny_model_dir), None, progress=False)
-    assert df["loss"].notna().all() and len(masks) == 4  # all scored; the two rows of one length share a pass
-    assert all(bool(m.all()) for m in masks)

@@ -119,9 +119,6 @@ def test_out_of_memory_splits_the_batch_then_flags(tmp_path, tiny_model_dir, mon
             {"instruction": "a long one " * 20, "output": "reply"}]
     data = _write_jsonl(tmp_path / "d.jsonl", rows)
     want = gradspec.score(data, str(tiny_model_dir), None, progress=False)
-    # Padded batches, as on a GPU, so that the two short rows share one (on the CPU, a pass holds one length only).
-    padded = lambda items, tokens, device: batching.token_batches(items, tokens)  # noqa: E731
-    monkeypatch.setattr(gradspec.scoring, "device_batches", padded)
     monkeypatch.setattr(gradspec.SpectralEngine, "submit", submit_or_oom)
     with caplog.at_level("WARNING", logger="gradspec"):
         got = gradspec.score(data, str(tiny_model_dir), None, progress=False)
