@@ -1,15 +1,16 @@
-"""Builds gradspec._C from csrc/ with pybind11; kernels/ ships as gradspec.kernels
-(gradspec/kernels is a link to it, so the package imports the same from a checkout).
+"""Builds gradspec._C from csrc/ with pybind11; kernels/ ships as gradspec.kernels (package_dir:
+the wheel and the editable install both map it, with no link in the tree).
 
 LAPACK and BLAS are bound at import time from SciPy's function pointers, so the
 build needs neither their headers nor torch.
 """
 
 from pybind11.setup_helpers import Pybind11Extension, build_ext
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
-    packages=["gradspec", "gradspec.kernels"],
+    packages=find_packages(include=["gradspec", "gradspec.*"]) + ["gradspec.kernels"],
+    package_dir={"gradspec.kernels": "kernels"},
     ext_modules=[
         Pybind11Extension(
             "gradspec._C",

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import MEDIANS
 
-from gradspec import spectral
+from gradspec.linalg import eigen as spectral
 
 SIZES = (64, 128, 256)
 BATCH = 120

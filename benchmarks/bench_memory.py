@@ -16,12 +16,12 @@ from conftest import MEDIANS
 
 SCRIPT = """
 import sys, torch
-from gradspec.batching import BATCH_TOKENS, Item, pad_batch, token_batches
-from gradspec.data import humaneval_samples
-from gradspec.engine import SpectralEngine, response_losses
-from gradspec.models import load_model
-from gradspec.reference import reference_scores
-from gradspec.templates import tokenize
+from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, token_batches
+from gradspec.data.readers import humaneval_samples
+from gradspec.engine.spectral_engine import SpectralEngine, response_losses
+from gradspec.data.models import load_model
+from gradspec.engine.reference import reference_scores
+from gradspec.data.templates import tokenize
 
 def status_kib(field):
     with open("/proc/self/status") as f:

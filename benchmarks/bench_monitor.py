@@ -6,10 +6,10 @@ vs off. Run with ``pytest benchmarks/bench_monitor.py -s``; the ratios print at 
 import pytest
 from conftest import MEDIANS
 
-from gradspec.data import humaneval_samples
-from gradspec.models import load_model
-from gradspec.monitor import SpectralMonitor
-from gradspec.wit import WITCollator
+from gradspec.data.models import load_model
+from gradspec.data.readers import humaneval_samples
+from gradspec.training.monitor import SpectralMonitor
+from gradspec.training.wit import WITCollator
 
 STEPS = 6
 MODES = {"off": None, "attn": "attn", "all": "all"}

@@ -5,14 +5,14 @@ problems 30-47. Rows, per set:
 
 - floor, padded batches: the batches gradspec makes (token_batches: 4,096 padded tokens, at most
   20% padding), one forward and one input-gradient backward each, no hooks, with the LM head at
-  response positions only (``gradspec.engine.response_losses``, the engine's own loss) and the
+  response positions only (``gradspec.engine.spectral_engine.response_losses``, the engine's own loss) and the
   embeddings' output requiring grad, as in the engine;
 - floor, one sample per pass: the same, each sample alone (no padding, attention mask of ones);
 - gradspec engine: ``SpectralEngine.score`` on the padded batches, one after the other;
-- gradspec score: ``gradspec.scoring.score_samples`` as ``gradspec score`` runs it
+- gradspec score: ``gradspec.runs.scoring.score_samples`` as ``gradspec score`` runs it
   (tokenization, the padded batches, ``submit`` with one batch in flight, the output rows; no
   model loading, no Parquet);
-- the reference (first set only): ``gradspec.reference`` one sample at a time, parameter
+- the reference (first set only): ``gradspec.engine.reference`` one sample at a time, parameter
   gradients and a full SVD per module.
 
 Every row gets ROUNDS rounds over the whole set, after an untimed warm-up of the floors and the
@@ -29,13 +29,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from gradspec.batching import BATCH_TOKENS, Item, pad_batch, token_batches
-from gradspec.data import humaneval_samples
-from gradspec.engine import SpectralEngine, response_losses
-from gradspec.models import load_model
-from gradspec.reference import reference_scores
-from gradspec.scoring import score_samples
-from gradspec.templates import tokenize
+from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, token_batches
+from gradspec.data.models import load_model
+from gradspec.data.readers import humaneval_samples
+from gradspec.data.templates import tokenize
+from gradspec.engine.reference import reference_scores
+from gradspec.engine.spectral_engine import SpectralEngine, response_losses
+from gradspec.runs.scoring import score_samples
 
 ROUNDS = 3
 SETS = {"HumanEval 0-15": slice(0, 16), "HumanEval 30-47": slice(30, 48)}

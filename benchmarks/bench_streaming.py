@@ -21,7 +21,7 @@ PEAK_RSS = "import resource, sys\nfrom gradspec.cli import main\nmain(sys.argv[1
 def tiny_model(tmp_path_factory):
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from gradspec.models import default_model_path
+    from gradspec.data.models import default_model_path
 
     path = tmp_path_factory.mktemp("tiny")
     config = LlamaConfig(vocab_size=49152, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -12,9 +12,9 @@ per stage (fp64: the eigen stages on the host's C++ extension, on the device by 
 CuPy, and the measured choice; fp32: the segment Gram by Triton or torch, the low-rank sketch's
 products by Triton or torch, and the measured choice) and scores one batch whose lengths take both
 the T x T core path and the materialised G, with one rank-deficient sample (a response of one
-repeated token). Every metric of every sample and module is compared with gradspec.reference on a
+repeated token). Every metric of every sample and module is compared with gradspec.engine.reference on a
 CPU copy of the model run in fp64 (real weight gradients, full SVD) at the precision's stated
-tolerance (tests/test_precision.py): fp64 on every sample; fp32 on the full-rank samples of the
+tolerance (tests/engine/test_precision.py): fp64 on every sample; fp32 on the full-rank samples of the
 core path, where that tolerance is stated (its errors elsewhere are recorded, not judged: see
 judged_rows); low-rank on the samples its rank covers. The paths that ran
 (engine.policy.describe()) must be the forced ones. The measured configurations also go through
@@ -53,14 +53,14 @@ from typing import Any, NamedTuple  # noqa: E402
 import torch  # noqa: E402
 from gpu_suite import SHAPES, build_model  # noqa: E402
 
-from gradspec import spectral  # noqa: E402
-from gradspec.engine import IGNORE_INDEX, BatchScores, SpectralEngine  # noqa: E402
-from gradspec.metrics import METRICS  # noqa: E402
-from gradspec.policy import Policy  # noqa: E402
-from gradspec.reference import reference_scores  # noqa: E402
+from gradspec.engine.reference import reference_scores  # noqa: E402
+from gradspec.engine.spectral_engine import IGNORE_INDEX, BatchScores, SpectralEngine  # noqa: E402
+from gradspec.linalg import eigen as spectral  # noqa: E402
+from gradspec.linalg.metrics import METRICS  # noqa: E402
+from gradspec.linalg.policy import Policy  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-# The stated tolerances, as tests/test_precision.py states them (tests/test_gpu_acceptance.py keeps them equal).
+# The stated tolerances, as tests/conftest.py states them (tests/benchmarks/test_gpu_acceptance.py keeps them equal).
 FP64_RTOL = 1e-4
 FP32_RTOL = {"spectral_norm": 1e-3, "frobenius_norm": 1e-3, "stable_rank": 2e-3,
              "nuclear_norm": 0.1, "sigma1_ratio": 0.1, "effective_rank": 0.3}
@@ -211,7 +211,7 @@ def scored_rows(config: Config, setup: Setup, rank: int) -> list[int]:
 def judged_rows(config: Config, setup: Setup, rows: list[int], smallest_side: int) -> list[int]:
     """Which of the scored samples the verdict holds to the tolerance. fp64 and low-rank: all.
     fp32: the full-rank samples shorter than every module's smaller side (the core path), where its
-    tolerance is stated (tests/test_precision.py). Found on the CPU with these random-init models:
+    tolerance is stated (tests/engine/test_precision.py). Found on the CPU with these random-init models:
     on longer samples v and o have one dominant singular value over a bulk that fp32 Grams cannot
     resolve (nuclear norm off by up to 30%), and on the rank-deficient one fp32 rounding leaves
     eigenvalues above the cut-off (effective rank off by 0.20-0.25 against 0.3, and Qwen's flagged

@@ -8,7 +8,7 @@ paths. Then, for each model shape (SmolLM2-135M, Qwen2.5-1.5B, Llama-3-8B; rando
 downloads), sequence length T and module set, on one batch of about --batch-tokens tokens:
 gradspec's engine (``score``, and ``submit`` back to back as ``gradspec score`` runs it), a
 plain training step (forward + backward with weight gradients, LM head at response positions
-only, as in the engine), and an estimate of ``gradspec.reference`` per sample, with peak memory;
+only, as in the engine), and an estimate of ``gradspec.engine.reference`` per sample, with peak memory;
 last, what the engine's measured dispatch chose. The reference estimate is one sample's forward
 and backward with the first module's SVD, plus one timed fp64 SVD per other module (a 7B
 model's SVDs take minutes per sample; each weight shape is timed once, when first needed), not
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import torch
 
-from gradspec import spectral
-from gradspec.engine import IGNORE_INDEX, SpectralEngine, response_losses
-from gradspec.metrics import EPS64
-from gradspec.modules import select_targets
-from gradspec.reference import reference_scores
+from gradspec.engine.reference import reference_scores
+from gradspec.engine.spectral_engine import IGNORE_INDEX, SpectralEngine, response_losses
+from gradspec.layers.targets import select_targets
+from gradspec.linalg import eigen as spectral
+from gradspec.linalg.metrics import EPS64
 
 # Real shapes of the three models (from their published configs).
 SHAPES = {

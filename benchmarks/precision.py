@@ -15,13 +15,13 @@ import copy
 
 import torch
 
-from gradspec.batching import pad_batch
-from gradspec.data import humaneval_samples
-from gradspec.engine import SpectralEngine
-from gradspec.metrics import METRICS
-from gradspec.models import load_model
-from gradspec.reference import reference_scores
-from gradspec.templates import tokenize
+from gradspec.data.batching import pad_batch
+from gradspec.data.models import load_model
+from gradspec.data.readers import humaneval_samples
+from gradspec.data.templates import tokenize
+from gradspec.engine.reference import reference_scores
+from gradspec.engine.spectral_engine import SpectralEngine
+from gradspec.linalg.metrics import METRICS
 
 
 def main() -> None:

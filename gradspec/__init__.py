@@ -1,10 +1,24 @@
 """gradspec: score SFT data by the singular-value spectra of per-sample layer-wise gradients."""
 
-from .data import Fields, InputError
-from .engine import BatchScores, SpectralEngine
-from .metrics import METRICS
-from .output import read_metadata, read_scores
-from .scoring import score
+import importlib
+
+from gradspec.data.readers import Fields, InputError
+from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
+from gradspec.linalg.metrics import METRICS
+from gradspec.runs.score_files import read_metadata, read_scores
+from gradspec.runs.scoring import score
+
+# The training classes import transformers' Trainer: loaded on first use, not with every `import gradspec`.
+_TRAINING = {
+    "WITCollator": "wit", "WITLoss": "wit", "use_wit_loss": "wit", "wit_loss": "wit",
+    "SFTMixTrainer": "sftmix", "DynamicsCallback": "dynamics", "SpectralMonitor": "monitor",
+}
 
 __all__ = ["METRICS", "BatchScores", "Fields", "InputError", "SpectralEngine", "read_metadata", "read_scores",
-           "score"]
+           "score", *_TRAINING]
+
+
+def __getattr__(name: str):
+    if name in _TRAINING:
+        return getattr(importlib.import_module(f"gradspec.training.{_TRAINING[name]}"), name)
+    raise AttributeError(f"module 'gradspec' has no attribute {name!r}")

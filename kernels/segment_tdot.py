@@ -1,6 +1,6 @@
 """Per-sample A_i^T B_i summed over each sample's valid tokens: (N, T, p), (N, T, q) -> (N, p, q).
 
-The products of the low-rank sketch (gradspec.lowrank) are all of this form: G Omega =
+The products of the low-rank sketch (gradspec.linalg.lowrank) are all of this form: G Omega =
 D^T (X Omega), G^T Y = X^T (D Y), and Q^T G = (D Q)^T X. ``segment_tdot_triton`` reads A and B
 in the model's dtype, stops each sample's loop at its length (padding costs nothing) and
 accumulates in fp32, where the torch path needs fp64 copies of both operands;

@@ -1,0 +1,184 @@
+"""Comparing groups of scored data: per-layer curves, distributions, effect sizes, correlations.
+
+Each sample is summarised per module type (q, k, v, o, gate, up, down) by the mean of a metric over
+layers. Groups are compared with Cohen's d and a Mann-Whitney U test; metrics are correlated
+(Spearman) with every numeric column the score files carry, plain and with the response length
+partialled out, because effective rank is bounded by the token count and quality labels often
+track length.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+from scipy import stats  # noqa: E402
+
+from gradspec.runs.score_files import complete, read_metadata, read_scores  # noqa: E402
+
+CURVE_METRICS = ("nuclear_norm", "effective_rank")
+ROLE_ORDER = ("q", "k", "v", "o", "gate", "up", "down")
+LENGTH = "num_response_tokens"
+# Columns of a score file that are not sample properties to correlate with.
+_NOT_FEATURES = {"index", "status"}
+
+
+def load_group(label: str, path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(wide, long) of one score file, scored rows only, keyed by `sample` = "label:index", with
+    effective_rank_fraction added to long: effective rank / min(T, d_in, d_out), its ceiling, which
+    takes out the bound set by length."""
+    wide, long = read_scores(path)
+    ok = wide.loc[complete(wide["status"]), "index"]
+    long = long[long["index"].isin(ok)]
+    dims = {p["name"]: min(p.get("d_in", np.inf), p.get("d_out", np.inf)) for p in read_metadata(path).get("parts", [])}
+    er = long[long["metric"] == "effective_rank"].copy()
+    tokens = wide.set_index("index")["num_tokens"]
+    er["value"] = er["value"] / np.minimum(er["index"].map(tokens), er["name"].map(dims))
+    er["metric"] = "effective_rank_fraction"
+    wide, long = wide[complete(wide["status"])].copy(), pd.concat([long, er], ignore_index=True)
+    for frame in (wide, long):
+        frame["sample"] = label + ":" + frame["index"].astype(str)
+    return wide, long
+
+
+def per_sample(long: pd.DataFrame) -> pd.DataFrame:
+    """sample x (metric, module): the mean over layers."""
+    return long.groupby(["sample", "metric", "module"])["value"].mean().unstack(["metric", "module"])
+
+
+def cohens_d(a: np.ndarray, b: np.ndarray) -> float:
+    """(mean a - mean b) / pooled standard deviation."""
+    na, nb = len(a), len(b)
+    pooled = np.sqrt(((na - 1) * a.var(ddof=1) + (nb - 1) * b.var(ddof=1)) / (na + nb - 2))
+    return float((a.mean() - b.mean()) / pooled) if pooled > 0 else float("nan")
+
+
+def summary_table(samples: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Per metric and module type: each group's mean, and first group vs second (d, Mann-Whitney p)."""
+    labels = list(samples)
+    rows = []
+    for metric, module in samples[labels[0]].columns:
+        row = {"metric": metric, "module": module}
+        values = [samples[g][(metric, module)].dropna().to_numpy() for g in labels]
+        row.update({f"mean {g}": v.mean() for g, v in zip(labels, values, strict=True)})
+        if len(labels) >= 2 and min(len(values[0]), len(values[1])) >= 2:
+            row[f"d ({labels[0]} - {labels[1]})"] = cohens_d(values[0], values[1])
+            row["Mann-Whitney p"] = stats.mannwhitneyu(values[0], values[1]).pvalue
+        rows.append(row)
+    order = {r: i for i, r in enumerate(ROLE_ORDER)}
+    return pd.DataFrame(rows).sort_values(["metric", "module"], key=lambda c: c.map(order) if c.name == "module"
+                                          else c, ignore_index=True)
+
+
+def _features(wide: pd.DataFrame, samples: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(spectral, other): per-sample metric means over all modules, and the numeric columns carried."""
+    spectral = samples.T.groupby(level="metric").mean().T
+    numeric = wide.set_index("sample").select_dtypes("number")
+    other = numeric[[c for c in numeric.columns if "/" not in c and c not in _NOT_FEATURES]]
+    return spectral, other.loc[spectral.index]
+
+
+def correlations(wide: pd.DataFrame, samples: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Spearman correlations of spectral metrics with the other numeric columns: plain, and with the
+    response length partialled out (ranks regressed on the length's rank, residuals correlated)."""
+    spectral, other = _features(wide, samples)
+    ranks = pd.concat([spectral, other], axis=1).rank()
+    plain = ranks.corr().loc[spectral.columns, other.columns]
+    length = ranks[LENGTH].to_numpy()
+    design = np.column_stack([np.ones_like(length), length])
+
+    def residual(col: pd.Series) -> np.ndarray:
+        ok = col.notna().to_numpy()
+        out = np.full(len(col), np.nan)
+        beta, *_ = np.linalg.lstsq(design[ok], col.to_numpy()[ok], rcond=None)
+        out[ok] = col.to_numpy()[ok] - design[ok] @ beta
+        return out
+
+    resid = pd.DataFrame({c: residual(ranks[c]) for c in ranks.columns}, index=ranks.index)
+    partial = resid.corr().loc[spectral.columns, [c for c in other.columns if c != LENGTH]]
+    return plain, partial
+
+
+def _plot_layer_curves(longs: dict[str, pd.DataFrame], metric: str, path: Path) -> None:
+    roles = [r for r in ROLE_ORDER if any(r in set(lg["module"]) for lg in longs.values())]
+    fig, axes = plt.subplots(1, len(roles), figsize=(3.2 * len(roles), 3.2), squeeze=False)
+    for ax, role in zip(axes[0], roles, strict=True):
+        for label, long in longs.items():
+            sel = long[(long["metric"] == metric) & (long["module"] == role)]
+            by_layer = sel.groupby("layer")["value"]
+            mean, lo, hi = by_layer.mean(), by_layer.quantile(0.25), by_layer.quantile(0.75)
+            ax.plot(mean.index, mean.values, label=label)
+            ax.fill_between(mean.index, lo.values, hi.values, alpha=0.2)
+        ax.set_title(role)
+        ax.set_xlabel("layer")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0][0].set_ylabel(f"{metric} (mean, IQR band)")
+    axes[0][-1].legend()
+    fig.suptitle(f"{metric} per layer")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_distributions(samples: dict[str, pd.DataFrame], metric: str, path: Path) -> None:
+    roles = [r for r in ROLE_ORDER if (metric, r) in next(iter(samples.values())).columns]
+    fig, axes = plt.subplots(1, len(roles), figsize=(3.2 * len(roles), 3.2), squeeze=False)
+    for ax, role in zip(axes[0], roles, strict=True):
+        ax.boxplot([s[(metric, role)].dropna() for s in samples.values()], tick_labels=list(samples))
+        ax.set_title(role)
+    axes[0][0].set_ylabel(f"{metric}, mean over layers")
+    fig.suptitle(f"{metric} per sample")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_heatmap(corr: pd.DataFrame, title: str, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(1.0 + 0.9 * corr.shape[1], 1.0 + 0.5 * corr.shape[0]))
+    im = ax.imshow(corr.to_numpy(dtype=float), cmap="RdBu_r", vmin=-1, vmax=1)
+    ax.set_xticks(range(corr.shape[1]), corr.columns, rotation=45, ha="right")
+    ax.set_yticks(range(corr.shape[0]), corr.index)
+    for (i, j), v in np.ndenumerate(corr.to_numpy(dtype=float)):
+        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+    fig.colorbar(im, ax=ax, shrink=0.8)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(groups: dict[str, str | Path], out: str | Path) -> Path:
+    """Figures and report.md for labelled score files ({"high": path, "low": path, ...})."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    loaded = {label: load_group(label, path) for label, path in groups.items()}
+    longs = {label: long for label, (_, long) in loaded.items()}
+    samples = {label: per_sample(long) for label, long in longs.items()}
+    lines = ["# gradspec report", "", "Groups: " + ", ".join(f"**{g}** ({len(loaded[g][0])} scored rows, `{p}`)"
+                                                         for g, p in groups.items()), ""]
+    for metric in CURVE_METRICS:
+        _plot_layer_curves(longs, metric, out / f"layers_{metric}.png")
+        _plot_distributions(samples, metric, out / f"distribution_{metric}.png")
+        lines += [f"## {metric}", "", f"![per layer](layers_{metric}.png)", "",
+                  f"![per sample](distribution_{metric}.png)", ""]
+    table = summary_table(samples)
+    lines += ["## Summary per module type (mean over layers)", "",
+              "Cohen's d > 0 means the first group is higher. `effective_rank_fraction` is the effective rank "
+              "over its ceiling min(T, d_in, d_out), a length-normalised variant.", "",
+              table.to_markdown(index=False, floatfmt=".3g"), ""]
+    wide_all = pd.concat([w for w, _ in loaded.values()], ignore_index=True)
+    plain, partial = correlations(wide_all, pd.concat(samples.values()))
+    _plot_heatmap(plain, "Spearman correlation, all groups pooled", out / "correlation.png")
+    _plot_heatmap(partial, f"... with {LENGTH} partialled out", out / "correlation_partial_length.png")
+    lines += ["## Correlations (all groups pooled, Spearman)", "", "![correlation](correlation.png)", "",
+              plain.to_markdown(floatfmt=".2f"), "", f"### With the response length ({LENGTH}) partialled out", "",
+              "![partial](correlation_partial_length.png)", "", partial.to_markdown(floatfmt=".2f"), ""]
+    report = out / "report.md"
+    report.write_text("\n".join(lines), encoding="utf-8")
+    return report

@@ -1,0 +1,124 @@
+"""Selecting data by its scores, written back in the input's own format.
+
+A criterion is a column of the score file (``model.layers.3.self_attn.q_proj/effective_rank``),
+a metric name (``effective_rank``: the mean over every scored module), a classic score (``ifd``),
+or a weighted combination of these, each standardised first (``effective_rank:1,nuclear_norm:-1``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from gradspec.data.readers import InputError, read_records
+from gradspec.runs.score_files import complete
+
+
+def criterion_values(scores: pd.DataFrame, name: str) -> pd.Series:
+    """One named criterion per row: a column, or a metric averaged over all modules."""
+    if name in scores.columns:
+        return scores[name].astype(float)
+    columns = [c for c in scores.columns if c.endswith("/" + name)]
+    if not columns:
+        metrics = sorted({c.rsplit("/", 1)[1] for c in scores.columns if "/" in c})
+        raise ValueError(f"unknown criterion {name!r}: not a column, and no module has it; metrics: {metrics}")
+    return scores[columns].astype(float).mean(axis=1)
+
+
+def criteria(by: str) -> list[tuple[str, float]]:
+    """'a' or 'a:w1,b:w2' -> [(name, weight)]."""
+    out = []
+    for term in (t.strip() for t in by.split(",") if t.strip()):
+        name, _, weight = term.partition(":")
+        try:
+            out.append((name.strip(), float(weight) if weight else 1.0))
+        except ValueError:
+            raise ValueError(f"--by {by!r}: weight {weight!r} of {name!r} is not a number") from None
+    if not out:
+        raise ValueError("--by names no criterion")
+    return out
+
+
+def combined_score(scores: pd.DataFrame, by: str) -> pd.Series:
+    """A single criterion as is; a combination as the weighted sum of z-scores."""
+    terms = criteria(by)
+    if len(terms) == 1 and ":" not in by:
+        return criterion_values(scores, terms[0][0])
+    total = pd.Series(0.0, index=scores.index)
+    for name, weight in terms:
+        values = criterion_values(scores, name)
+        total += weight * (values - values.mean()) / (values.std(ddof=0) or 1.0)
+    return total
+
+
+def choose(
+    scores: pd.DataFrame, by: str, top: bool = True, fraction: float | None = None, count: int | None = None,
+    length_buckets: int = 0,
+) -> pd.DataFrame:
+    """The chosen rows of a score table (complete rows only: output.complete), with their selection score in
+    ``gradspec_score``.
+
+    With length_buckets > 0 the choice is made within each quantile bucket of num_tokens, so that a
+    criterion correlated with length does not select by length alone.
+    """
+    if (fraction is None) == (count is None):
+        raise ValueError("give exactly one of --fraction and --count")
+    ok = scores[complete(scores["status"])].copy()
+    for name, _ in criteria(by):
+        if name not in ok.columns:
+            ok[name] = criterion_values(ok, name)
+    ok["gradspec_score"] = combined_score(ok, by)
+    ok = ok[np.isfinite(ok["gradspec_score"])]
+    groups = [ok]
+    if length_buckets > 0:
+        buckets = pd.qcut(ok["num_tokens"].rank(method="first"), length_buckets, labels=False)
+        groups = [g for _, g in ok.groupby(buckets)]
+    share = fraction if fraction is not None else count / max(len(ok), 1)
+    chosen = []
+    for g in groups:
+        k = min(len(g), int(round(share * len(g))))
+        chosen.append(g.sort_values("gradspec_score", ascending=not top, kind="stable").head(k))
+    return pd.concat(chosen).sort_values("index") if chosen else ok.head(0)
+
+
+def write_selection(data: str | Path, chosen: pd.DataFrame, out: str | Path, columns: list[str]) -> int:
+    """Writes the chosen input records, in input order and the input's format, with the given score
+    columns added; returns how many were written."""
+    data, out = Path(data), Path(out)
+    if data.suffix != out.suffix:
+        raise ValueError(f"--out {out} must keep the input's format ({data.suffix or 'a datasets folder'})")
+    extra = chosen.set_index("index")[columns]
+    records, seen = [], 0
+    for index, (_, record) in enumerate(read_records(data, wanted=extra.index.__contains__)):
+        seen = index + 1
+        if isinstance(record, InputError):
+            raise record
+        if record is not None and index in extra.index:
+            record.update({c: _plain(v) for c, v in extra.loc[index].items()})
+            records.append(record)
+    if len(records) != len(extra):
+        raise InputError(f"{data}: has {seen} records; the score file names rows beyond them (another input?)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if data.is_dir() or out.suffix == ".parquet":
+        columns_of = {k: [r.get(k) for r in records] for k in dict.fromkeys(k for r in records for k in r)}
+        if data.is_dir():
+            import datasets
+
+            datasets.Dataset.from_dict(columns_of).save_to_disk(str(out))
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.table(columns_of), out)
+    elif out.suffix == ".jsonl":
+        out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    else:
+        out.write_text(json.dumps(records, ensure_ascii=False, indent=1), encoding="utf-8")
+    return len(records)
+
+
+def _plain(value):
+    return value.item() if isinstance(value, np.generic) else value

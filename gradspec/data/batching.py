@@ -1,0 +1,79 @@
+"""Batching tokenized samples: length-sorted, under a token budget, with little padding."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from gradspec.data.readers import Sample
+from gradspec.data.templates import Tokenized
+from gradspec.engine.spectral_engine import IGNORE_INDEX, response_losses
+
+BATCH_TOKENS = 4096  # padded tokens per batch
+MAX_PADDING = 0.2  # share of a batch's tokens that may be padding
+
+
+@dataclass
+class Item:
+    """A sample with its tokens."""
+
+    sample: Sample
+    tokens: Tokenized
+
+
+def pad_id_of(tokenizer) -> int:
+    """The tokenizer's padding id; 0 where it has none (padded positions are masked anyway)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+def pad_batch(items: list[Tokenized], pad_id: int, device: str | torch.device) -> tuple[torch.Tensor, ...]:
+    """Right-padded input_ids, attention_mask and labels."""
+    T = max(t.num_tokens for t in items)
+    ids = torch.full((len(items), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(items), T), dtype=torch.long)
+    labels = torch.full((len(items), T), IGNORE_INDEX, dtype=torch.long)
+    for i, t in enumerate(items):
+        n = t.num_tokens
+        ids[i, :n] = torch.tensor(t.input_ids)
+        mask[i, :n] = 1
+        labels[i, :n] = torch.tensor(t.labels)
+    return ids.to(device), mask.to(device), labels.to(device)
+
+
+def token_batches(items: list[Item], batch_tokens: int, max_padding: float = MAX_PADDING) -> Iterator[list[Item]]:
+    """Length-sorted batches whose padded size (count x longest) stays within batch_tokens and
+    whose padding stays within max_padding of it: padded tokens cost full compute on a CPU.
+
+    The same batches on every device: on the CPU too, fuller passes beat one sample per pass
+    (1.4x faster on SmolLM2-135M and HumanEval, 2-core AMD EPYC: benchmarks/RESULTS.md)."""
+    batch: list[Item] = []
+    real = 0
+    for item in sorted(items, key=lambda it: it.tokens.num_tokens):
+        n = item.tokens.num_tokens
+        padded = (len(batch) + 1) * n
+        if batch and (padded > batch_tokens or real + n < (1 - max_padding) * padded):
+            yield batch
+            batch, real = [], 0
+        batch.append(item)
+        real += n
+    if batch:
+        yield batch
+
+
+@torch.no_grad()
+def item_losses(
+    model: torch.nn.Module, tokenizer, items: list[Item], batch_tokens: int = BATCH_TOKENS, token_stats: bool = False
+) -> Iterator[tuple[Item, float, dict[str, float]]]:
+    """(item, mean loss over its labelled tokens, token stats) per item, from forward passes alone
+    (the loss is NaN where nothing is labelled)."""
+    device = next(model.parameters()).device
+    pad_id = pad_id_of(tokenizer)
+    for batch in token_batches(items, batch_tokens):
+        loss, count, stats = response_losses(model, *pad_batch([b.tokens for b in batch], pad_id, device),
+                                             token_stats=token_stats)
+        for k, item in enumerate(batch):
+            value = float(loss[k]) if count[k] > 0 else math.nan
+            yield item, value, {name: float(column[k]) for name, column in stats.items()}

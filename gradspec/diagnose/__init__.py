@@ -1,0 +1,1 @@
+"""`gradspec diagnose`: which training samples a fine-tuned model did not learn, and why."""

@@ -1,0 +1,68 @@
+"""Approximate top-k spectra without materialising G: a randomized range finder on G = D^T X.
+
+Halko, Martinsson & Tropp (2011), algorithm 4.4: sketch Y = G Omega = D^T (X Omega), refine with
+power iterations, then take the singular values of the small k x d_in matrix Q^T G = (D Q)^T X.
+The top singular values (so the spectral norm) come out close to exact; the nuclear norm and the
+effective rank see only the top k and are biased low (measured on SmolLM2 in benchmarks/RESULTS.md),
+which is why this mode is opt-in and never the default. ||G||_F is exact, so the stable rank is
+too, and ``topk_energy`` (sum of the top-k sigma^2 over ||G||_F^2) says how much the top k hold.
+Every product over tokens is a per-sample A^T B (``spectral.segment_tdot``) at the policy's
+precision (gradspec.linalg.policy); the small factorisations are always fp64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradspec.linalg.eigen import segment_gram, segment_tdot
+from gradspec.linalg.metrics import METRICS, metrics_from_singular_values
+from gradspec.linalg.policy import Policy
+
+LOWRANK_METRICS: tuple[str, ...] = METRICS + ("topk_energy",)
+OVERSAMPLING = 8  # extra sketch columns beyond the rank kept: sharper top-k at little cost
+
+
+def sketch_matrix(d_in: int, d_out: int, rank: int, seed: int) -> torch.Tensor:
+    """The Gaussian Omega (d_in, k) for one module: fixed by the seed, so a sample's result does
+    not depend on its batch."""
+    k = min(rank + OVERSAMPLING, d_in, d_out)
+    return torch.randn(d_in, k, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def sketch_singular_values(
+    X: torch.Tensor, D: torch.Tensor, lengths: torch.Tensor, omega: torch.Tensor, rank: int, power_iters: int,
+    policy: Policy | str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """X (N, T, d_in), D (N, T, d_out), omega (d_in, k), lengths on X's device -> top-`rank`
+    singular values of each D_i^T X_i (N, rank) and the exact ||D_i^T X_i||_F^2 (N,), in fp64,
+    on X's device (the caller copies them to the host with the batch's other results).
+    """
+    policy = Policy.of(policy)
+    wide = policy.dtype
+    X, D = X.to(wide), D.to(wide)
+
+    def tdot(A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+        return segment_tdot(A, B, lengths, policy).double()
+
+    Y = tdot(D, X @ omega.to(X))  # G Omega = D^T (X Omega): (N, d_out, k)
+    for _ in range(power_iters):
+        Y = torch.linalg.qr(Y).Q
+        Z = torch.linalg.qr(tdot(X, D @ Y.to(wide))).Q  # G^T Y = X^T (D Y): (N, d_in, k)
+        Y = tdot(D, X @ Z.to(wide))
+    Q = torch.linalg.qr(Y).Q
+    sigma = torch.linalg.svdvals(tdot(D @ Q.to(wide), X))[:, :rank]  # of Q^T G = (D Q)^T X: (N, k, d_in)
+    if X.shape[1] < min(X.shape[-1], D.shape[-1]):  # ||G||_F^2 = <D D^T, X X^T>, cheaper than G when T is small
+        frob2 = segment_gram(D, lengths, segment_gram(X, lengths, policy=policy)[0], policy)[1].double()
+    else:
+        frob2 = tdot(D, X).square().sum((1, 2))
+    return sigma, frob2
+
+
+def lowrank_metrics(sigma: torch.Tensor, frob2: torch.Tensor) -> torch.Tensor:
+    """(N, rank) top singular values and exact ||G||_F^2 -> (N, len(LOWRANK_METRICS))."""
+    m = metrics_from_singular_values(sigma)
+    frobenius, spectral = METRICS.index("frobenius_norm"), METRICS.index("spectral_norm")
+    m[:, frobenius] = frob2.sqrt()
+    m[:, METRICS.index("stable_rank")] = frob2 / m[:, spectral].square()
+    energy = sigma.square().sum(-1) / frob2
+    return torch.cat([m, energy[:, None]], dim=1)

@@ -1,0 +1,56 @@
+"""Running under torchrun (one node or many): this process's shard and GPU, and a gloo group to
+agree on the run folder and to wait for every rank before merging. No tensors cross processes."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradspec.runs.run_folder import Shard
+
+WAIT = timedelta(days=3)  # how long rank 0 waits for the slowest rank before it merges
+
+
+def torchrun_shard() -> Shard | None:
+    """This rank's shard when torchrun started more than one process, else None."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return Shard(int(os.environ["RANK"]), world) if world > 1 else None
+
+
+def bind_device(device: str) -> str:
+    """Under torchrun a bare 'cuda' means this process's own GPU, which is made current here,
+    once, before the model loads: library calls that use the current device (Triton launches,
+    CuPy, torch.cuda.*) then see this rank's GPU, not GPU 0."""
+    if device == "cuda" and "LOCAL_RANK" in os.environ:
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        return f"cuda:{local}"
+    return device
+
+
+class Group:
+    """The torchrun processes, joined over gloo (CPU or GPU runs alike)."""
+
+    def __enter__(self) -> Group:
+        dist.init_process_group("gloo", timeout=WAIT)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        dist.destroy_process_group()
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    def share(self, value: Any) -> Any:
+        """Rank 0's value, on every rank."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def wait(self) -> None:
+        dist.barrier()

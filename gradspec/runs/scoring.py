@@ -1,0 +1,315 @@
+"""Scoring a dataset chunk by chunk: read in order, bucket by length, batch under a token budget, write in order."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from importlib.metadata import version
+from itertools import groupby
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from gradspec.analysis.classic_scores import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
+from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
+from gradspec.data.models import DEFAULT_MODEL, load_model
+from gradspec.data.readers import HUMANEVAL_SIZE, Fields, Sample, count_records, data_samples
+from gradspec.data.templates import check_response_tokens, tokenize
+from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
+from gradspec.runs.distributed import Group, bind_device, torchrun_shard
+from gradspec.runs.run_folder import CHUNK_ROWS, INPUT_ERROR, RunFolder, Shard
+from gradspec.runs.score_files import SPECTRA, carried_name, column, file_metadata, metric_columns, read_scores
+
+log = logging.getLogger("gradspec")
+
+
+def submit_with_split(
+    engine: SpectralEngine, batch: list[Item], pad_id: int, device: torch.device
+) -> list[tuple[Item, Future[BatchScores] | None, int]]:
+    """(item, future scores, row in them) for each item. Out of memory: split the batch in half
+    and retry each half; a single sample that still does not fit gets None (flagged by the caller)."""
+    try:
+        result = engine.submit(*pad_batch([b.tokens for b in batch], pad_id, device))
+    except torch.OutOfMemoryError:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if len(batch) == 1:
+            log.warning("sample %d does not fit in memory (%d tokens); flagged out_of_memory",
+                        batch[0].sample.index, batch[0].tokens.num_tokens)
+            return [(batch[0], None, 0)]
+        log.warning("out of memory on a batch of %d; retrying it in two halves", len(batch))
+        half = len(batch) // 2
+        return (submit_with_split(engine, batch[:half], pad_id, device)
+                + submit_with_split(engine, batch[half:], pad_id, device))
+    return [(item, result, k) for k, item in enumerate(batch)]
+
+
+def _row(item: Item) -> dict[str, Any]:
+    """An output row before scoring: the tokenizer's status, no loss yet."""
+    row = {
+        "index": item.sample.index,
+        "status": item.tokens.status,
+        "loss": math.nan,
+        "num_tokens": item.tokens.num_tokens,
+        "num_response_tokens": item.tokens.num_response_tokens,
+    }
+    row.update({carried_name(k): v for k, v in item.sample.carried.items()})
+    return row
+
+
+def _error_row(sample: Sample) -> dict[str, Any]:
+    """A row skipped for bad input (on_error="skip"): why, and nothing scored."""
+    log.warning("skipped: %s", sample.error)
+    return {"index": sample.index, "status": INPUT_ERROR, "error": sample.error, "loss": math.nan,
+            "num_tokens": 0, "num_response_tokens": 0}
+
+
+class _Progress:
+    """A progress bar with samples/s, tokens/s and the ETA."""
+
+    def __init__(self, total: int | None, enabled: bool) -> None:
+        self.bar = tqdm(total=total, unit="sample", disable=not enabled, dynamic_ncols=True)
+        self.start, self.tokens = time.perf_counter(), 0
+
+    def advance(self, samples: int, tokens: int = 0) -> None:
+        self.tokens += tokens
+        self.bar.update(samples)
+        self.bar.set_postfix(tok_s=f"{self.tokens / (time.perf_counter() - self.start):.0f}", refresh=False)
+
+
+def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, template: str, max_length: int,
+                 batch_tokens: int, progress: _Progress, seen: Counter[str]) -> list[dict[str, Any]]:
+    """Output rows of consecutive samples, in their order; batches within are sorted by length.
+    seen: the tokenizer's statuses of the rows read so far (a run where most have no response
+    tokens stops here)."""
+    device = next(engine.model.parameters()).device
+    pad_id = pad_id_of(tokenizer)
+    items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples if s.error is None]
+    seen.update(item.tokens.status for item in items)
+    check_response_tokens(seen)
+    rows = {item.sample.index: _row(item) for item in items}
+    rows.update({s.index: _error_row(s) for s in samples if s.error is not None})
+    scorable = [i for i in items if i.tokens.scorable]
+    # One batch in flight: its eigen stage runs while the next batch's forward and backward do.
+    pending: list[tuple[Item, Future[BatchScores] | None, int]] = []
+    for batch in token_batches(scorable, batch_tokens):
+        submitted = submit_with_split(engine, batch, pad_id, device)
+        progress.advance(len(pending), _collect(pending, rows, engine.metric_names))
+        pending = submitted
+    progress.advance(len(pending), _collect(pending, rows, engine.metric_names))
+    if engine.token_stats:
+        _add_classic(engine, tokenizer, scorable, rows, max_length, batch_tokens)
+    progress.advance(len(samples) - len(scorable))
+    return [_fill(rows[s.index], engine) for s in samples]
+
+
+def score_samples(
+    samples: Iterable[Sample], engine: SpectralEngine, tokenizer, write: Callable[[int, list[dict[str, Any]]], None],
+    chunk_rows: int = CHUNK_ROWS, template: str = "plain", max_length: int = 2048,
+    batch_tokens: int = BATCH_TOKENS, progress: bool = True, total: int | None = None,
+) -> Counter[str]:
+    """Scores samples chunk by chunk (chunk = index // chunk_rows); write(chunk, rows) gets each
+    chunk's rows in input order. Returns how many rows got each status. Stops (ValueError) once
+    most rows read have no response tokens (see templates.check_response_tokens)."""
+    statuses: Counter[str] = Counter()
+    seen: Counter[str] = Counter()
+    bar = _Progress(total, progress)
+    try:
+        for chunk, group in groupby(samples, key=lambda s: s.index // chunk_rows):
+            rows = _score_chunk(list(group), engine, tokenizer, template, max_length, batch_tokens, bar, seen)
+            write(chunk, rows)
+            statuses.update(row["status"] for row in rows)
+    finally:
+        bar.bar.close()
+    return statuses
+
+
+def _add_classic(engine: SpectralEngine, tokenizer, items: list[Item], rows: dict[int, dict[str, Any]],
+                 max_length: int, batch_tokens: int) -> None:
+    """IFD and friends for the scored rows: one extra no-grad pass over the responses alone."""
+    alone = losses_alone(engine.model, tokenizer, [i.sample for i in items], max_length, batch_tokens)
+    for item in items:
+        row = rows[item.sample.index]
+        row["response_chars"] = len(response_text(item.sample))
+        if math.isfinite(row["loss"]):
+            row.update(loss_ratios(row["loss"], alone[item.sample.index]))
+            if not math.isfinite(row["ifd"]):
+                row["status"] = "ifd_undefined" if row["status"] == "ok" else row["status"] + ";ifd_undefined"
+
+
+def _collect(pending: list[tuple[Item, Future[BatchScores] | None, int]], rows: dict[int, dict[str, Any]],
+             names: tuple[str, ...]) -> int:
+    """Waits for submitted batches and fills their rows; returns the tokens they held."""
+    for item, future, k in pending:
+        _fill_scores(rows[item.sample.index], None if future is None else future.result(), k, names)
+    return sum(item.tokens.num_tokens for item, _, _ in pending)
+
+
+def _fill_scores(row: dict[str, Any], result: BatchScores | None, k: int, names: tuple[str, ...]) -> None:
+    """Row k of a batch's scores into its output row (None: the sample did not fit in memory)."""
+    if result is None:
+        row["status"] = "out_of_memory"
+        return
+    flags = [f for f in (row["status"], result.status(k)) if f != "ok"]
+    row["status"], row["loss"] = ";".join(flags) or "ok", float(result.loss[k])
+    row.update(metric_columns(result.metrics, k, names))
+    for name, sigmas in result.spectra.items():
+        row[column(name, SPECTRA)] = sigmas[k].tolist()
+    row.update({name: float(values[k]) for name, values in result.token_stats.items()})
+
+
+def _fill(row: dict[str, Any], engine: SpectralEngine) -> dict[str, Any]:
+    """Unscored rows get NaN metrics (their status says why), so every row has every column."""
+    if engine.token_stats:
+        for name in CLASSIC_COLUMNS:
+            row.setdefault(name, math.nan)
+    for name in engine.part_names:
+        for m in engine.metric_names:
+            row.setdefault(column(name, m), math.nan)
+        if engine.keep_spectra:
+            row.setdefault(column(name, SPECTRA), [])
+    return row
+
+
+@dataclass(frozen=True)
+class ScoreConfig:
+    """Everything that decides a run's output; a run resumes only under the same config."""
+
+    data: str | None = None  # None: HumanEval
+    model: str | None = None  # None: SmolLM2-135M-Instruct
+    template: str = "plain"
+    modules: str = "attn"
+    max_length: int = 2048
+    dtype: str = "float32"
+    method: str = "exact"
+    rank: int = 64
+    seed: int = 0
+    classic: bool = False
+    save_spectra: bool = False
+    fields: Fields = Fields()
+    limit: int | None = None
+    chunk_rows: int = CHUNK_ROWS
+    precision: str = "fp64"  # of the Grams and sketch products (gradspec.linalg.policy)
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest and file metadata: the config, the data file's size and the version."""
+        info = {**asdict(self), "model": self.model or DEFAULT_MODEL, "data": self.data or "humaneval",
+                "version": version("gradspec")}
+        if self.data is not None:
+            info["data"] = str(Path(self.data).resolve())
+            info["data_bytes"] = Path(self.data).stat().st_size if Path(self.data).is_file() else None
+        if self.method != "lowrank":
+            del info["rank"], info["seed"]
+        return info
+
+    def records(self) -> int:
+        """Rows the run covers: the input's, up to the limit."""
+        n = HUMANEVAL_SIZE if self.data is None else count_records(self.data)
+        return n if self.limit is None else min(n, self.limit)
+
+    def samples(self, wanted: Callable[[int], bool] | None = None, on_error: str = "fail") -> Iterator[Sample]:
+        return data_samples(self.data, self.fields, self.limit, wanted, on_error)
+
+
+def _engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: bool):
+    net, tokenizer = load_model(config.model, device, config.dtype, trust_remote_code)
+    engine = SpectralEngine(net, config.modules, backend=backend, keep_spectra=config.save_spectra,
+                            precision=config.precision,
+                            method=config.method, rank=config.rank, seed=config.seed, token_stats=config.classic)
+    return engine, tokenizer
+
+
+def run(
+    config: ScoreConfig, out: str | Path, *, device: str = "cpu", backend: str = "auto",
+    batch_tokens: int = BATCH_TOKENS, progress: bool = True, trust_remote_code: bool = False,
+    resume: bool = False, overwrite: bool = False, shard: Shard | None = None, on_error: str = "fail",
+    merge: bool = True,
+) -> Counter[str]:
+    """Scores this process's chunks into the run folder of out, then merges them into out when
+    this process is the whole run (or rank 0 of torchrun's) and merge is on.
+
+    Under torchrun every rank takes its own shard; shard splits the data between independent
+    processes (e.g. a Slurm array) that share the folder; `gradspec merge` joins their parts.
+    Returns how many rows of each status this process wrote.
+    """
+    ranks = torchrun_shard()
+    if ranks is not None and shard is not None:
+        raise ValueError("--shard and torchrun both split the data; use one of them")
+    mine = ranks or shard or Shard()
+    with Group() if ranks else nullcontext() as group:
+        # A torchrun rank makes its own GPU current before anything touches CUDA (bind_device)
+        engine, tokenizer = _engine(config, bind_device(device) if ranks else device, backend, trust_remote_code)
+        folder, info = RunFolder(out), config.describe()
+        if group is None:
+            folder.start(info, resume, overwrite, shared=mine.count > 1)
+        else:  # rank 0 prepares the folder; the others check it, or stop with rank 0's error
+            problem = None
+            if group.rank == 0:
+                try:
+                    folder.start(info, resume, overwrite, shared=False)
+                except (FileExistsError, ValueError) as e:
+                    problem = e
+            problem = group.share(problem)
+            if problem is not None:
+                raise problem
+            folder.start(info, resume=True, overwrite=False, shared=True)
+        records, done = config.records(), folder.done()
+
+        def wanted(index: int) -> bool:
+            chunk = index // config.chunk_rows
+            return mine.owns(chunk) and chunk not in done
+
+        total = sum(min(config.chunk_rows, records - start) for start in range(0, records, config.chunk_rows)
+                    if wanted(start))  # rows of the chunks this process will score
+        metadata = file_metadata(engine.parts, engine.metric_names, info)
+        statuses = score_samples(
+            config.samples(wanted, on_error), engine, tokenizer,
+            lambda chunk, rows: folder.write_part(chunk, rows, {**metadata, **engine.policy.describe()}),
+            config.chunk_rows, config.template,
+            config.max_length, batch_tokens, progress and (ranks is None or mine.index == 0), total,
+        )
+        if group is not None:
+            group.wait()
+        if merge and mine.index == 0 and (group is not None or mine.count == 1):
+            folder.merge(records, config.chunk_rows)
+    return statuses
+
+
+def score(
+    data: str | Path | None = None, model: str | None = None, out: str | Path | None = None, *,
+    template: str = "plain", modules: str | list[str] = "attn", max_length: int = 2048,
+    batch_tokens: int = BATCH_TOKENS, device: str = "cpu", dtype: str = "float32", limit: int | None = None,
+    fields: Fields = Fields(), save_spectra: bool = False, backend: str = "auto", progress: bool = True,
+    trust_remote_code: bool = False, overwrite: bool = False, resume: bool = False, method: str = "exact",
+    rank: int = 64, seed: int = 0, classic: bool = False, on_error: str = "fail", chunk_rows: int = CHUNK_ROWS,
+    precision: str = "fp64",
+) -> pd.DataFrame:
+    """Scores a dataset file (default: HumanEval) with a model (default: SmolLM2-135M-Instruct).
+
+    Returns one row per input sample, in input order. With ``out``, rows are written to that
+    Parquet file chunk by chunk (see ``run``: resume, shards, torchrun) and read back at the end.
+    """
+    config = ScoreConfig(
+        None if data is None else str(data), model, template,
+        modules if isinstance(modules, str) else ",".join(modules), max_length, dtype, method, rank, seed,
+        classic, save_spectra, fields, limit, chunk_rows, precision,
+    )
+    settings = {"device": device, "backend": backend, "batch_tokens": batch_tokens, "progress": progress,
+                "trust_remote_code": trust_remote_code}
+    if out is not None:
+        run(config, out, resume=resume, overwrite=overwrite, on_error=on_error, **settings)
+        return read_scores(out)[0]
+    engine, tokenizer = _engine(config, device, backend, trust_remote_code)
+    rows: list[dict[str, Any]] = []
+    score_samples(config.samples(on_error=on_error), engine, tokenizer, lambda _, chunk: rows.extend(chunk),
+                  config.chunk_rows, template, max_length, batch_tokens, progress, config.records())
+    return pd.DataFrame(rows)

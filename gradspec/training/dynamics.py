@@ -1,0 +1,142 @@
+"""Training dynamics of SFT samples, after Dataset Cartography, adapted to generation.
+
+At each epoch or checkpoint, every training sample's response is measured teacher-forced: mean
+probability of the target tokens, perplexity, token accuracy. Across checkpoints:
+
+- ``confidence``: mean over checkpoints of the mean target-token probability;
+- ``variability``: its standard deviation (population, as in Cartography);
+- ``correctness``: share of checkpoints where the sample counts as learned (token accuracy at
+  least ``learned_accuracy``, default 0.9: generation has no single label to get right);
+- ``forgetting_events``: learned at one checkpoint, not at the next (Toneva et al.);
+- ``mean_perplexity``: SFTMix's confidence is its negative.
+
+``status`` is the tokenizer's (see gradspec.data.templates): a row with no response token to measure
+keeps its status and gets no statistics (NaN; no forgetting events), never a verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from transformers import TrainerCallback
+
+from gradspec.data.batching import BATCH_TOKENS, Item, item_losses
+from gradspec.data.readers import Sample
+from gradspec.data.templates import check_response_tokens, tokenize
+from gradspec.runs.score_files import METADATA_KEY
+
+LEARNED_ACCURACY = 0.9
+MEASURES = ("mean_token_prob", "perplexity", "token_accuracy")
+
+
+def measure(model: torch.nn.Module, tokenizer, samples: list[Sample], template: str = "plain",
+            max_length: int = 2048, batch_tokens: int = BATCH_TOKENS) -> dict[int, dict[str, Any]]:
+    """Sample index -> MEASURES and the tokenizer's status for the model as it is now (NaN for a
+    sample with nothing to score)."""
+    return measure_tokens(model, tokenizer, _tokenized(samples, tokenizer, template, max_length), batch_tokens)
+
+
+def _tokenized(samples: list[Sample], tokenizer, template: str = "plain", max_length: int = 2048) -> list[Item]:
+    """The samples with their tokens."""
+    return [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples]
+
+
+def measure_tokens(model: torch.nn.Module, tokenizer, items: list[Item],
+                   batch_tokens: int = BATCH_TOKENS) -> dict[int, dict[str, Any]]:
+    """MEASURES over the labelled tokens of already tokenized items, and their status, keyed by sample index."""
+    was_training = model.training
+    model.eval()
+    out = {i.sample.index: {**dict.fromkeys(MEASURES, math.nan), "status": i.tokens.status} for i in items}
+    scorable = [i for i in items if i.tokens.scorable]
+    for item, loss, stats in item_losses(model, tokenizer, scorable, batch_tokens, token_stats=True):
+        if math.isfinite(loss):
+            out[item.sample.index].update({"mean_token_prob": stats["mean_token_prob"], "perplexity": math.exp(loss),
+                                           "token_accuracy": stats["token_accuracy"]})
+        else:
+            out[item.sample.index]["status"] = "nonfinite_loss"
+    model.train(was_training)
+    return out
+
+
+def summarise(checkpoints: dict[str, dict[int, dict[str, Any]]],
+              learned_accuracy: float = LEARNED_ACCURACY) -> pd.DataFrame:
+    """One row per sample index: its status, the per-checkpoint measures (lists, in checkpoint
+    order) and the statistics across them (NaN for a sample never measured)."""
+    names = list(checkpoints)
+    indices = sorted(next(iter(checkpoints.values())))
+    rows = []
+    for i in indices:
+        series = {m: np.array([checkpoints[c][i][m] for c in names]) for m in MEASURES}
+        learned = series["token_accuracy"] >= learned_accuracy
+        measured = bool(np.isfinite(series["token_accuracy"]).any())
+        rows.append({
+            "index": i, "status": _status([checkpoints[c][i].get("status", "ok") for c in names]),
+            **{m: v.tolist() for m, v in series.items()},
+            "confidence": float(series["mean_token_prob"].mean()),
+            "variability": float(series["mean_token_prob"].std()),
+            "correctness": float(learned.mean()) if measured else math.nan,
+            "forgetting_events": int((learned[:-1] & ~learned[1:]).sum()),
+            "mean_perplexity": float(series["perplexity"].mean()),
+        })
+    return pd.DataFrame(rows)
+
+
+def _status(statuses: list[str]) -> str:
+    """A sample's status over checkpoints: its flags, "ok" when it has none."""
+    return ";".join(sorted(set(statuses) - {"ok"})) or "ok"
+
+
+def write_dynamics(table: pd.DataFrame, path: str | Path, checkpoints: list[str], learned_accuracy: float) -> None:
+    meta = {"checkpoints": checkpoints, "learned_accuracy": learned_accuracy}
+    arrow = pa.Table.from_pandas(table, preserve_index=False)
+    arrow = arrow.replace_schema_metadata({**arrow.schema.metadata, METADATA_KEY: json.dumps(meta).encode()})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(arrow, path)
+
+
+def read_dynamics(path: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """(the table, its checkpoints and threshold)."""
+    table = pq.read_table(path)
+    return table.to_pandas(), json.loads(table.schema.metadata[METADATA_KEY])
+
+
+def from_checkpoints(checkpoints: list[str], samples: list[Sample], template: str = "plain",
+                     max_length: int = 2048, device: str = "cpu") -> dict[str, dict[int, dict[str, Any]]]:
+    """The measures of every sample at each saved checkpoint (folders, in training order)."""
+    from gradspec.data.models import load_model
+
+    out = {}
+    for path in checkpoints:
+        model, tokenizer = load_model(path, device)
+        items = _tokenized(samples, tokenizer, template, max_length)
+        check_response_tokens(Counter(item.tokens.status for item in items))
+        out[path] = measure_tokens(model, tokenizer, items)
+    return out
+
+
+class DynamicsCallback(TrainerCallback):
+    """Measures every training sample at the end of each epoch; writes the dynamics at the end."""
+
+    def __init__(self, tokenizer, samples: list[Sample], out: str | Path, template: str = "plain",
+                 max_length: int = 2048, learned_accuracy: float = LEARNED_ACCURACY) -> None:
+        self.tokenizer, self.samples, self.out = tokenizer, samples, out
+        self.template, self.max_length, self.learned_accuracy = template, max_length, learned_accuracy
+        self.checkpoints: dict[str, dict[int, dict[str, Any]]] = {}
+
+    def on_epoch_end(self, args, state, control, model=None, **kwargs):
+        name = f"epoch {state.epoch:g}"
+        self.checkpoints[name] = measure(model, self.tokenizer, self.samples, self.template, self.max_length)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.checkpoints:
+            write_dynamics(summarise(self.checkpoints, self.learned_accuracy), self.out, list(self.checkpoints),
+                           self.learned_accuracy)

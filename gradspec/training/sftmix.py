@@ -1,0 +1,142 @@
+"""SFTMix ("SFTMix: Elevating Language Model Instruction Tuning with Mixup Recipe").
+
+Confidence is the negative mean perplexity of a sample's response over reference checkpoints
+(from the training dynamics); the median splits the data into a confident and an unconfident
+half. Every batch pairs confident with unconfident samples; the loss adds to next-token
+prediction a Mixup term on the last hidden states (the LM head's input):
+
+    h = lam * h_conf + (1 - lam) * h_unconf,  lam ~ Beta(alpha, alpha), one lam per pair,
+    Mixup = lam * CE(head(h), y_conf) + (1 - lam) * CE(head(h), y_unconf),
+    loss = NTP + mu * Mixup,
+
+mixed token by token over the response positions, both responses cut to the shorter one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Sampler
+from transformers import Trainer
+
+from gradspec.engine.spectral_engine import IGNORE_INDEX
+
+ALPHA = 0.5
+MU = 0.2
+
+
+def confidence_halves(dynamics: pd.DataFrame) -> tuple[list[int], list[int]]:
+    """(confident, unconfident) sample indices: above and below the median of -mean perplexity.
+    With an odd count the middle sample goes to the unconfident half. A sample without a
+    perplexity (no response token to measure) is in neither: it has nothing to mix."""
+    dynamics = dynamics[np.isfinite(dynamics["mean_perplexity"])]
+    ranked = dynamics.assign(confidence=-dynamics["mean_perplexity"]).sort_values(
+        ["confidence", "index"], ascending=[False, True], kind="stable")
+    order = ranked["index"].tolist()
+    half = len(order) // 2
+    return sorted(order[:half]), sorted(order[half:])
+
+
+class PairedBatchSampler(Sampler[list[int]]):
+    """Batches of `pairs` confident then `pairs` unconfident positions, row k of one half paired
+    with row k of the other. Each epoch shuffles both halves; the smaller half is drawn again
+    (reshuffled) until the larger one is used up, so every sample is seen every epoch."""
+
+    def __init__(self, confident: list[int], unconfident: list[int], pairs: int, seed: int = 0) -> None:
+        if not confident or not unconfident or pairs < 1:
+            raise ValueError("SFTMix needs both halves non-empty and at least one pair per batch")
+        self.confident, self.unconfident, self.pairs, self.seed = confident, unconfident, pairs, seed
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return -(-max(len(self.confident), len(self.unconfident)) // self.pairs)
+
+    def _stream(self, half: list[int], rng: np.random.Generator, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            out += [half[i] for i in rng.permutation(len(half))]
+        return out[:n]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        rng = np.random.default_rng([self.seed, self.epoch])
+        self.epoch += 1
+        n = len(self) * self.pairs
+        conf, unconf = self._stream(self.confident, rng, n), self._stream(self.unconfident, rng, n)
+        for b in range(len(self)):
+            yield conf[b * self.pairs:(b + 1) * self.pairs] + unconf[b * self.pairs:(b + 1) * self.pairs]
+
+
+def _response_positions(labels: torch.Tensor) -> list[torch.Tensor]:
+    """Per row, the positions whose hidden state predicts a response token."""
+    target = labels[:, 1:] != IGNORE_INDEX
+    return [torch.nonzero(row).flatten() for row in target]
+
+
+def mixup_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module, lam: torch.Tensor) -> torch.Tensor:
+    """The Mixup term for a batch whose first half is confident and second half unconfident;
+    lam holds one coefficient per pair. Mean over the mixed tokens."""
+    pairs = len(labels) // 2
+    positions = _response_positions(labels)
+    mixed, y_conf, y_unconf, weights = [], [], [], []
+    for j in range(pairs):
+        pc, pu = positions[j], positions[pairs + j]
+        n = min(len(pc), len(pu))
+        if n == 0:
+            continue
+        pc, pu = pc[:n], pu[:n]
+        mixed.append(lam[j] * hidden[j, pc] + (1 - lam[j]) * hidden[pairs + j, pu])
+        y_conf.append(labels[j, pc + 1])
+        y_unconf.append(labels[pairs + j, pu + 1])
+        weights.append(lam[j].expand(n))
+    if not mixed:
+        return hidden.sum() * 0
+    logits = head(torch.cat(mixed)).float()
+    w = torch.cat(weights).to(logits.dtype)
+    ce = nn.functional.cross_entropy
+    per_token = w * ce(logits, torch.cat(y_conf), reduction="none") + (1 - w) * ce(
+        logits, torch.cat(y_unconf), reduction="none")
+    return per_token.mean()
+
+
+def ntp_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module) -> torch.Tensor:
+    """Next-token cross-entropy over all response tokens of the batch (token mean)."""
+    target = labels[:, 1:]
+    rows, cols = torch.nonzero(target != IGNORE_INDEX, as_tuple=True)
+    return nn.functional.cross_entropy(head(hidden[rows, cols]).float(), target[rows, cols])
+
+
+class SFTMixTrainer(Trainer):
+    """Trainer with the SFTMix loss and paired batches; per_device_train_batch_size is 2 x pairs.
+
+    Losses are token means per micro-batch (divided by the accumulation steps, as Trainer does
+    for losses that do not take the global token count).
+    """
+
+    def __init__(self, *args, confident: list[int], unconfident: list[int], alpha: float = ALPHA,
+                 mu: float = MU, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.args.per_device_train_batch_size % 2:
+            raise ValueError("SFTMix pairs samples: per_device_train_batch_size must be even")
+        self.confident, self.unconfident = confident, unconfident
+        self.beta = torch.distributions.Beta(torch.tensor(float(alpha)), torch.tensor(float(alpha)))
+        self.mu = mu
+        self.model_accepts_loss_kwargs = False
+
+    def get_train_dataloader(self) -> DataLoader:
+        sampler = PairedBatchSampler(self.confident, self.unconfident, self.args.per_device_train_batch_size // 2,
+                                     self.args.seed)
+        loader = DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.data_collator)
+        return self.accelerator.prepare(loader)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs["labels"]
+        hidden = model.base_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                                  use_cache=False).last_hidden_state
+        head = model.get_output_embeddings()
+        lam = self.beta.sample((len(labels) // 2,)).to(hidden.device, hidden.dtype)
+        loss = ntp_loss(hidden, labels, head) + self.mu * mixup_loss(hidden, labels, head, lam)
+        return (loss, {"hidden": hidden}) if return_outputs else loss

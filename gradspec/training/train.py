@@ -1,0 +1,106 @@
+"""`gradspec train`: a small SFT run with transformers' Trainer, the loss of your choice (ntp, wit,
+sftmix), the live spectral monitor and the training dynamics; saves the model and both files."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from gradspec.data.readers import Fields, Sample, data_samples
+from gradspec.data.templates import NO_RESPONSE, check_response_tokens, tokenize
+
+log = logging.getLogger("gradspec")
+
+LOSSES = ("ntp", "wit", "sftmix")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    data: str | None = None  # None: HumanEval
+    model: str | None = None  # None: SmolLM2-135M-Instruct
+    out: str = "gradspec-train"
+    loss: str = "ntp"
+    prompt_weight: float = 0.3  # WIT's lp and lr: the paper's recommended region
+    response_weight: float = 1.0
+    alpha: float | None = None  # SFTMix's Beta(alpha, alpha); None: the paper's 0.5
+    mu: float | None = None  # SFTMix's Mixup weight; None: the paper's 0.2
+    reference_dynamics: str | None = None  # SFTMix confidence; None: the starting model's perplexity
+    template: str = "plain"
+    max_length: int = 512
+    limit: int | None = None
+    epochs: float = 1.0
+    max_steps: int = -1
+    batch_size: int = 4
+    learning_rate: float = 2e-5
+    monitor_every: int = 5
+    modules: str = "attn"
+    seed: int = 0
+    device: str = "cpu"
+    fields: Fields = Fields()
+
+
+def train(config: TrainConfig) -> Path:
+    """Runs the fine-tuning; returns the output folder (model, dynamics.parquet, monitor.parquet)."""
+    from transformers import Trainer, TrainingArguments
+
+    from gradspec.data.models import load_model
+    from gradspec.training.dynamics import DynamicsCallback
+    from gradspec.training.monitor import SpectralMonitor
+    from gradspec.training.sftmix import SFTMixTrainer, confidence_halves
+    from gradspec.training.wit import WITCollator, WITLoss, use_wit_loss
+
+    if config.loss not in LOSSES:
+        raise ValueError(f"--loss must be one of {LOSSES}, got {config.loss!r}")
+    model, tokenizer = load_model(config.model, config.device)
+    samples: list[Sample] = list(data_samples(config.data, config.fields, config.limit))
+    _check_labels(samples, tokenizer, config.template, config.max_length)
+    rows = [{"messages": s.messages} for s in samples]
+    out = Path(config.out)
+    args = TrainingArguments(
+        output_dir=str(out / "checkpoints"), per_device_train_batch_size=config.batch_size,
+        num_train_epochs=config.epochs, max_steps=config.max_steps, learning_rate=config.learning_rate,
+        remove_unused_columns=False, report_to=[], save_strategy="no", logging_steps=config.monitor_every,
+        seed=config.seed, use_cpu=config.device == "cpu",
+    )
+    prompt_weight = config.prompt_weight if config.loss == "wit" else 0.0
+    collator = WITCollator(tokenizer, prompt_weight, config.template, config.max_length)
+    callbacks = [
+        SpectralMonitor(config.monitor_every, config.modules, out / "monitor.parquet"),
+        DynamicsCallback(tokenizer, samples, out / "dynamics.parquet", config.template, config.max_length),
+    ]
+    common = {"model": model, "args": args, "train_dataset": rows, "data_collator": collator, "callbacks": callbacks}
+    if config.loss == "sftmix":
+        confident, unconfident = confidence_halves(_reference(config, model, tokenizer, samples))
+        mix = {k: v for k, v in (("alpha", config.alpha), ("mu", config.mu)) if v is not None}
+        trainer = SFTMixTrainer(**common, confident=confident, unconfident=unconfident, **mix)
+    else:
+        if config.loss == "wit":
+            use_wit_loss(model, WITLoss(config.prompt_weight, config.response_weight))
+        trainer = Trainer(**common)
+    trainer.train()
+    trainer.save_model(str(out / "model"))
+    tokenizer.save_pretrained(str(out / "model"))
+    return out
+
+
+def _reference(config: TrainConfig, model, tokenizer, samples: list[Sample]):
+    """Per-sample mean perplexity over reference checkpoints: a dynamics file, or the start."""
+    from gradspec.training.dynamics import measure, read_dynamics, summarise
+
+    if config.reference_dynamics is not None:
+        return read_dynamics(config.reference_dynamics)[0]
+    start = measure(model, tokenizer, samples, config.template, config.max_length)
+    return summarise({"start": start})
+
+
+def _check_labels(samples: list[Sample], tokenizer, template: str, max_length: int) -> None:
+    """Stops before training when most samples have no response token (templates.check_response_tokens);
+    otherwise says how many have none (they add no response loss; dynamics.parquet flags them)."""
+    statuses = Counter(tokenize(s.messages, tokenizer, template, max_length).status for s in samples)
+    check_response_tokens(statuses)
+    missing = {s: n for s, n in statuses.items() if s in NO_RESPONSE}
+    if missing:
+        log.warning("%d of %d samples have no response tokens to train on (%s); dynamics.parquet flags them",
+                    sum(missing.values()), len(samples), ", ".join(f"{s} {n}" for s, n in sorted(missing.items())))

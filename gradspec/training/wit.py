@@ -1,0 +1,108 @@
+"""WIT, weighted instruction tuning ("On the Effect of Instruction Tuning Loss on Generalization").
+
+    L = -[sum_i (lp * sum_{prompt tokens of i} log p + lr * sum_{response tokens of i} log p)]
+        / sum_i (1[lp != 0] |P_i| + 1[lr != 0] |R_i|)
+
+with the token counts over the whole global batch. (0, 1) is the usual completion-only loss,
+(1, 1) continued pre-training; the paper recommends lp in 0-0.5 with lr in 0.5-1.
+
+Prompt and response targets travel in one labels tensor, so the loss fits Trainer's
+``compute_loss_func``: response tokens keep their id when lr != 0, prompt tokens with lp != 0
+become ``-(id + 101)`` (never the ignore index -100), everything else is -100. Trainer then counts
+exactly WIT's denominator as ``num_items_in_batch`` (labels != -100, shifted, summed over
+gradient-accumulation steps and devices), which is what keeps the loss exact under both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradspec.data.batching import pad_batch, pad_id_of
+from gradspec.data.readers import Fields, to_sample
+from gradspec.data.templates import tokenize
+from gradspec.engine.spectral_engine import IGNORE_INDEX
+
+PROMPT_OFFSET = 101  # prompt token id t is stored as -(t + PROMPT_OFFSET)
+
+
+def encode_labels(input_ids: torch.Tensor, response_mask: torch.Tensor, attention_mask: torch.Tensor,
+                  prompt_weight: float, response_weight: float = 1.0) -> torch.Tensor:
+    """WIT labels: response tokens as ids and prompt tokens encoded, each only when they carry
+    weight (so that counting labels != -100 gives WIT's denominator), the rest -100."""
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    real = attention_mask.bool()
+    if response_weight != 0:
+        labels[real & response_mask] = input_ids[real & response_mask]
+    if prompt_weight != 0:
+        prompt = real & ~response_mask
+        labels[prompt] = -(input_ids[prompt] + PROMPT_OFFSET)
+    return labels
+
+
+def wit_loss(logits: torch.Tensor, labels: torch.Tensor, prompt_weight: float, response_weight: float,
+             num_items: torch.Tensor | int | None = None) -> torch.Tensor:
+    """The WIT loss of a (micro-)batch. num_items: the global batch's denominator (Trainer's
+    num_items_in_batch); None counts this batch's own labelled tokens."""
+    target = labels[:, 1:]
+    response, prompt = target >= 0, target <= -PROMPT_OFFSET
+    rows, cols = torch.nonzero(response | prompt, as_tuple=True)
+    wanted = target[rows, cols]
+    is_prompt = wanted < 0
+    ids = torch.where(is_prompt, -wanted - PROMPT_OFFSET, wanted)
+    nll = nn.functional.cross_entropy(logits[:, :-1][rows, cols].float(), ids, reduction="none")
+    weights = torch.where(is_prompt, prompt_weight, response_weight).to(nll.dtype)
+    if num_items is None:
+        num_items = (prompt.sum() if prompt_weight else 0) + (response.sum() if response_weight else 0)
+    return (weights * nll).sum() / num_items
+
+
+@dataclass
+class WITLoss:
+    """``compute_loss_func`` for transformers' Trainer and TRL's SFTTrainer (with WITCollator)."""
+
+    prompt_weight: float = 0.0
+    response_weight: float = 1.0
+
+    def __call__(self, outputs: Any, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None):
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        return wit_loss(logits, labels, self.prompt_weight, self.response_weight, num_items_in_batch)
+
+    def model_loss(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None,
+                   num_items_in_batch: torch.Tensor | int | None = None, **kwargs: Any) -> torch.Tensor:
+        """The signature of a transformers model's ``loss_function`` (see use_wit_loss)."""
+        return wit_loss(logits, labels, self.prompt_weight, self.response_weight, num_items_in_batch)
+
+
+def use_wit_loss(model: nn.Module, loss: WITLoss) -> None:
+    """Makes the model itself compute WIT when called with labels: Trainer then passes it the
+    labels and the global token count, and hooks on the model (SpectralMonitor) see them."""
+    model.loss_function = loss.model_loss
+
+
+@dataclass
+class WITCollator:
+    """Rows (Alpaca fields or chat messages, as gradspec score reads them) -> right-padded
+    input_ids, attention_mask and WIT labels, with either template."""
+
+    tokenizer: Any
+    prompt_weight: float = 0.0
+    template: str = "plain"
+    max_length: int = 2048
+    fields: Fields = Fields()
+    response_weight: float = 1.0
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        tokens = [tokenize(to_sample(i, f"batch row {i}", row, self.fields).messages, self.tokenizer,
+                           self.template, self.max_length) for i, row in enumerate(rows)]
+        pad_id = pad_id_of(self.tokenizer)
+        input_ids, attention_mask, labels = pad_batch(tokens, pad_id, "cpu")
+        response = labels != IGNORE_INDEX
+        labels = encode_labels(input_ids, response, attention_mask, self.prompt_weight, self.response_weight)
+        # A row whose spans could not be located (label_span_mismatch) or that has nothing to learn
+        # trains on nothing, not on its prompt alone
+        labels[torch.tensor([not t.scorable for t in tokens])] = IGNORE_INDEX
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}

@@ -1,0 +1,71 @@
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import gradspec
+from gradspec.analysis.report import cohens_d, correlations, per_sample, summary_table
+from gradspec.cli import main
+
+
+def test_cohens_d_by_hand():
+    a, b = np.array([1.0, 2.0, 3.0]), np.array([2.0, 4.0, 6.0])
+    pooled = np.sqrt((2 * 1.0 + 2 * 4.0) / 4)
+    assert cohens_d(a, b) == pytest.approx((2.0 - 4.0) / pooled)
+
+
+def test_partial_correlation_removes_a_shared_length_effect():
+    rng = np.random.default_rng(0)
+    n = 400
+    length = rng.uniform(10, 1000, n)
+    samples = pd.DataFrame({("effective_rank", "q"): length + rng.normal(0, 50, n)},
+                           index=pd.Index([f"g:{i}" for i in range(n)], name="sample"))
+    samples.columns = pd.MultiIndex.from_tuples(samples.columns, names=["metric", "module"])
+    wide = pd.DataFrame({"sample": samples.index, "index": range(n), "status": "ok",
+                         "num_response_tokens": length, "reward": length + rng.normal(0, 50, n)})
+    plain, partial = correlations(wide, samples)
+    assert plain.loc["effective_rank", "reward"] > 0.8
+    assert abs(partial.loc["effective_rank", "reward"]) < 0.15
+    assert "num_response_tokens" not in partial.columns
+
+
+def test_summary_table_means_and_effect():
+    idx = pd.MultiIndex.from_tuples([("effective_rank", "q")], names=["metric", "module"])
+    hi = pd.DataFrame([[3.0], [4.0], [5.0]], columns=idx)
+    lo = pd.DataFrame([[1.0], [2.0], [2.5]], columns=idx)
+    t = summary_table({"high": hi, "low": lo})
+    assert t.loc[0, "mean high"] == pytest.approx(4.0) and t.loc[0, "mean low"] == pytest.approx(5.5 / 3)
+    assert t.loc[0, "d (high - low)"] == pytest.approx(cohens_d(hi.to_numpy()[:, 0], lo.to_numpy()[:, 0]))
+    assert 0 < t.loc[0, "Mann-Whitney p"] <= 1
+
+
+def test_report_from_the_cli(tmp_path, tiny_model_dir):
+    files = {}
+    for label, n_words in (("long", 30), ("short", 2)):
+        data = tmp_path / f"{label}.jsonl"
+        data.write_text("".join(json.dumps({"instruction": f"Write about topic {i}.", "output": "word " * (n_words + i),
+                                            "reward": float(i)}) + "\n" for i in range(6)))
+        files[label] = tmp_path / f"{label}.parquet"
+        assert main(["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(files[label]),
+                     "--modules", "all", "--classic", "--quiet"]) == 0
+    out = tmp_path / "report"
+    assert main(["report", f"long={files['long']}", f"short={files['short']}", "--out", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    for png in ("layers_effective_rank.png", "distribution_nuclear_norm.png", "correlation.png",
+                "correlation_partial_length.png"):
+        assert (out / png).stat().st_size > 5000 and png in text
+    # the table's mean for one module type is the mean over samples of the mean over layers
+    _, long = gradspec.read_scores(files["long"])
+    q = long[(long["metric"] == "effective_rank") & (long["module"] == "q")]
+    want = q.groupby("index")["value"].mean().mean()
+    assert f"{want:.3g}" in text
+    assert "ifd" in text and "reward" in text
+    assert main(["report", "bad", "--out", str(out)]) == 2
+
+
+def test_per_sample_means_over_layers():
+    long = pd.DataFrame({"sample": ["a:0"] * 4, "metric": ["m"] * 4, "module": ["q", "q", "k", "k"],
+                         "layer": [0, 1, 0, 1], "value": [1.0, 3.0, 5.0, 7.0]})
+    s = per_sample(long)
+    assert s.loc["a:0", ("m", "q")] == 2.0 and s.loc["a:0", ("m", "k")] == 6.0

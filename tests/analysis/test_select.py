@@ -1,0 +1,118 @@
+import json
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from gradspec.analysis.select import choose, combined_score, criterion_values
+from gradspec.cli import main
+
+
+def _scores():
+    return pd.DataFrame({
+        "index": range(6),
+        "status": ["ok", "ok", "ok", "prompt_too_long", "ok", "ok"],
+        "num_tokens": [10, 20, 30, 40, 50, 60],
+        "loss": [1.0, 2.0, 3.0, np.nan, 5.0, 6.0],
+        "a.q/effective_rank": [1.0, 5.0, 3.0, np.nan, 2.0, 4.0],
+        "a.k/effective_rank": [3.0, 5.0, 1.0, np.nan, 2.0, 4.0],
+        "a.q/nuclear_norm": [6.0, 5.0, 4.0, np.nan, 3.0, 2.0],
+    })
+
+
+def test_metric_name_averages_modules_and_combination_uses_z_scores():
+    s = _scores()
+    assert criterion_values(s, "effective_rank").tolist()[:3] == [2.0, 5.0, 2.0]
+    combo = combined_score(s, "effective_rank:1,nuclear_norm:-1")
+    er, nn = criterion_values(s, "effective_rank"), s["a.q/nuclear_norm"]
+    want = (er - er.mean()) / er.std(ddof=0) - (nn - nn.mean()) / nn.std(ddof=0)
+    np.testing.assert_allclose(combo, want)
+    with pytest.raises(ValueError, match="unknown criterion 'rank'.*effective_rank"):
+        criterion_values(s, "rank")
+
+
+def test_choose_top_bottom_and_only_scored_rows():
+    s = _scores()
+    assert choose(s, "effective_rank", top=True, count=2)["index"].tolist() == [1, 5]
+    assert choose(s, "loss", top=False, fraction=0.4)["index"].tolist() == [0, 1]
+    assert 3 not in choose(s, "loss", top=True, fraction=1.0)["index"].tolist()
+
+
+def test_only_complete_rows_compete():
+    """Rows scored whole compete, flagged by the tokenizer or not; unscored rows and rows with a
+    numeric flag never do."""
+    s = _scores().assign(status=["ok", "boundary_merge", "ok", "no_response_tokens", "boundary_merge;zero_gradient",
+                                 "empty_prompt"])
+    assert choose(s, "loss", top=True, fraction=1.0)["index"].tolist() == [0, 1, 2, 5]
+
+
+def test_length_buckets_choose_within_each_bucket():
+    s = _scores()  # loss grows with length: unstratified top picks the longest
+    assert choose(s, "loss", count=2)["index"].tolist() == [4, 5]
+    assert choose(s, "loss", count=2, length_buckets=2)["index"].tolist() == [2, 5]
+
+
+ROWS = [{"instruction": f"Task {i}: say {w}", "output": f"{w} " * (i + 1), "reward": float(i)}
+        for i, w in enumerate(["yes", "no", "maybe", "sure", "never", "ok"])]
+
+
+def _write(path, rows):
+    if path.suffix == ".json":
+        path.write_text(json.dumps(rows))
+    elif path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        import datasets
+
+        datasets.Dataset.from_list(rows).save_to_disk(str(path))
+
+
+def _read(path):
+    if path.suffix == ".json":
+        return json.loads(path.read_text())
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines()]
+    if path.suffix == ".parquet":
+        return pq.read_table(path).to_pylist()
+    import datasets
+
+    return datasets.load_from_disk(str(path)).to_list()
+
+
+@pytest.mark.parametrize("name", ["d.json", "d.jsonl", "d.parquet", "ds"])
+def test_select_round_trips_the_input_format(tmp_path, tiny_model_dir, name, capsys):
+    if name == "ds":
+        pytest.importorskip("datasets")
+    data, scores, out = tmp_path / name, tmp_path / "s.parquet", tmp_path / ("chosen" + (tmp_path / name).suffix)
+    _write(data, ROWS)
+    assert main(["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(scores), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["select", "--scores", str(scores), "--out", str(out), "--by", "effective_rank", "--count", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "wrote 3 of 6 rows to " + str(out) + " (only complete rows compete; left out: none)" in printed
+    chosen = _read(out)
+    df = pd.read_parquet(scores)
+    er = criterion_values(df, "effective_rank")
+    want = sorted(df.loc[er.sort_values(ascending=False).index[:3], "index"].tolist())
+    assert [r["reward"] for r in chosen] == [float(i) for i in want]  # input order, input fields kept
+    for r in chosen:
+        original = ROWS[int(r["reward"])]
+        assert {k: r[k] for k in original} == original
+        assert r["effective_rank"] == pytest.approx(er[int(r["reward"])]) and "gradspec_score" in r
+
+
+def test_select_errors_are_clear(tmp_path, tiny_model_dir, capsys):
+    data, scores = tmp_path / "d.jsonl", tmp_path / "s.parquet"
+    _write(data, ROWS)
+    main(["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(scores), "--quiet"])
+    capsys.readouterr()
+    assert main(["select", "--scores", str(scores), "--out", str(tmp_path / "o.json"), "--by", "loss",
+                 "--count", "1"]) == 2
+    assert "must keep the input's format" in capsys.readouterr().err
+    assert main(["select", "--scores", str(scores), "--out", str(tmp_path / "o.jsonl"), "--by", "rank",
+                 "--count", "1"]) == 2
+    assert "unknown criterion" in capsys.readouterr().err

@@ -1,0 +1,107 @@
+"""The GPU acceptance script: its smoke form passes on the CPU, and a failing or raising check fails the verdict."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import FP32_RTOL, FP64_RTOL
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_acceptance as acceptance  # noqa: E402
+
+FORCED = {"fp64/host-eigen", "fp64/device-eigen", "fp32/triton-gram", "fp32/torch-gram", "fp32/lowrank-triton",
+          "fp32/lowrank-torch"}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One smoke run (tiny shapes on the CPU, Triton interpreted, no suite): its output and results."""
+    out = tmp_path_factory.mktemp("acceptance")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_acceptance.py"), "--smoke", "--no-suite",
+                          "--out", str(out)], capture_output=True, text=True, env=env)
+    return run, json.loads((out / "acceptance.json").read_text()), (out / "acceptance.md").read_text()
+
+
+def test_smoke_passes_with_every_check_recorded(smoke):
+    run, result, md = smoke
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    last = run.stdout.strip().splitlines()[-1]
+    assert last == result["verdict"] == "ACCEPTANCE: PASS (20 checks)"
+    assert last in md
+    checks = {c["check"]: c for c in result["checks"]}
+    for model in ("tiny-llama", "tiny-qwen2"):
+        for config in acceptance.CONFIGS:
+            name = f"{model}/{config.name}"
+            if config.name == "fp64/cupy-eigen":  # no CuPy here: skipped, which is no failure
+                assert checks[name]["status"] == "skipped" and "CuPy" in checks[name]["problems"][0]
+                continue
+            calls = ("score", "submit") if config.submit else ("score",)
+            assert all(checks[f"{name}/{call}"]["status"] == "pass" for call in calls), name
+    assert checks["device/launch-on-tensors-gpu"]["status"] == "skipped"
+    assert result["suite"] is None and set(result["setup"]) == {"tiny-llama", "tiny-qwen2"}
+
+
+def test_smoke_errors_are_within_tolerance_on_the_forced_paths(smoke):
+    _, result, _ = smoke
+    scored = [c for c in result["checks"] if "call" in c]
+    assert len(scored) == 20
+    for c in scored:
+        assert c["samples"] > 0 and c["parts"] > 0 and c["loss_rel_err"] <= acceptance.LOSS_RTOL
+        assert all(c["worst"][m] <= c["tolerance"][m] for m in c["worst"]), c["check"]
+        assert not c["bad_status"] and not c["problems"]
+        if c["config"] in FORCED:
+            ran = c["paths"]["paths"]
+            assert all(ran[stage] == [path] for stage, path in c["force"].items()), c["check"]
+        if c["precision"] == "fp64":
+            assert max(c["worst"].values()) <= 1e-4
+    judged = {(c["model"], c["precision"], c["method"]): (c["samples"], c["scored"]) for c in scored}
+    assert judged == {  # fp64: every sample, the rank-deficient one included; fp32: the full-rank ones of
+        # the core path (shorter than k/v's side, 16), the others recorded as not judged; low-rank: <= 16 tokens
+        ("tiny-llama", "fp64", "exact"): (5, 5), ("tiny-llama", "fp32", "exact"): (2, 5),
+        ("tiny-llama", "fp32", "lowrank"): (3, 3), ("tiny-qwen2", "fp64", "exact"): (3, 3),
+        ("tiny-qwen2", "fp32", "exact"): (1, 3), ("tiny-qwen2", "fp32", "lowrank"): (2, 2)}
+    assert all("unjudged" in c for c in scored if c["precision"] == "fp32" and c["method"] == "exact")
+
+
+def test_the_tolerances_are_the_stated_ones():
+    assert acceptance.FP64_RTOL == FP64_RTOL and acceptance.FP32_RTOL == FP32_RTOL
+
+
+def test_a_failing_or_skipped_for_time_check_fails_the_verdict_and_a_skipped_one_does_not():
+    ok, skipped = {"check": "a", "status": "pass"}, {"check": "b", "status": "skipped"}
+    assert acceptance.verdict([ok, skipped]) == "ACCEPTANCE: PASS (1 checks)"
+    for status in ("fail", "error", "not_run"):
+        assert acceptance.verdict([ok, {"check": "c", "status": status}]) == "ACCEPTANCE: FAIL: c"
+    assert acceptance.verdict([skipped]) == "ACCEPTANCE: FAIL: no check ran"
+
+
+def test_an_error_above_tolerance_a_nan_or_a_fallback_fails_a_check():
+    config = acceptance.Config("fp64/host-eigen", "fp64", {"core": "cpp", "gram": "cpp"})
+    base = {"tolerance": acceptance.tolerances(config), "loss_rel_err": 0.0, "bad_status": {},
+            "paths": {"precision": "fp64", "paths": {"core": ["cpp"], "gram": ["cpp"]}}}
+    worst = dict.fromkeys(acceptance.METRICS, 0.0)
+    assert acceptance.verdict_of({**base, "worst": worst}, config)["status"] == "pass"
+    for bad in ({"worst": {**worst, "effective_rank": 2e-4}}, {"worst": {**worst, "nuclear_norm": math.nan}},
+                {"worst": worst, "bad_status": {1: "zero_gradient"}},
+                {"worst": worst, "paths": {"paths": {"core": ["cpp", "torch"], "gram": ["cpp"]}}},
+                {"worst": worst, "paths": {"paths": {"core": ["cpp"]}}}):
+        judged = acceptance.verdict_of({**base, **bad}, config)
+        assert judged["status"] == "fail" and judged["problems"], bad
+    assert acceptance.relative_error(math.inf, 1.0) == math.inf
+
+
+def test_an_exception_in_a_check_is_recorded_not_raised():
+    results, info = acceptance.guarded(lambda: [1 / 0])
+    assert results is None and info["error"].startswith("ZeroDivisionError") and "1 / 0" in info["traceback"]
+
+
+def test_the_two_gpu_device_check_is_skipped_without_them():
+    check = acceptance.device_check("cpu")
+    assert check["status"] == "skipped" and "SKIPPED" in acceptance.summary({"check": "device", **check})

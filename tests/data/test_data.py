@@ -1,0 +1,121 @@
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from gradspec.data.readers import HUMANEVAL_SIZE, Fields, InputError, count_records, humaneval_samples, read_samples
+
+ROWS = [
+    {"instruction": "Say hi", "output": "hi", "reward": 1.5, "id": "a"},
+    {"instruction": "Add", "input": "1 2", "output": "3", "reward": -0.5, "id": "b"},
+]
+
+
+def _columns(rows):
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return {k: [r.get(k) for r in rows] for k in keys}
+
+
+def _check(samples):
+    assert [s.index for s in samples] == [0, 1]
+    assert samples[1].messages == [{"role": "user", "content": "Add\n1 2"}, {"role": "assistant", "content": "3"}]
+    assert samples[0].carried == {"reward": 1.5, "id": "a"}
+
+
+def test_json_jsonl_parquet(tmp_path):
+    (tmp_path / "d.json").write_text(json.dumps(ROWS))
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n\n")
+    pq.write_table(pa.table(_columns(ROWS)), tmp_path / "d.parquet")
+    for name in ("d.json", "d.jsonl", "d.parquet"):
+        _check(list(read_samples(tmp_path / name)))
+
+
+def test_datasets_folder(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict(_columns(ROWS)).save_to_disk(str(tmp_path / "ds"))
+    _check(list(read_samples(tmp_path / "ds")))
+
+
+def test_chat_format_and_custom_fields(tmp_path):
+    rows = [{"conv": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "score": 3}]
+    (tmp_path / "c.jsonl").write_text(json.dumps(rows[0]))
+    [s] = read_samples(tmp_path / "c.jsonl", Fields(messages="conv"))
+    assert s.messages[1] == {"role": "assistant", "content": "a"} and s.carried == {"score": 3}
+    (tmp_path / "a.json").write_text(json.dumps([{"prompt": "p", "answer": "r"}]))
+    [s] = read_samples(tmp_path / "a.json", Fields(instruction="prompt", output="answer"))
+    assert s.messages[1]["content"] == "r"
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n" + json.dumps(ROWS[1]) + "\n{not json\n")
+    it = read_samples(path)
+    assert next(it).index == 0 and next(it).index == 1  # rows before the bad line come through
+    with pytest.raises(InputError, match=rf"{path}:3: malformed JSON"):
+        next(it)
+
+
+def test_malformed_json_list_names_line(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('[\n{"instruction": "a", "output": "b"},\n{"instruction": oops}\n]')
+    with pytest.raises(InputError, match=rf"{path}:3: malformed JSON"):
+        list(read_samples(path))
+
+
+def test_invalid_utf8_names_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(json.dumps(ROWS[0]).encode() + b'\n{"instruction": "\xff", "output": "x"}\n')
+    with pytest.raises(InputError, match=rf"{path}:2: invalid UTF-8"):
+        list(read_samples(path))
+
+
+def test_missing_and_wrong_fields_say_what_was_expected(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_text(json.dumps({"question": "q", "answer": "a"}))
+    with pytest.raises(InputError, match=r"m.jsonl:1: expected Alpaca fields 'instruction', 'output'.*'messages'"):
+        list(read_samples(path))
+    path.write_text(json.dumps({"instruction": "q"}))
+    with pytest.raises(InputError, match=r"missing field 'output'"):
+        list(read_samples(path))
+    path.write_text(json.dumps({"instruction": "q", "output": 5}))
+    with pytest.raises(InputError, match=r"field 'output' must be a string, got int"):
+        list(read_samples(path))
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}))
+    with pytest.raises(InputError, match="no assistant turn"):
+        list(read_samples(path))
+
+
+def test_missing_file_and_unknown_format(tmp_path):
+    with pytest.raises(InputError, match="no such file"):
+        list(read_samples(tmp_path / "nope.jsonl"))
+    (tmp_path / "x.csv").write_text("a,b")
+    with pytest.raises(InputError, match="unknown format"):
+        list(read_samples(tmp_path / "x.csv"))
+
+
+def test_limit_and_builtin_humaneval():
+    samples = list(humaneval_samples(3))
+    assert len(samples) == 3 and samples[0].carried["task_id"] == "HumanEval/0"
+    assert len(list(humaneval_samples())) == HUMANEVAL_SIZE == 164
+
+
+def test_count_records(tmp_path):
+    (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n\n")
+    pq.write_table(pa.table(_columns(ROWS)), tmp_path / "d.parquet")
+    (tmp_path / "d.json").write_text(json.dumps(ROWS))
+    assert count_records(tmp_path / "d.jsonl") == 2 and count_records(tmp_path / "d.parquet") == 2
+    assert count_records(tmp_path / "d.json") == 2
+
+
+def test_unwanted_rows_are_not_parsed_and_skip_keeps_going(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + "\n{broken\n\n" + json.dumps(ROWS[1]) + "\n")
+    assert [s.index for s in read_samples(path, wanted=lambda i: i != 1)] == [0, 2]  # line 2 never parsed
+    pq.write_table(pa.table(_columns(ROWS)), tmp_path / "d.parquet")
+    assert [s.index for s in read_samples(tmp_path / "d.parquet", wanted=lambda i: i == 1)] == [1]
+    samples = list(read_samples(path, on_error="skip"))
+    assert [(s.index, s.error) for s in samples] == [(0, None), (1, f"{path}:2: malformed JSON: Expecting "
+                                                     "property name enclosed in double quotes (column 2)"), (2, None)]
+    with pytest.raises(ValueError, match="on_error must be one of"):
+        list(read_samples(path, on_error="ignore"))

@@ -1,0 +1,169 @@
+import pytest
+import torch
+from conftest import assert_matches_reference, padded_batch, random_sequences, tiny_model
+
+from gradspec.engine.spectral_engine import SpectralEngine
+from gradspec.linalg import eigen as spectral
+from gradspec.linalg.metrics import METRICS
+
+VOCAB = 500
+# Lengths below and above every model's smallest dimension (32 for k/v), so both the T x T
+# core path and the materialised-Gram path are taken within one batch.
+LENGTHS = [5, 17, 40, 90]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2", "phi3"])
+def test_engine_matches_reference(kind):
+    model = tiny_model(kind, vocab=VOCAB)
+    seqs = random_sequences(LENGTHS, VOCAB)
+    scores = SpectralEngine(model, "all").score(*padded_batch(seqs))
+    assert_matches_reference(model, scores, seqs, "all")
+
+
+def test_fused_parts_are_named_and_split():
+    engine = SpectralEngine(tiny_model("phi3", vocab=VOCAB), "all")
+    names = engine.part_names
+    assert "model.layers.1.self_attn.qkv_proj.k" in names and "model.layers.0.mlp.gate_up_proj.up" in names
+    sizes = {p.name: p.d_out for p in engine.parts}
+    assert sizes["model.layers.0.self_attn.qkv_proj.q"] == 64 and sizes["model.layers.0.self_attn.qkv_proj.v"] == 32
+
+
+def test_scores_do_not_depend_on_batch_mates():
+    model = tiny_model("llama", vocab=VOCAB)
+    seqs = random_sequences([12, 60, 33, 7], VOCAB, seed=1)
+    engine = SpectralEngine(model, "all")
+    together = engine.score(*padded_batch(seqs))
+    for i, seq in enumerate(seqs):
+        alone = engine.score(*padded_batch([seq]))
+        for name in engine.part_names:
+            torch.testing.assert_close(alone.metrics[name][0], together.metrics[name][i], rtol=1e-5, atol=0)
+
+
+@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+def test_cpp_and_torch_backends_agree():
+    model = tiny_model("qwen2", vocab=VOCAB)
+    batch = padded_batch(random_sequences(LENGTHS, VOCAB))
+    a = SpectralEngine(model, "all", backend="cpp").score(*batch)
+    b = SpectralEngine(model, "all", backend="torch").score(*batch)
+    for name in a.metrics:
+        torch.testing.assert_close(a.metrics[name], b.metrics[name], rtol=1e-6, atol=1e-12)
+
+
+def test_the_model_is_left_as_it_was_found():
+    """Built and used inside a training script: modes, requires_grad flags and .grad buffers
+    stay as they were (a mixed state included), and scoring works under no_grad too."""
+    model = tiny_model("llama", vocab=VOCAB).train()
+    model.model.layers[1].eval()  # a mixed state: one submodule in eval mode
+    model.lm_head.requires_grad_(False)  # some parameters frozen, the rest trainable
+    before_grad = torch.ones_like(model.model.norm.weight)
+    model.model.norm.weight.grad = before_grad.clone()
+    modes = {name: m.training for name, m in model.named_modules()}
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    engine = SpectralEngine(model, "attn")
+    assert {name: m.training for name, m in model.named_modules()} == modes  # building changes nothing
+    batch = padded_batch(random_sequences([9, 20], VOCAB))
+    first = engine.score(*batch)
+    with torch.no_grad():
+        again = engine.score(*batch)
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+    assert torch.equal(model.model.norm.weight.grad, before_grad)
+    assert all(p.grad is None for name, p in model.named_parameters() if name != "model.norm.weight")
+    for name in first.metrics:  # eval mode inside: dropout-free, the same numbers each time
+        torch.testing.assert_close(first.metrics[name], again.metrics[name], rtol=0, atol=0)
+
+
+def test_nonfinite_loss_is_flagged_and_others_kept():
+    model = tiny_model("llama", vocab=VOCAB)
+    seqs = random_sequences([10, 14], VOCAB)
+    marker = 7
+    seqs[0][0][2] = marker
+    row = model.get_input_embeddings().weight.data[marker]
+    row[0] = float("nan")
+    scores = SpectralEngine(model, "attn").score(*padded_batch(seqs))
+    assert scores.status(0) == "nonfinite_loss"
+    assert torch.isnan(scores.metrics["model.layers.0.self_attn.q_proj"][0]).all()
+    assert scores.status(1) == "ok"
+    assert torch.isfinite(scores.metrics["model.layers.0.self_attn.q_proj"][1]).all()
+
+
+def test_sample_without_response_tokens_is_flagged():
+    model = tiny_model("llama", vocab=VOCAB)
+    seqs = random_sequences([10, 14], VOCAB)
+    seqs[0][1][:] = -100
+    scores = SpectralEngine(model, "attn").score(*padded_batch(seqs))
+    assert scores.status(0) == "no_response_tokens" and scores.status(1) == "ok"
+
+
+def test_spectra_kept_on_request():
+    model = tiny_model("llama", vocab=VOCAB)
+    seqs = random_sequences([6, 50], VOCAB)
+    scores = SpectralEngine(model, "q", keep_spectra=True).score(*padded_batch(seqs))
+    name = "model.layers.0.self_attn.q_proj"
+    for i in range(2):
+        sigma = torch.as_tensor(scores.spectra[name][i])
+        assert sigma.sum().item() == pytest.approx(scores.metrics[name][i, METRICS.index("nuclear_norm")].item())
+
+
+def test_right_padding_required():
+    model = tiny_model("llama", vocab=VOCAB)
+    ids, mask, labels = padded_batch(random_sequences([4, 8], VOCAB))
+    with pytest.raises(ValueError, match="right-padded"):
+        SpectralEngine(model).score(ids, mask.flip(1), labels)
+
+
+def test_no_matching_modules_lists_what_exists():
+    with pytest.raises(ValueError, match=r"no module matches.*q_proj"):
+        SpectralEngine(tiny_model("llama", vocab=VOCAB), "*.nothing_here")
+
+
+def test_module_patterns_select_by_glob_and_role():
+    model = tiny_model("llama", vocab=VOCAB)
+    assert SpectralEngine(model, "*.1.*v_proj").part_names == ["model.layers.1.self_attn.v_proj"]
+    assert len(SpectralEngine(model, "down,q").part_names) == 4
+
+
+@pytest.mark.parametrize("template", ["plain", "chat"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2", "phi3"])
+def test_engine_matches_reference_on_real_text(kind, template, tokenizer):
+    """Mixed-length HumanEval samples through both templates, on each tiny model layout."""
+    from conftest import VOCAB as SMOL_VOCAB
+
+    from gradspec.data.readers import humaneval_samples
+    from gradspec.data.templates import tokenize
+
+    model = tiny_model(kind, vocab=SMOL_VOCAB)
+    short = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    conversations = [short] + [s.messages for s in humaneval_samples(3)]
+    seqs = []
+    for messages in conversations:
+        t = tokenize(messages, tokenizer, template, 2048)
+        seqs.append((torch.tensor(t.input_ids), torch.tensor(t.labels)))
+    scores = SpectralEngine(model, "all").score(*padded_batch(seqs, tokenizer.pad_token_id))
+    assert_matches_reference(model, scores, seqs, "all")
+
+
+def test_bfloat16_model_runs_with_fp64_reductions():
+    """Low-precision models still get fp64 Grams and core problems; values near the fp32 ones."""
+    model = tiny_model("llama", vocab=VOCAB)
+    batch = padded_batch(random_sequences([9, 40], VOCAB))
+    fp32 = SpectralEngine(model, "attn").score(*batch)
+    bf16 = SpectralEngine(model.to(torch.bfloat16), "attn").score(*batch)
+    assert [bf16.status(i) for i in range(2)] == ["ok", "ok"]
+    for name in fp32.metrics:
+        assert bf16.metrics[name].dtype == torch.float64
+        torch.testing.assert_close(bf16.metrics[name], fp32.metrics[name], rtol=0.1, atol=1e-6)
+
+
+def test_submit_overlaps_batches_and_equals_score():
+    model = tiny_model("llama", vocab=VOCAB)
+    engine = SpectralEngine(model, "all")
+    batches = [padded_batch(random_sequences(lengths, VOCAB, seed=s)) for s, lengths in
+               enumerate([[8, 40], [70, 12, 33], [5]])]
+    futures = [engine.submit(*b) for b in batches]  # all in flight before any result is read
+    for batch, future in zip(batches, futures, strict=True):
+        want = engine.score(*batch)
+        got = future.result()
+        assert got.flags == want.flags
+        for name in want.metrics:
+            torch.testing.assert_close(got.metrics[name], want.metrics[name], rtol=1e-12, atol=0)

@@ -1,0 +1,57 @@
+"""The hooks never wait for the device: every split and token range comes from the lengths on the
+host, once per batch. Tested on the meta device, where reading any device value (``.item()``,
+``bool()``, ``.tolist()``, a copy to the host) raises: the hooks run there whole."""
+
+import pytest
+import torch
+import transformers.masking_utils
+from conftest import tiny_model
+
+from gradspec.engine.spectral_engine import Capture, _Sketch
+from gradspec.layers.targets import select_targets
+from gradspec.linalg.host_copies import HostCopies, PinnedPool
+from gradspec.linalg.lowrank import LOWRANK_METRICS
+from gradspec.linalg.metrics import METRICS
+from gradspec.linalg.policy import Policy
+
+
+@pytest.mark.parametrize("method", ["exact", "lowrank"])
+def test_the_hooks_run_without_reading_the_device(monkeypatch, method):
+    # transformers' own mask code reads position ids on the host; not ours to test
+    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda *a, **k: None)
+    model = tiny_model("llama", vocab=500).to("meta").requires_grad_(False)
+    targets = select_targets(model, "all")
+    lengths = torch.tensor([5, 40, 90])  # k/v's smaller side is 32: both the core and the materialised path
+    sketch, names = (None, METRICS) if method == "exact" else (_Sketch(4, 1, 0), LOWRANK_METRICS)
+    policy = Policy(force={"segment_gram": "torch", "segment_tdot": "torch"})  # the device paths
+    capture = Capture(targets, lengths, policy, sketch, names, device="meta")
+    ids = torch.zeros(3, 90, dtype=torch.long, device="meta")
+    with capture.hooks(model):
+        model(input_ids=ids, use_cache=False).logits.sum().backward()
+    if method == "exact":
+        assert capture.core and capture.materialised
+        assert all(B.device.type == "meta" for B, _ in capture.core.values())
+    else:
+        assert len(capture.sketched) == sum(len(t.parts) for t in targets)
+
+
+def test_the_pinned_pool_reuses_its_buffers_within_its_bound(caplog):
+    made = []
+    pool = PinnedPool(max_bytes=3000, allocate=lambda n: made.append(n) or torch.empty(n, dtype=torch.uint8))
+    a, b = pool.take(1000), pool.take(600)  # size classes 1024 and 1024
+    assert a.numel() == b.numel() == 1024 and made == [1024, 1024]
+    assert pool.take(1500) is None and "pinned host buffers at their bound" in caplog.text  # 2048 would pass 3000
+    pool.give_back([a, b])
+    assert pool.take(900) is not None and pool.take(1024) is not None and made == [1024, 1024]  # reused
+    assert pool.take(1000) is None  # still at the bound: two buffers of 1024 held, a third would pass it
+    assert pool.held == 2048
+
+
+def test_host_copies_leave_host_tensors_be_and_release_nothing_they_did_not_take():
+    pool = PinnedPool(allocate=lambda n: pytest.fail("nothing to pin for a host tensor"))
+    copies = HostCopies(pool)
+    t = torch.arange(6.0)
+    assert copies(t) is t
+    copies.wait()
+    copies.release()
+    assert pool.free == {}

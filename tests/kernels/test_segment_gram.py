@@ -1,0 +1,54 @@
+import pytest
+import torch
+from gradspec.kernels import segment_gram_torch, segment_gram_triton, triton
+
+from gradspec.linalg import eigen as spectral
+
+needs_triton = pytest.mark.skipif(triton is None, reason="triton not installed")
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", [(3, 37, 50), (2, 8, 16), (1, 65, 33)])
+def test_triton_kernel_matches_torch(shape):
+    """Runs under TRITON_INTERPRET=1 on the CPU (set in conftest)."""
+    N, T, d = shape
+    g = torch.Generator().manual_seed(T)
+    Y = torch.randn(N, T, d, generator=g)
+    lengths = torch.tensor([T, max(T // 2, 1), 1])[:N]
+    other = torch.randn(N, T, T, generator=g)
+    gram, inner = segment_gram_triton(Y, lengths, other)
+    want, want_inner = segment_gram_torch(Y, lengths, other)
+    torch.testing.assert_close(gram.double(), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(inner.double(), want_inner, rtol=1e-5, atol=1e-3)
+    for i, n in enumerate(lengths.tolist()):
+        assert gram[i, n:].abs().sum() == 0 and gram[i, :, n:].abs().sum() == 0
+
+
+@needs_triton
+def test_inner_product_is_frobenius_norm_of_gradient():
+    g = torch.Generator().manual_seed(0)
+    X, D = torch.randn(2, 9, 12, generator=g), torch.randn(2, 9, 5, generator=g)
+    lengths = torch.tensor([9, 4])
+    B, _ = segment_gram_torch(X, lengths)
+    _, inner = segment_gram_triton(D, lengths, B)
+    for i, n in enumerate(lengths.tolist()):
+        G = D[i, :n].double().T @ X[i, :n].double()
+        assert inner[i].item() == pytest.approx(G.square().sum().item(), rel=1e-5)
+
+
+BACKENDS = ["torch", pytest.param("cpp", marks=pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_cpu_paths_match_reference_in_fp64(backend, dtype):
+    g = torch.Generator().manual_seed(1)
+    Y = torch.randn(3, 20, 7, 2, generator=g).to(dtype)[..., 0]  # strided, like a fused module's part
+    lengths = torch.tensor([20, 3, 0])
+    other = torch.randn(3, 20, 20, generator=g, dtype=torch.float64)
+    gram, inner = spectral.segment_gram(Y, lengths, other, backend)
+    want, want_inner = segment_gram_torch(Y, lengths, other)
+    assert gram.dtype == torch.float64
+    torch.testing.assert_close(gram, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(inner, want_inner, rtol=1e-12, atol=1e-12)
+    assert spectral.segment_gram(Y, lengths, None, backend)[1] is None

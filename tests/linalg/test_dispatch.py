@@ -1,0 +1,199 @@
+import itertools
+import logging
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import FakeCupy, assert_matches_reference, padded_batch, random_sequences, tiny_model
+
+from gradspec.engine.spectral_engine import SpectralEngine
+from gradspec.linalg import eigen as spectral
+from gradspec.linalg.dispatch import Fastest, size_bucket
+
+FP32_RTOL = 0.3  # fp32 Grams resolve singular values only down to ~sqrt(d * eps32) of the largest
+
+def test_size_bucket_rounds_up_to_a_power_of_two():
+    assert [size_bucket(n) for n in (1, 2, 3, 32, 33, 100, 128, 129)] == [1, 2, 4, 32, 64, 128, 128, 256]
+
+
+def test_fastest_measures_each_candidate_once_then_runs_the_winner():
+    ticks = itertools.count()
+    calls = {"slow": 0, "quick": 0}
+
+    def candidate(name, cost):
+        def run():
+            calls[name] += 1
+            for _ in range(cost):  # each tick of the fake clock is one unit of work
+                next(ticks)
+            return name
+        return run
+
+    fastest = Fastest(clock=lambda: next(ticks))
+    candidates = {"slow": candidate("slow", 5), "quick": candidate("quick", 2)}
+    assert fastest.choice("k") is None
+    assert fastest.run("k", candidates) == "quick"  # the winner's result, not the last one run
+    assert calls == {"slow": 2, "quick": 2}  # a warm-up and a timed run each
+    assert fastest.choice("k") == "quick" and fastest.seconds["k"]["slow"] > fastest.seconds["k"]["quick"]
+    assert fastest.run("k", candidates) == "quick" and calls == {"slow": 2, "quick": 3}
+    assert fastest.run("other", {"slow": candidate("slow", 1), "quick": candidate("quick", 9)}) == "slow"
+
+
+def test_a_candidate_that_fails_is_left_out_and_logged(caplog):
+    def broken():
+        raise RuntimeError("no kernel image for this GPU")
+
+    fastest = Fastest()
+    with caplog.at_level(logging.WARNING, logger="gradspec"):
+        assert fastest.run("k", {"triton": broken, "torch": lambda: 3}) == 3
+    assert fastest.choice("k") == "torch" and fastest.seconds["k"]["triton"] == float("inf")
+    assert "triton path failed" in caplog.text and "no kernel image" in caplog.text
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        fastest.run("other", {"triton": broken})
+
+
+def test_a_measurement_waits_for_work_that_holds_the_lock_and_a_measured_key_does_not():
+    fastest = Fastest()
+    fastest.run("known", {"a": lambda: 1})
+    holding, release = threading.Event(), threading.Event()
+
+    def worker():
+        with fastest.lock:
+            holding.set()
+            release.wait(5)
+
+    threading.Thread(target=worker).start()
+    holding.wait(5)
+    assert fastest.run("known", {"a": lambda: 1}) == 1  # no measurement: no wait
+    finished = threading.Event()
+    threading.Thread(target=lambda: (fastest.run("new", {"a": lambda: 2}), finished.set())).start()
+    assert not finished.wait(0.2)  # held back while the lock is held
+    release.set()
+    assert finished.wait(5) and fastest.choice("new") == "a"
+
+
+@pytest.fixture
+def measured_on_cpu(monkeypatch):
+    """Take the GPU's measured dispatch on CPU tensors (the Triton Gram under the interpreter)."""
+    monkeypatch.setattr(spectral, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(spectral, "DISPATCH", Fastest())
+    return spectral
+
+
+@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+@pytest.mark.parametrize(("precision", "gram_paths", "rtol"),
+                         [("fp64", {"cpp", "torch"}, 1e-4), ("fp32", {"triton", "torch"}, FP32_RTOL)])
+def test_measured_dispatch_matches_the_reference(measured_on_cpu, precision, gram_paths, rtol):
+    """Every stage measured on its first batch among the paths of the configured precision alone
+    (never fp32 against fp64); whichever wins, the scores match the reference at that precision's
+    tolerance; once a stage is measured, the engine keeps the Grams of torch-won stages where they are."""
+    model = tiny_model("llama", vocab=500)
+    seqs = random_sequences([5, 17, 40, 90], 500)
+    engine = SpectralEngine(model, "all", precision=precision)
+    assert_matches_reference(model, engine.score(*padded_batch(seqs)), seqs, "all", rtol=rtol)
+    stages = {key[0] for key in measured_on_cpu.DISPATCH.chosen}
+    assert {"segment_gram", "core", "gram"} <= stages
+    for key, seconds in measured_on_cpu.DISPATCH.seconds.items():
+        assert key[1] == precision
+        assert set(seconds) == (gram_paths if key[0] == "segment_gram" else {"cpp", "torch"})
+    assert set(engine.policy.describe()["paths"]["segment_gram"]) <= gram_paths
+    # now the winners alone, with the eigen stage on submit's worker thread as `gradspec score` runs it
+    assert_matches_reference(model, engine.submit(*padded_batch(seqs)).result(), seqs, "all", rtol=rtol)
+    for (stage, _, *size), won in measured_on_cpu.DISPATCH.chosen.items():
+        if stage != "segment_gram":
+            grams = torch.zeros(1, size[0], size[0])
+            assert spectral.eigen_path(grams, engine.policy, stage) == won
+    assert spectral.eigen_path(torch.zeros(1, 300, 300), engine.policy, "core") is None  # not measured yet
+    grams = torch.zeros(1, 4, 4)
+    assert spectral.eigen_path(grams, "cpp", "core") == "cpp" and spectral.eigen_path(grams, "torch", "core") == "torch"
+
+
+@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+def test_submit_measures_on_the_callers_thread_alone(measured_on_cpu, monkeypatch):
+    """A batch that measures an eigen stage is finished by submit itself (timings beside the next
+    batch's device work would be off); a batch of measured sizes goes to the worker."""
+    timed_on = set()
+    monkeypatch.setattr(measured_on_cpu.DISPATCH, "clock",
+                        lambda: timed_on.add(threading.current_thread().name) or time.perf_counter())
+    model = tiny_model("llama", vocab=500)
+    seqs = random_sequences([6, 30], 500)
+    engine = SpectralEngine(model, "all")
+    first = engine.submit(*padded_batch(seqs))
+    assert first.done() and timed_on == {threading.current_thread().name}
+    assert_matches_reference(model, first.result(), seqs, "all")
+    finished_on, free_meanwhile = [], []
+
+    def finish(*work):
+        finished_on.append(threading.current_thread().name)
+        lock = measured_on_cpu.DISPATCH.lock  # a measurement elsewhere would have to wait for this batch
+        other = threading.Thread(target=lambda: free_meanwhile.append(lock.acquire(blocking=False)))
+        other.start()
+        other.join()
+
+    monkeypatch.setattr(engine, "_finish", finish)
+    engine.submit(*padded_batch(seqs)).result()
+    assert finished_on[0].startswith("gradspec-eigen") and free_meanwhile == [False]
+
+
+@pytest.fixture
+def cupy_on_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
+    return spectral.eigensolver_via(FakeCupy)
+
+
+def test_the_cupy_eigensolver_gives_torchs_spectra(cupy_on_cpu):
+    """Through DLPack, batched over any leading dimensions, in both eigen stages."""
+    g = torch.Generator().manual_seed(0)
+    X, D = torch.randn(3, 9, 5, generator=g, dtype=torch.float64), torch.randn(3, 2, 9, 4, generator=g)
+    B, A = X @ X.mT, (D @ D.mT).double()
+    lengths = torch.tensor([9, 7, 4])
+    for ours, theirs in zip(spectral._core_device(cupy_on_cpu, B, A, lengths),
+                            spectral._core_device(spectral.TORCH_EIGEN, B, A, lengths), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9, equal_nan=True)
+    for ours, theirs in zip(spectral._gram_device(cupy_on_cpu, A[:, 0]),
+                            spectral._gram_device(spectral.TORCH_EIGEN, A[:, 0]), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9, equal_nan=True)
+
+
+@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+def test_cupy_is_measured_where_installed(measured_on_cpu, cupy_on_cpu, monkeypatch):
+    monkeypatch.setattr(spectral, "_cupy_eigen", lambda: cupy_on_cpu)
+    model = tiny_model("llama", vocab=500)
+    seqs = random_sequences([5, 40], 500)
+    assert_matches_reference(model, SpectralEngine(model, "all").score(*padded_batch(seqs)), seqs, "all")
+    eigen_stages = [s for key, s in measured_on_cpu.DISPATCH.seconds.items() if key[0] != "segment_gram"]
+    assert eigen_stages and all(set(s) == {"cpp", "torch", "cupy"} for s in eigen_stages)
+
+
+def test_measured_lowrank_sketch_matches_the_cpu_path(measured_on_cpu, monkeypatch):
+    """At fp32, the sketch's products through the measured path (Triton or torch, both fp32) give
+    the CPU path's fp64 answer to fp32 accuracy; the rank covers these short gradients exactly."""
+    model = tiny_model("llama", vocab=500)
+    batch = padded_batch(random_sequences([5, 4], 500))
+    measured = SpectralEngine(model, "attn", method="lowrank", rank=8, precision="fp32").score(*batch)
+    assert any(key[0] == "segment_tdot" for key in measured_on_cpu.DISPATCH.chosen)
+    monkeypatch.setattr(spectral, "_on_gpu", lambda t: False)  # the plain CPU path
+    plain = SpectralEngine(model, "attn", method="lowrank", rank=8).score(*batch)
+    for name, values in plain.metrics.items():
+        torch.testing.assert_close(measured.metrics[name], values, rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+def test_a_measured_eigen_stage_out_of_gpu_memory_falls_back_to_the_host(measured_on_cpu, monkeypatch, caplog):
+    Y = torch.randn(3, 6, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    grams = Y @ Y.mT
+    want = spectral.gram_spectra(grams, "cpp")
+    measured_on_cpu.DISPATCH.chosen[("gram", "fp64", 8)] = "torch"
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(spectral, "_gram_device", out_of_memory)
+    with caplog.at_level(logging.WARNING, logger="gradspec"):
+        got = spectral.gram_spectra(grams)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and "solved on the host" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gradspec"):  # a forced device path falls back the same way
+        got = spectral.gram_spectra(grams, "torch")
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and "solved on the host" in caplog.text

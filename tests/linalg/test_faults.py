@@ -1,0 +1,93 @@
+"""Faults in the eigen stage never end a run: a failing path is retried on the host, what still
+fails is solved sample by sample, and only a sample that fails alone is flagged (eigen_failed)."""
+
+import itertools
+import logging
+
+import pytest
+import torch
+from conftest import assert_matches_reference, padded_batch, random_sequences, tiny_model
+
+from gradspec.engine.spectral_engine import SpectralEngine
+from gradspec.linalg import eigen as spectral
+from gradspec.linalg.dispatch import RETRY_AFTER, Fastest
+
+VOCAB = 500
+LENGTHS = [5, 17, 40, 90]  # both eigen stages: the core (T < 32) and the materialised Grams
+
+
+def _failing(real, fault: type[BaseException], when):
+    def solve(*args, **kwargs):
+        if when(args):
+            raise fault("injected")
+        return real(*args, **kwargs)
+    return solve
+
+
+FAULTS = [torch.OutOfMemoryError, torch.linalg.LinAlgError]
+if spectral.HAS_EXTENSION:
+    FAULTS.append(spectral._C.LapackError)
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("run", ["score", "submit"])
+def test_a_batch_that_fails_everywhere_is_solved_sample_by_sample(monkeypatch, fault, run):
+    """Every path fails on any batch of more than one sample (on the caller's thread or the
+    worker's): each sample alone still gets its exact scores."""
+    many = lambda args: args[-1].shape[0] > 1 if isinstance(args[0], spectral.Eigensolver) else args[0].shape[0] > 1  # noqa: E731
+    for name in ("_core_cpp", "_core_device", "_gram_cpp", "_gram_device"):
+        monkeypatch.setattr(spectral, name, _failing(getattr(spectral, name), fault, many))
+    model = tiny_model("llama", vocab=VOCAB)
+    seqs = random_sequences(LENGTHS, VOCAB)
+    engine = SpectralEngine(model, "all")
+    batch = padded_batch(seqs)
+    scores = engine.score(*batch) if run == "score" else engine.submit(*batch).result()
+    assert_matches_reference(model, scores, seqs, "all")
+
+
+def test_a_sample_that_fails_alone_is_flagged_and_the_others_kept(monkeypatch, caplog):
+    poisoned = 40  # the sample of 40 tokens fails on every path, alone or not
+
+    def has_poisoned(args):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        lengths = tensors[2] if len(tensors) == 3 else None  # core stages carry the lengths
+        return lengths is not None and bool((lengths == poisoned).any())
+
+    for name in ("_core_cpp", "_core_device"):
+        monkeypatch.setattr(spectral, name, _failing(getattr(spectral, name), spectral.eigen_faults()[1], has_poisoned))
+    model = tiny_model("llama", vocab=VOCAB)
+    seqs = random_sequences(LENGTHS, VOCAB)
+    with caplog.at_level(logging.WARNING, logger="gradspec"):
+        scores = SpectralEngine(model, "all").submit(*padded_batch(seqs)).result()
+    bad = LENGTHS.index(poisoned)
+    assert "eigen_failed" in scores.status(bad)
+    assert any(torch.isnan(m[bad]).all() for m in scores.metrics.values())
+    assert "one by one" in caplog.text
+    others = [i for i in range(len(seqs)) if i != bad]
+    fine = type(scores)(scores.loss[others], scores.num_response_tokens[others], [scores.flags[i] for i in others],
+                        {k: v[others] for k, v in scores.metrics.items()})
+    assert_matches_reference(model, fine, [seqs[i] for i in others], "all")
+
+
+def test_a_candidate_that_failed_is_measured_again_later():
+    ticks = itertools.count()
+    fastest = Fastest(clock=lambda: next(ticks))
+    broken = {"yes": True}
+
+    def flaky():
+        if broken["yes"]:
+            raise torch.OutOfMemoryError("transient")
+        return "flaky"
+
+    def slow():
+        for _ in range(5):
+            next(ticks)
+        return "slow"
+
+    candidates = {"flaky": flaky, "slow": slow}
+    assert fastest.run("k", candidates) == "slow"
+    broken["yes"] = False
+    for _ in range(RETRY_AFTER - 1):
+        assert fastest.run("k", candidates) == "slow"
+    assert fastest.run("k", candidates) == "flaky"  # re-measured: the faster path is back
+    assert fastest.choice("k") == "flaky" and "k" not in fastest.retry_in

@@ -1,0 +1,158 @@
+"""Large runs: parts, resume after kill -9, sharding, torchrun, and determinism.
+
+Every run here is a real `gradspec score` process; outputs are compared with an uninterrupted
+single-process run, table for table (values, schema and metadata), not within a tolerance.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from gradspec.cli import main
+
+ROWS = 60  # input rows
+CHUNK = "6"  # rows per part: 10 parts
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}  # as torchrun sets per worker
+# Runs the CLI after an optional patch, e.g. one that kills the process while it writes a part.
+LAUNCH = "import sys; {patch}\nfrom gradspec.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("runs") / "d.jsonl"
+    rows = [{"instruction": f"Question {i}: " + "why " * (i % 7), "output": "Because " + "so " * (1 + i % 11),
+             "id": i} for i in range(ROWS)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _args(model, data, out, *extra):
+    return ["score", "--model", str(model), "--data", str(data), "--out", str(out), "--chunk-rows", CHUNK,
+            "--batch-tokens", "256", "--quiet", *extra]
+
+
+def _cli(args, patch="", **kwargs):
+    return subprocess.Popen([sys.executable, "-c", LAUNCH.format(patch=patch), *args], env=ONE_THREAD,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def _finish(proc):
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_dir, data):
+    """The uninterrupted single-process run everything else must reproduce."""
+    out = tmp_path_factory.mktemp("reference") / "s.parquet"
+    _finish(_cli(_args(tiny_model_dir, data, out)))
+    return pq.read_table(out)
+
+
+def _same(path, reference):
+    got = pq.read_table(path)
+    assert got.column("index").to_pylist() == list(range(ROWS))
+    assert got.equals(reference, check_metadata=True)
+
+
+def test_runs_are_deterministic(tmp_path, tiny_model_dir, data, reference):
+    out = tmp_path / "again.parquet"
+    _finish(_cli(_args(tiny_model_dir, data, out)))
+    _same(out, reference)
+    assert not (tmp_path / "again.parquet.parts").exists()  # parts are removed once merged
+
+
+def test_resume_after_kill_9_at_a_random_moment(tmp_path, tiny_model_dir, data, reference):
+    out = tmp_path / "s.parquet"
+    parts = tmp_path / "s.parquet.parts"
+    proc = _cli(_args(tiny_model_dir, data, out))
+    while len(list(parts.glob("*.parquet"))) < 3 and proc.poll() is None:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists() and 3 <= len(list(parts.glob("*.parquet"))) < 10
+    _finish(_cli(_args(tiny_model_dir, data, out, "--resume")))
+    _same(out, reference)
+
+
+@pytest.mark.parametrize("when", ["before the rename", "half-way through the file"])
+def test_resume_after_kill_while_writing_a_part(tmp_path, tiny_model_dir, data, reference, when):
+    """The process dies inside the write of part 3: its temporary file is left behind, never
+    taken for a part, and the resumed run scores chunk 3 again."""
+    if when == "before the rename":
+        patch = ("import os, signal, gradspec.runs.run_folder as p; real = os.replace\n"
+                 "def replace(src, dst):\n"
+                 "    if str(dst).endswith('00000003.parquet'): os.kill(os.getpid(), signal.SIGKILL)\n"
+                 "    real(src, dst)\n"
+                 "p.os.replace = replace")
+    else:
+        patch = ("import os, signal, gradspec.runs.run_folder as p; real = p.pq.write_table\n"
+                 "def write_table(table, f):\n"
+                 "    if 'index' in table.column_names and table['index'][0].as_py() == 18:\n"
+                 "        f.write(b'PAR1' + b'x' * 100); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
+                 "    real(table, f)\n"
+                 "p.pq.write_table = write_table")
+    out = tmp_path / "s.parquet"
+    proc = _cli(_args(tiny_model_dir, data, out), patch=patch)
+    proc.wait(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    parts = tmp_path / "s.parquet.parts"
+    assert sorted(p.name for p in parts.glob("*.parquet")) == [f"{c:08d}.parquet" for c in range(3)]
+    assert list(parts.glob("00000003.parquet.tmp*"))
+    _finish(_cli(_args(tiny_model_dir, data, out, "--resume")))
+    _same(out, reference)
+
+
+def test_unfinished_run_needs_resume_and_the_same_config(tmp_path, tiny_model_dir, data, capsys):
+    out = tmp_path / "s.parquet"
+    parts = tmp_path / "s.parquet.parts"
+    assert main(_args(tiny_model_dir, data, out, "--shard", "0/2")) == 0  # half the chunks: unfinished
+    assert not out.exists() and len(list(parts.glob("*.parquet"))) == 5
+    assert main(_args(tiny_model_dir, data, out)) == 2
+    assert "holds an unfinished run (5 parts done); pass --resume" in capsys.readouterr().err
+    assert main(_args(tiny_model_dir, data, out, "--resume", "--max-length", "64", "--modules", "mlp")) == 2
+    err = capsys.readouterr().err
+    assert "config differs: max_length: 2048 in the run, 64 now; modules: 'attn' in the run, 'mlp' now" in err
+    assert main(["merge", "--out", str(out)]) == 2
+    assert "5 chunks not scored yet (1, 3, 5, 7, 9)" in capsys.readouterr().err
+
+
+def test_shards_then_merge_equal_one_run(tmp_path, tiny_model_dir, data, reference, capsys):
+    out = tmp_path / "s.parquet"
+    shards = [_cli(_args(tiny_model_dir, data, out, "--shard", f"{i}/3")) for i in range(3)]
+    printed = [_finish(p) for p in shards]
+    assert all("when all are done: gradspec merge" in p for p in printed) and not out.exists()
+    assert main(["merge", "--out", str(out)]) == 0
+    assert f"wrote {ROWS} rows" in capsys.readouterr().out
+    _same(out, reference)
+
+
+def test_torchrun_two_processes_equal_one_run(tmp_path, tiny_model_dir, data, reference):
+    out = tmp_path / "s.parquet"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "gradspec", *_args(tiny_model_dir, data, out)],
+        env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    printed = _finish(proc)
+    assert printed.count("wrote 30 rows") == 2  # each rank scored half
+    _same(out, reference)
+
+
+def test_lowrank_runs_are_seeded(tmp_path, tiny_model_dir, data):
+    tables = []
+    for name, seed in (("a", "1"), ("b", "1"), ("c", "2")):
+        out = tmp_path / f"{name}.parquet"
+        assert main(_args(tiny_model_dir, data, out, "--method", "lowrank", "--rank", "2", "--seed", seed,
+                          "--limit", "12")) == 0
+        tables.append(pq.read_table(out))
+    assert tables[0].equals(tables[1])
+    column = "model.layers.0.self_attn.q_proj/nuclear_norm"
+    assert not tables[0][column].equals(tables[2][column])

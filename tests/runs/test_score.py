@@ -1,0 +1,138 @@
+import json
+import math
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import gradspec
+from gradspec.cli import main
+from gradspec.data import batching
+from gradspec.data.readers import InputError
+from gradspec.linalg.metrics import METRICS
+
+ROWS = [
+    {"instruction": "Write a haiku about rain.", "output": "Soft rain on the roof,\nquiet streets.", "reward": 0.7},
+    {"instruction": "What is 2+2?", "output": "4", "reward": 1.0, "id": 11},
+    {"instruction": "Describe it", "input": "a cat", "output": "", "reward": -1.0},
+    {"instruction": "word " * 300, "output": "too late", "reward": 0.1},
+    {"instruction": "Name a prime.", "output": "Seven is a prime number.", "reward": 0.3},
+]
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_score_writes_one_row_per_sample_in_order(tmp_path, tiny_model_dir):
+    data = _write_jsonl(tmp_path / "d.jsonl", ROWS)
+    out = tmp_path / "s.parquet"
+    df = gradspec.score(data, str(tiny_model_dir), out, max_length=64, batch_tokens=100,
+                        modules="all", save_spectra=True, progress=False)
+    assert df["index"].tolist() == [0, 1, 2, 3, 4]
+    assert df["status"].tolist() == ["ok", "ok", "empty_response", "prompt_too_long", "ok"]
+    assert df["reward"].tolist() == [0.7, 1.0, -1.0, 0.1, 0.3]
+    assert df["id"].isna().tolist() == [True, False, True, True, True]
+    q = "model.layers.0.self_attn.q_proj"
+    assert df.loc[[0, 1, 4], f"{q}/effective_rank"].gt(1).all()
+    assert df.loc[[2, 3], f"{q}/effective_rank"].isna().all() and math.isnan(df.loc[3, "loss"])
+    assert df.loc[3, "num_tokens"] == 64 and df.loc[3, "num_response_tokens"] == 0
+    sigma = df.loc[1, f"{q}/singular_values"]
+    assert sum(sigma) == pytest.approx(df.loc[1, f"{q}/nuclear_norm"])
+    assert len([c for c in df.columns if c.endswith("/nuclear_norm")]) == 14  # 2 layers x q,k,v,o,gate,up,down
+
+    wide, long = gradspec.read_scores(out)
+    pd.testing.assert_frame_equal(wide, df)
+    assert set(long["module"]) == {"q", "k", "v", "o", "gate", "up", "down"}
+    assert set(long["metric"]) == set(METRICS) and set(long["layer"]) == {0, 1}
+    one = long.query("index == 1 and layer == 0 and module == 'q' and metric == 'nuclear_norm'")
+    assert one["value"].item() == df.loc[1, f"{q}/nuclear_norm"]
+
+
+def test_scores_match_the_engine_whatever_the_batching(tmp_path, tiny_model_dir):
+    data = _write_jsonl(tmp_path / "d.jsonl", ROWS)
+    small = gradspec.score(data, str(tiny_model_dir), None, max_length=64, batch_tokens=1, progress=False)
+    large = gradspec.score(data, str(tiny_model_dir), None, max_length=64, batch_tokens=10_000, progress=False)
+    cols = [c for c in small.columns if "/" in c]
+    pd.testing.assert_frame_equal(small[cols], large[cols], rtol=1e-5)
+
+
+def test_bad_line_keeps_rows_already_written(tmp_path, tiny_model_dir):
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2] + ROWS[4:]) + "{broken\n")
+    out = tmp_path / "s.parquet"
+    with pytest.raises(InputError, match=rf"{path}:4: malformed JSON"):
+        gradspec.score(path, str(tiny_model_dir), out, progress=False, chunk_rows=2)
+    kept = pq.read_table(tmp_path / "s.parquet.parts" / "00000000.parquet").to_pandas()
+    assert kept["index"].tolist() == [0, 1] and (kept["status"] == "ok").all() and not out.exists()
+
+
+def test_carried_columns_that_clash_are_renamed(tmp_path, tiny_model_dir):
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"instruction": "a", "output": "b", "loss": 5, "index": "x"}])
+    df = gradspec.score(data, str(tiny_model_dir), None, progress=False)
+    assert df.loc[0, "input_loss"] == 5 and df.loc[0, "input_index"] == "x" and df.loc[0, "index"] == 0
+
+
+def test_cli_score_and_errors(tmp_path, tiny_model_dir, capsys):
+    data = _write_jsonl(tmp_path / "d.jsonl", ROWS[:2])
+    out = tmp_path / "s.parquet"
+    args = ["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--quiet"]
+    assert main(args) == 0
+    assert "wrote 2 rows" in capsys.readouterr().out
+    assert main(args) == 2  # refuses to overwrite
+    assert "exists" in capsys.readouterr().err
+    assert main([*args, "--overwrite"]) == 0
+    other = ["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(tmp_path / "t.parquet")]
+    assert main([*other, "--modules", "*.nope", "--quiet"]) == 2
+    assert "no module matches" in capsys.readouterr().err
+    assert main(["score", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "u.parquet")]) == 2
+    assert "cannot load model" in capsys.readouterr().err
+
+
+def test_token_batches_respect_budget_and_padding():
+    from gradspec.data.readers import Sample
+    from gradspec.data.templates import Tokenized
+
+    lengths = [5, 100, 7, 6, 50, 52, 8, 51, 300]
+    items = [batching.Item(Sample(i, []), Tokenized([0] * n, [0] * n, "ok")) for i, n in enumerate(lengths)]
+    batches = list(batching.token_batches(items, batch_tokens=160, max_padding=0.2))
+    assert sorted(i.sample.index for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        sizes = [i.tokens.num_tokens for i in b]
+        assert len(b) == 1 or (len(b) * max(sizes) <= 160 and sum(sizes) >= 0.8 * len(b) * max(sizes))
+    assert [[i.tokens.num_tokens for i in b] for b in batches] == [[5, 6, 7, 8], [50, 51, 52], [100], [300]]
+
+
+def test_out_of_memory_splits_the_batch_then_flags(tmp_path, tiny_model_dir, monkeypatch, caplog):
+    """A batch that runs out of memory is retried in halves; a lone sample that still does not
+    fit (here: the longest) gets status out_of_memory, and the others are scored as usual."""
+    real_submit = gradspec.SpectralEngine.submit
+
+    def submit_or_oom(self, input_ids, attention_mask, labels):
+        if input_ids.shape[0] > 1 or input_ids.shape[1] > 30:
+            raise torch.OutOfMemoryError("simulated")
+        return real_submit(self, input_ids, attention_mask, labels)
+
+    rows = [{"instruction": "Hi", "output": "Hello"}, {"instruction": "Yo", "output": "Hey there"},
+            {"instruction": "a long one " * 20, "output": "reply"}]
+    data = _write_jsonl(tmp_path / "d.jsonl", rows)
+    want = gradspec.score(data, str(tiny_model_dir), None, progress=False)
+    monkeypatch.setattr(gradspec.SpectralEngine, "submit", submit_or_oom)
+    with caplog.at_level("WARNING", logger="gradspec"):
+        got = gradspec.score(data, str(tiny_model_dir), None, progress=False)
+    assert got["status"].tolist() == ["ok", "ok", "out_of_memory"]
+    assert "retrying it in two halves" in caplog.text
+    cols = [c for c in got.columns if "/" in c]
+    pd.testing.assert_frame_equal(got.loc[:1, cols], want.loc[:1, cols], rtol=1e-5)
+
+
+def test_lowrank_method_writes_topk_energy(tmp_path, tiny_model_dir):
+    data = _write_jsonl(tmp_path / "d.jsonl", ROWS[:2])
+    out = tmp_path / "s.parquet"
+    df = gradspec.score(data, str(tiny_model_dir), out, method="lowrank", rank=4, progress=False)
+    q = "model.layers.0.self_attn.q_proj"
+    assert df[f"{q}/topk_energy"].between(0, 1 + 1e-9).all()
+    _, long = gradspec.read_scores(out)
+    assert "topk_energy" in set(long["metric"])

@@ -1,0 +1,63 @@
+import pandas as pd
+import pytest
+import torch
+from conftest import tiny_model
+
+from gradspec.training.sftmix import PairedBatchSampler, SFTMixTrainer, confidence_halves, mixup_loss, ntp_loss
+from gradspec.training.wit import WITCollator
+
+ROWS = [
+    {"instruction": "Name a colour.", "output": "Blue."},  # confident: the shorter response
+    {"instruction": "Two plus two?", "output": "Four, because two and two make four."},
+    {"instruction": "Capital of France?", "output": "Paris."},
+    {"instruction": "Say hi.", "output": "Hi there, nice to meet you today."},
+]
+
+
+def test_mixup_at_lambda_1_is_the_confident_samples_ntp_loss(tokenizer):
+    model = tiny_model("llama")
+    batch = WITCollator(tokenizer)([ROWS[0], ROWS[2], ROWS[1], ROWS[3]])  # pairs (0, 1) and (2, 3)
+    hidden = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    head = model.get_output_embeddings()
+    labels = batch["labels"]
+    got = mixup_loss(hidden, labels, head, torch.ones(2))
+    want = ntp_loss(hidden[:2], labels[:2], head)  # both confident responses fit in their partners'
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-6)
+    at_zero = mixup_loss(hidden, labels, head, torch.zeros(2))
+    assert float(at_zero.detach()) != pytest.approx(float(want.detach()), rel=1e-3)
+
+
+def test_confidence_halves_split_at_the_median():
+    dynamics = pd.DataFrame({"index": [0, 1, 2, 3, 4], "mean_perplexity": [3.0, 9.0, 1.5, 20.0, 5.0]})
+    assert confidence_halves(dynamics) == ([0, 2], [1, 3, 4])
+    unmeasured = pd.concat([dynamics, pd.DataFrame({"index": [5], "mean_perplexity": [float("nan")]})])
+    assert confidence_halves(unmeasured) == ([0, 2], [1, 3, 4])  # no response tokens: in neither half
+
+
+def test_paired_batches_are_balanced_and_cover_every_sample():
+    confident, unconfident = [0, 2, 4, 6], [1, 3, 5, 7, 9, 11]
+    sampler = PairedBatchSampler(confident, unconfident, pairs=2, seed=1)
+    for _ in range(3):  # epochs
+        batches = list(sampler)
+        assert len(batches) == len(sampler) == 3
+        for b in batches:
+            assert len(b) == 4 and set(b[:2]) <= set(confident) and set(b[2:]) <= set(unconfident)
+        seen = {i for b in batches for i in b}
+        assert seen == set(confident) | set(unconfident)
+    again = PairedBatchSampler(confident, unconfident, pairs=2, seed=1)
+    assert list(again) == list(PairedBatchSampler(confident, unconfident, pairs=2, seed=1))
+
+
+def test_sftmix_trainer_trains(tiny_model_dir, tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    before = model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, num_train_epochs=2,
+                             learning_rate=1e-2, remove_unused_columns=False, report_to=[], save_strategy="no",
+                             use_cpu=True, logging_steps=1)
+    trainer = SFTMixTrainer(model=model, args=args, train_dataset=ROWS, data_collator=WITCollator(tokenizer),
+                            confident=[0, 2], unconfident=[1, 3])
+    result = trainer.train()
+    assert result.global_step == 4 and torch.isfinite(torch.tensor(result.training_loss))
+    assert not torch.equal(before, model.model.layers[0].self_attn.q_proj.weight)

@@ -1,0 +1,58 @@
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from gradspec.cli import main
+from gradspec.training.dynamics import read_dynamics
+
+ROWS = [{"instruction": f"Question {i}: what is {i} plus one?", "output": f"It is {i + 1}, of course."}
+        for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("train") / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return path
+
+
+@pytest.mark.parametrize("loss", ["ntp", "wit", "sftmix"])
+def test_gradspec_train_end_to_end(loss, data, tiny_model_dir, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / loss
+    args = ["train", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--loss", loss,
+            "--epochs", "2", "--batch-size", "4", "--learning-rate", "1e-2", "--monitor-every", "2"]
+    assert main(args) == 0
+    assert "wrote" in capsys.readouterr().out
+    trained = AutoModelForCausalLM.from_pretrained(out / "model")
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(trained.state_dict()[q], start.state_dict()[q])
+    dynamics, meta = read_dynamics(out / "dynamics.parquet")
+    assert meta["checkpoints"] == ["epoch 1", "epoch 2"] and dynamics["index"].tolist() == list(range(8))
+    monitor = pd.read_parquet(out / "monitor.parquet")
+    assert monitor["step"].unique().tolist() == [1, 3]  # steps 1 and 3 of 4
+    assert monitor["scaled"].all() == (loss != "sftmix")
+    assert monitor.filter(like="/effective_rank").notna().all().all()
+
+
+def test_gradspec_dynamics_from_checkpoints(data, tiny_model_dir, tmp_path):
+    out = tmp_path / "train"
+    main(["train", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--epochs", "3",
+          "--learning-rate", "1e-2"])
+    table = tmp_path / "dyn.parquet"
+    assert main(["dynamics", "--checkpoints", str(tiny_model_dir), str(out / "model"), "--data", str(data),
+                 "--out", str(table)]) == 0
+    dynamics, meta = read_dynamics(table)
+    assert meta["checkpoints"] == [str(tiny_model_dir), str(out / "model")]
+    assert all(p[1] < p[0] for p in dynamics["perplexity"])  # the fine-tuned checkpoint fits better
+
+
+def test_train_stops_when_most_samples_have_no_response_tokens(data, one_token_model_dir, tmp_path, capsys):
+    args = ["train", "--model", str(one_token_model_dir), "--data", str(data), "--out", str(tmp_path / "run")]
+    assert main(args) == 2
+    assert "8 of 8 rows have no response tokens (no_response_tokens 8): check the tokenizer" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "model").exists()
