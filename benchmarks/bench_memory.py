@@ -18,7 +18,8 @@ SCRIPT = """
 import sys, torch
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, token_batches
 from gradspec.data.readers import humaneval_samples
-from gradspec.engine.spectral_engine import SpectralEngine, response_losses
+from gradspec.engine.loss import response_losses
+from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.data.models import load_model
 from gradspec.engine.reference import reference_scores
 from gradspec.data.templates import tokenize

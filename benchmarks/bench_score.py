@@ -5,7 +5,7 @@ problems 30-47. Rows, per set:
 
 - floor, padded batches: the batches gradspec makes (token_batches: 4,096 padded tokens, at most
   20% padding), one forward and one input-gradient backward each, no hooks, with the LM head at
-  response positions only (``gradspec.engine.spectral_engine.response_losses``, the engine's own loss) and the
+  response positions only (``gradspec.engine.loss.response_losses``, the engine's own loss) and the
   embeddings' output requiring grad, as in the engine;
 - floor, one sample per pass: the same, each sample alone (no padding, attention mask of ones);
 - gradspec engine: ``SpectralEngine.score`` on the padded batches, one after the other;
@@ -33,8 +33,9 @@ from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, token_batches
 from gradspec.data.models import load_model
 from gradspec.data.readers import humaneval_samples
 from gradspec.data.templates import tokenize
+from gradspec.engine.loss import response_losses
 from gradspec.engine.reference import reference_scores
-from gradspec.engine.spectral_engine import SpectralEngine, response_losses
+from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.runs.scoring import score_samples
 
 ROUNDS = 3

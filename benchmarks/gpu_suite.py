@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
+from gradspec.engine.loss import IGNORE_INDEX, response_losses
 from gradspec.engine.reference import reference_scores
-from gradspec.engine.spectral_engine import IGNORE_INDEX, SpectralEngine, response_losses
+from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.layers.targets import select_targets
 from gradspec.linalg import eigen as spectral
 from gradspec.linalg.metrics import EPS64

@@ -9,8 +9,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from gradspec.data.batching import pad_batch  # noqa: E402
+from gradspec.data.templates import Tokenized  # noqa: E402
+from gradspec.engine.loss import IGNORE_INDEX  # noqa: E402
 from gradspec.engine.reference import reference_scores  # noqa: E402
-from gradspec.engine.spectral_engine import IGNORE_INDEX  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's tokenizer, so tiny models can share it
 
@@ -44,15 +46,8 @@ def tiny_model(kind: str, vocab: int = VOCAB, seed: int = 0) -> torch.nn.Module:
 
 
 def padded_batch(sequences: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0):
-    """Right-pad (input_ids, labels) pairs."""
-    T = max(len(ids) for ids, _ in sequences)
-    N = len(sequences)
-    ids = torch.full((N, T), pad_id, dtype=torch.long)
-    mask = torch.zeros((N, T), dtype=torch.long)
-    labels = torch.full((N, T), IGNORE_INDEX, dtype=torch.long)
-    for i, (x, y) in enumerate(sequences):
-        ids[i, : len(x)], mask[i, : len(x)], labels[i, : len(x)] = x, 1, y
-    return ids, mask, labels
+    """Right-pad (input_ids, labels) pairs on the CPU: gradspec's own pad_batch."""
+    return pad_batch([Tokenized(x.tolist(), y.tolist(), "ok") for x, y in sequences], pad_id, "cpu")
 
 
 def random_sequences(lengths: list[int], vocab: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

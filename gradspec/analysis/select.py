@@ -14,18 +14,17 @@ import numpy as np
 import pandas as pd
 
 from gradspec.data.readers import InputError, read_records
-from gradspec.runs.score_files import complete
+from gradspec.runs.score_files import complete, module_columns, module_mean, write_parquet
 
 
 def criterion_values(scores: pd.DataFrame, name: str) -> pd.Series:
     """One named criterion per row: a column, or a metric averaged over all modules."""
     if name in scores.columns:
         return scores[name].astype(float)
-    columns = [c for c in scores.columns if c.endswith("/" + name)]
-    if not columns:
+    if not module_columns(scores.columns, name):
         metrics = sorted({c.rsplit("/", 1)[1] for c in scores.columns if "/" in c})
         raise ValueError(f"unknown criterion {name!r}: not a column, and no module has it; metrics: {metrics}")
-    return scores[columns].astype(float).mean(axis=1)
+    return module_mean(scores, name)
 
 
 def criteria(by: str) -> list[tuple[str, float]]:
@@ -110,9 +109,8 @@ def write_selection(data: str | Path, chosen: pd.DataFrame, out: str | Path, col
             datasets.Dataset.from_dict(columns_of).save_to_disk(str(out))
         else:
             import pyarrow as pa
-            import pyarrow.parquet as pq
 
-            pq.write_table(pa.table(columns_of), out)
+            write_parquet(pa.table(columns_of), out)
     elif out.suffix == ".jsonl":
         out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     else:

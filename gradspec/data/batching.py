@@ -10,7 +10,7 @@ import torch
 
 from gradspec.data.readers import Sample
 from gradspec.data.templates import Tokenized
-from gradspec.engine.spectral_engine import IGNORE_INDEX, response_losses
+from gradspec.engine.loss import IGNORE_INDEX, response_losses
 
 BATCH_TOKENS = 4096  # padded tokens per batch
 MAX_PADDING = 0.2  # share of a batch's tokens that may be padding

@@ -34,7 +34,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gradspec.engine.spectral_engine import IGNORE_INDEX
+from gradspec.engine.loss import IGNORE_INDEX
 
 TEMPLATES = ("plain", "chat")
 SCORED = ("ok", "empty_prompt", "boundary_merge")

@@ -40,8 +40,8 @@ from gradspec.data.models import load_model
 from gradspec.data.readers import Sample, read_samples
 from gradspec.data.templates import Tokenized, check_response_tokens, tokenize
 from gradspec.diagnose.report import write_diagnosis
-from gradspec.engine.spectral_engine import IGNORE_INDEX
-from gradspec.runs.score_files import read_scores
+from gradspec.engine.loss import IGNORE_INDEX, next_token_positions
+from gradspec.runs.score_files import module_mean, read_scores
 from gradspec.training.dynamics import from_checkpoints, measure, measure_tokens, read_dynamics, summarise
 
 CAUSES = ("inconsistent_data", "forgetting", "pretraining_conflict", "missing_knowledge", "under_training")
@@ -174,15 +174,14 @@ def _base_comparison(base, tuned, tokenizer, items: list[Item], t: Thresholds) -
                                          math.nan) for i in items}
     for batch in token_batches([i for i in items if i.tokens.scorable], BATCH_TOKENS):
         ids, mask, labels = pad_batch([b.tokens for b in batch], pad_id, device)
-        target = labels[:, 1:]
-        rows, cols = torch.nonzero(target != IGNORE_INDEX, as_tuple=True)
+        rows, cols, wanted = next_token_positions(labels)
         laws = []
         for model in (base, tuned):
             logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1][rows, cols].double()
             laws.append(torch.log_softmax(logits, -1))
         base_logp, tuned_logp = laws
         top_p, top = base_logp.exp().max(-1)
-        disagree = ((top != target[rows, cols]) & (top_p >= t.conflict_confidence)).double()
+        disagree = ((top != wanted) & (top_p >= t.conflict_confidence)).double()
         middle = torch.logsumexp(torch.stack([base_logp, tuned_logp]), 0) - math.log(2)
         js = 0.5 * sum((logp.exp() * (logp - middle)).sum(-1) for logp in (base_logp, tuned_logp))
         for k, item in enumerate(batch):
@@ -303,8 +302,7 @@ def attribute(table: pd.DataFrame, dynamics: pd.DataFrame | None = None,
 def with_spectra(table: pd.DataFrame, scores: str | Path) -> pd.DataFrame:
     """Adds each sample's mean nuclear norm and effective rank over modules from a score file."""
     wide = read_scores(scores)[0].set_index("index")
-    extra = pd.DataFrame({f"spectral_{m}": wide[[c for c in wide.columns if c.endswith(f"/{m}")]].mean(axis=1)
-                          for m in ("nuclear_norm", "effective_rank")})
+    extra = pd.DataFrame({f"spectral_{m}": module_mean(wide, m) for m in ("nuclear_norm", "effective_rank")})
     return table.join(extra, on="index")
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 
 from gradspec.data.readers import Sample
+from gradspec.runs.score_files import write_parquet
 
 EXPLAIN = {
     "inconsistent_data": (
@@ -72,7 +73,7 @@ def write_diagnosis(table: pd.DataFrame, samples: list[Sample], out: str | Path,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     table = table.assign(position=table["index"] / max(len(table) - 1, 1))
-    table.to_parquet(out / "diagnosis.parquet", index=False)
+    write_parquet(table, out / "diagnosis.parquet")
     by_index = {s.index: s for s in samples}
     unlearned = table[table["unlearned"].fillna(False).astype(bool)]
     judged = int(table["unlearned"].notna().sum())

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gradspec.engine.spectral_engine import response_loss_per_sample
+from gradspec.engine.loss import response_loss_per_sample
 from gradspec.layers.targets import select_targets
 from gradspec.linalg.metrics import metrics_dict, metrics_from_singular_values
 

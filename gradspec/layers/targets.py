@@ -1,8 +1,8 @@
-"""Which linear layers are scored, and how fused projections split into their parts.
+"""Which layers are scored: each module of a registered kind (gradspec.layers.registry) whose
+name gives it a role, cut into parts.
 
-A part is one logical weight matrix: q/k/v/o in attention, gate/up/down in the MLP.
-``nn.Linear`` and GPT-2's ``Conv1D`` are supported; fused projections (GPT-2 ``c_attn``,
-Phi-3 ``qkv_proj`` / ``gate_up_proj``) are split along their output features.
+A part is one logical weight matrix: q/k/v/o in attention, gate/up/down in the MLP; fused
+projections are split along their output features (gradspec.layers.fused).
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ import re
 from dataclasses import dataclass
 
 from torch import nn
+
+from gradspec.layers.fused import split_sizes
+from gradspec.layers.registry import shape_of
 
 ATTENTION_ROLES = ("q", "k", "v", "o")
 MLP_ROLES = ("gate", "up", "down")
@@ -62,30 +65,6 @@ def _roles(name: str) -> tuple[str, ...]:
     return _ROLES_BY_LEAF.get(leaf, ())
 
 
-def _shape(module: nn.Module) -> tuple[int, int, bool] | None:
-    """(d_in, d_out, transposed) of a Linear-like module, else None."""
-    if isinstance(module, nn.Linear):
-        return module.in_features, module.out_features, False
-    if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
-        d_in, d_out = module.weight.shape
-        return d_in, d_out, True
-    return None
-
-
-def _split_sizes(model: nn.Module, roles: tuple[str, ...], d_out: int) -> tuple[int, ...]:
-    if roles == ("q", "k", "v"):
-        config = getattr(model, "config", None)
-        heads = getattr(config, "num_attention_heads", None)
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        if heads:
-            head_dim = getattr(config, "head_dim", None) or d_out // (heads + 2 * kv_heads)
-            if head_dim * (heads + 2 * kv_heads) == d_out:
-                return heads * head_dim, kv_heads * head_dim, kv_heads * head_dim
-    if d_out % len(roles):
-        raise ValueError(f"cannot split {d_out} output features into {roles}")
-    return (d_out // len(roles),) * len(roles)
-
-
 def _selected(part_name: str, role: str, patterns: tuple[str, ...]) -> bool:
     return any(p == role or fnmatch.fnmatchcase(part_name, p) for p in patterns)
 
@@ -98,12 +77,12 @@ def select_targets(model: nn.Module, modules: str | list[str] = "attn") -> list[
         patterns += PRESETS.get(spec, (spec,))
     targets, candidates = [], []
     for name, module in model.named_modules():
-        shape = _shape(module)
+        shape = shape_of(module)
         roles = _roles(name)
         if shape is None or not roles:
             continue
         d_in, d_out, transposed = shape
-        sizes = _split_sizes(model, roles, d_out) if len(roles) > 1 else (d_out,)
+        sizes = split_sizes(model, roles, d_out) if len(roles) > 1 else (d_out,)
         parts, start = [], 0
         for role, size in zip(roles, sizes, strict=True):
             part_name = f"{name}.{role}" if len(roles) > 1 else name
@@ -114,7 +93,7 @@ def select_targets(model: nn.Module, modules: str | list[str] = "attn") -> list[
         if parts:
             targets.append(Target(name, module, d_in, tuple(parts), transposed))
     if not targets:
-        linear = [n for n, m in model.named_modules() if _shape(m) is not None]
+        linear = [n for n, m in model.named_modules() if shape_of(m) is not None]
         raise ValueError(
             f"no module matches --modules {','.join(specs)!r}. Scorable parts: {candidates[:12]}"
             f"{' ...' if len(candidates) > 12 else ''}; linear modules: {linear[:12]}"

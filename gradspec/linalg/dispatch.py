@@ -32,7 +32,7 @@ def size_bucket(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-class Fastest:
+class MeasuredDispatch:
     """Per key, the name of the fastest candidate, measured on first use."""
 
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:

@@ -34,7 +34,7 @@ from threadpoolctl import ThreadpoolController
 
 from gradspec import kernels
 from gradspec.linalg.blas_threads import OneBlasThread
-from gradspec.linalg.dispatch import Fastest, size_bucket
+from gradspec.linalg.dispatch import MeasuredDispatch, size_bucket
 from gradspec.linalg.metrics import (
     EPS64,
     eigenvalue_cutoff,
@@ -96,7 +96,7 @@ ONE_BLAS_THREAD = OneBlasThread(ThreadpoolController() if HAS_EXTENSION else Non
 
 
 # On a GPU, the fastest path per (stage, precision, size bucket), measured on the first batch that needs it.
-DISPATCH = Fastest()
+DISPATCH = MeasuredDispatch()
 TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 

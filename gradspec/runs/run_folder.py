@@ -20,21 +20,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gradspec.runs.score_files import METADATA_KEY
+from gradspec.runs.score_files import METADATA_KEY, atomic_write, write_parquet
 
 CHUNK_ROWS = 1024  # input rows per part: the most a kill can cost per process
 INPUT_ERROR = "input_error"
 _MANIFEST = "manifest.json"
-
-
-def _atomic(path: Path, write) -> None:
-    """write(file) into a temporary file beside path, flushed to disk, then renamed onto path."""
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @dataclass(frozen=True)
@@ -127,8 +117,7 @@ class RunFolder:
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as e:
             first, last = rows[0]["index"], rows[-1]["index"]
             raise ValueError(f"rows {first}-{last}: a carried input column mixes types ({e})") from None
-        table = table.replace_schema_metadata({METADATA_KEY: json.dumps(metadata).encode()})
-        _atomic(self.part(chunk), lambda f: pq.write_table(table, f))
+        write_parquet(table, self.part(chunk), metadata)
 
     def merge(self, records: int, chunk_rows: int) -> int:
         """Writes all parts into the output file (and the skipped rows into the errors file),
@@ -153,9 +142,9 @@ class RunFolder:
                     rows += table.num_rows
                     errors.extend(_error_lines(table))
 
-        _atomic(self.out, write)
+        atomic_write(self.out, write)  # streamed part by part: the parts need not fit in memory together
         if errors:
-            _atomic(self.errors_path, lambda f: f.write("".join(errors).encode()))
+            atomic_write(self.errors_path, lambda f: f.write("".join(errors).encode()))
         shutil.rmtree(self.path)
         return rows
 

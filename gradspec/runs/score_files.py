@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
@@ -34,6 +37,17 @@ def metric_columns(metrics: dict[str, torch.Tensor], i: int, names: tuple[str, .
     return {column(name, m): v for name, values in metrics.items() for m, v in metrics_dict(values[i], names).items()}
 
 
+def module_columns(columns: Iterable[str], metric: str) -> list[str]:
+    """Every module's column of a metric ("<module>/<metric>"), in the given order."""
+    return [c for c in columns if c.endswith("/" + metric)]
+
+
+def module_mean(frame: pd.DataFrame, metric: str) -> pd.Series:
+    """Per row, a metric averaged over every module that has a column of it: NaN values are
+    skipped; NaN where all are, or where no module has the metric."""
+    return frame[module_columns(frame.columns, metric)].astype(float).mean(axis=1)
+
+
 def carried_name(name: str) -> str:
     """Input columns keep their name unless it would clash with ours."""
     return f"input_{name}" if name in BASE_COLUMNS or "/" in name else name
@@ -44,6 +58,33 @@ def file_metadata(parts: list[Part], metrics: tuple[str, ...], run_info: dict[st
     modules = [{"name": p.name, "role": p.role, "layer": layer_index(p.name), "d_in": p.d_in, "d_out": p.d_out}
                for p in parts]
     return {"parts": modules, "metrics": list(metrics), **run_info}
+
+
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
+    """write(file) into a temporary file beside path, flushed to disk, then renamed onto path: the
+    file at path is either the old one or the whole new one, never part of it."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_parquet(table: pa.Table | pd.DataFrame, path: str | Path, metadata: dict[str, Any] | None = None) -> None:
+    """A table, or a DataFrame without its index, written to path atomically (atomic_write); with
+    metadata, that as JSON under METADATA_KEY beside the schema's own (pandas') metadata."""
+    if isinstance(table, pd.DataFrame):
+        table = pa.Table.from_pandas(table, preserve_index=False)
+    if metadata is not None:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}),
+                                               METADATA_KEY: json.dumps(metadata).encode()})
+    atomic_write(path, lambda f: pq.write_table(table, f))
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from transformers import TrainerCallback
@@ -32,7 +31,7 @@ from transformers import TrainerCallback
 from gradspec.data.batching import BATCH_TOKENS, Item, item_losses
 from gradspec.data.readers import Sample
 from gradspec.data.templates import check_response_tokens, tokenize
-from gradspec.runs.score_files import METADATA_KEY
+from gradspec.runs.score_files import METADATA_KEY, write_parquet
 
 LEARNED_ACCURACY = 0.9
 MEASURES = ("mean_token_prob", "perplexity", "token_accuracy")
@@ -97,10 +96,8 @@ def _status(statuses: list[str]) -> str:
 
 def write_dynamics(table: pd.DataFrame, path: str | Path, checkpoints: list[str], learned_accuracy: float) -> None:
     meta = {"checkpoints": checkpoints, "learned_accuracy": learned_accuracy}
-    arrow = pa.Table.from_pandas(table, preserve_index=False)
-    arrow = arrow.replace_schema_metadata({**arrow.schema.metadata, METADATA_KEY: json.dumps(meta).encode()})
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(arrow, path)
+    write_parquet(table, path, meta)
 
 
 def read_dynamics(path: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:

@@ -50,7 +50,7 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from gradspec.engine.spectral_engine import Capture
+from gradspec.engine.capture import BatchCapture
 from gradspec.kernels import token_mask
 from gradspec.layers.targets import select_targets
 from gradspec.linalg.metrics import METRICS
@@ -63,7 +63,7 @@ PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_
 
 
 class _Captured(NamedTuple):
-    capture: Capture
+    capture: BatchCapture
     loss: str  # the row's loss column
     tokens: torch.Tensor  # n_i where scaled; else every token but the first
     responses: torch.Tensor | None  # response targets per sample (None: no labels in the model call)
@@ -121,7 +121,7 @@ class SpectralMonitor(TrainerCallback):
         else:  # which tokens carry loss is not known here: every sample is reduced, unscaled
             loss, tokens = UNKNOWN, lengths - 1
         scale = self._scale(tokens, num_items) if scaled else None
-        capture = Capture(self.targets, lengths, self.backend, None, METRICS, scale)
+        capture = BatchCapture(self.targets, lengths, self.backend, None, METRICS, scale)
         self._stack.enter_context(capture.hooks(self.model))
         self.captures.append(_Captured(capture, loss, tokens, responses, scaled))
 

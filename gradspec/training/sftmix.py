@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler
 from transformers import Trainer
 
-from gradspec.engine.spectral_engine import IGNORE_INDEX
+from gradspec.engine.loss import next_token_nll, next_token_positions
 
 ALPHA = 0.5
 MU = 0.2
@@ -72,8 +72,8 @@ class PairedBatchSampler(Sampler[list[int]]):
 
 def _response_positions(labels: torch.Tensor) -> list[torch.Tensor]:
     """Per row, the positions whose hidden state predicts a response token."""
-    target = labels[:, 1:] != IGNORE_INDEX
-    return [torch.nonzero(row).flatten() for row in target]
+    rows, cols, _ = next_token_positions(labels)
+    return [cols[rows == r] for r in range(len(labels))]
 
 
 def mixup_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module, lam: torch.Tensor) -> torch.Tensor:
@@ -96,17 +96,14 @@ def mixup_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module, lam:
         return hidden.sum() * 0
     logits = head(torch.cat(mixed)).float()
     w = torch.cat(weights).to(logits.dtype)
-    ce = nn.functional.cross_entropy
-    per_token = w * ce(logits, torch.cat(y_conf), reduction="none") + (1 - w) * ce(
-        logits, torch.cat(y_unconf), reduction="none")
+    per_token = w * next_token_nll(logits, torch.cat(y_conf)) + (1 - w) * next_token_nll(logits, torch.cat(y_unconf))
     return per_token.mean()
 
 
 def ntp_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module) -> torch.Tensor:
     """Next-token cross-entropy over all response tokens of the batch (token mean)."""
-    target = labels[:, 1:]
-    rows, cols = torch.nonzero(target != IGNORE_INDEX, as_tuple=True)
-    return nn.functional.cross_entropy(head(hidden[rows, cols]).float(), target[rows, cols])
+    rows, cols, wanted = next_token_positions(labels)
+    return next_token_nll(head(hidden[rows, cols]), wanted, reduction="mean")
 
 
 class SFTMixTrainer(Trainer):

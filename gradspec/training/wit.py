@@ -24,7 +24,7 @@ from torch import nn
 from gradspec.data.batching import pad_batch, pad_id_of
 from gradspec.data.readers import Fields, to_sample
 from gradspec.data.templates import tokenize
-from gradspec.engine.spectral_engine import IGNORE_INDEX
+from gradspec.engine.loss import IGNORE_INDEX, next_token_nll, next_token_positions
 
 PROMPT_OFFSET = 101  # prompt token id t is stored as -(t + PROMPT_OFFSET)
 
@@ -49,11 +49,10 @@ def wit_loss(logits: torch.Tensor, labels: torch.Tensor, prompt_weight: float, r
     num_items_in_batch); None counts this batch's own labelled tokens."""
     target = labels[:, 1:]
     response, prompt = target >= 0, target <= -PROMPT_OFFSET
-    rows, cols = torch.nonzero(response | prompt, as_tuple=True)
-    wanted = target[rows, cols]
+    rows, cols, wanted = next_token_positions(labels, response | prompt)
     is_prompt = wanted < 0
     ids = torch.where(is_prompt, -wanted - PROMPT_OFFSET, wanted)
-    nll = nn.functional.cross_entropy(logits[:, :-1][rows, cols].float(), ids, reduction="none")
+    nll = next_token_nll(logits[:, :-1][rows, cols], ids)
     weights = torch.where(is_prompt, prompt_weight, response_weight).to(nll.dtype)
     if num_items is None:
         num_items = (prompt.sum() if prompt_weight else 0) + (response.sum() if response_weight else 0)

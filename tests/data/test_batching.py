@@ -9,7 +9,8 @@ from conftest import random_sequences, tiny_model
 from gradspec.data import batching
 from gradspec.data.readers import Sample
 from gradspec.data.templates import Tokenized
-from gradspec.engine.spectral_engine import SpectralEngine, response_losses
+from gradspec.engine.loss import response_losses
+from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.linalg.metrics import METRICS
 
 LENGTHS = [12, 30, 9, 30, 17, 25, 9, 40]

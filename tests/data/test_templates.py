@@ -5,7 +5,7 @@ import pytest
 from conftest import one_token_tokenizer
 
 from gradspec.data.templates import check_response_tokens, tokenize
-from gradspec.engine.spectral_engine import IGNORE_INDEX
+from gradspec.engine.loss import IGNORE_INDEX
 
 ALPACA = [
     {"role": "user", "content": "Add two numbers.\n3 and 4"},

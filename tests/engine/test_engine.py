@@ -20,14 +20,6 @@ def test_engine_matches_reference(kind):
     assert_matches_reference(model, scores, seqs, "all")
 
 
-def test_fused_parts_are_named_and_split():
-    engine = SpectralEngine(tiny_model("phi3", vocab=VOCAB), "all")
-    names = engine.part_names
-    assert "model.layers.1.self_attn.qkv_proj.k" in names and "model.layers.0.mlp.gate_up_proj.up" in names
-    sizes = {p.name: p.d_out for p in engine.parts}
-    assert sizes["model.layers.0.self_attn.qkv_proj.q"] == 64 and sizes["model.layers.0.self_attn.qkv_proj.v"] == 32
-
-
 def test_scores_do_not_depend_on_batch_mates():
     model = tiny_model("llama", vocab=VOCAB)
     seqs = random_sequences([12, 60, 33, 7], VOCAB, seed=1)
@@ -110,17 +102,6 @@ def test_right_padding_required():
     ids, mask, labels = padded_batch(random_sequences([4, 8], VOCAB))
     with pytest.raises(ValueError, match="right-padded"):
         SpectralEngine(model).score(ids, mask.flip(1), labels)
-
-
-def test_no_matching_modules_lists_what_exists():
-    with pytest.raises(ValueError, match=r"no module matches.*q_proj"):
-        SpectralEngine(tiny_model("llama", vocab=VOCAB), "*.nothing_here")
-
-
-def test_module_patterns_select_by_glob_and_role():
-    model = tiny_model("llama", vocab=VOCAB)
-    assert SpectralEngine(model, "*.1.*v_proj").part_names == ["model.layers.1.self_attn.v_proj"]
-    assert len(SpectralEngine(model, "down,q").part_names) == 4
 
 
 @pytest.mark.parametrize("template", ["plain", "chat"])

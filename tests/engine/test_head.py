@@ -7,12 +7,8 @@ import pytest
 import torch
 from conftest import padded_batch, random_sequences, tiny_model
 
-from gradspec.engine.spectral_engine import (
-    SpectralEngine,
-    check_head_shortcut,
-    response_loss_per_sample,
-    response_losses,
-)
+from gradspec.engine.loss import check_head_shortcut, response_loss_per_sample, response_losses
+from gradspec.engine.spectral_engine import SpectralEngine
 
 VOCAB = 500
 

@@ -7,7 +7,7 @@ import torch
 import transformers.masking_utils
 from conftest import tiny_model
 
-from gradspec.engine.spectral_engine import Capture, _Sketch
+from gradspec.engine.capture import BatchCapture, LowRankSketch
 from gradspec.layers.targets import select_targets
 from gradspec.linalg.host_copies import HostCopies, PinnedPool
 from gradspec.linalg.lowrank import LOWRANK_METRICS
@@ -22,9 +22,9 @@ def test_the_hooks_run_without_reading_the_device(monkeypatch, method):
     model = tiny_model("llama", vocab=500).to("meta").requires_grad_(False)
     targets = select_targets(model, "all")
     lengths = torch.tensor([5, 40, 90])  # k/v's smaller side is 32: both the core and the materialised path
-    sketch, names = (None, METRICS) if method == "exact" else (_Sketch(4, 1, 0), LOWRANK_METRICS)
+    sketch, names = (None, METRICS) if method == "exact" else (LowRankSketch(4, 1, 0), LOWRANK_METRICS)
     policy = Policy(force={"segment_gram": "torch", "segment_tdot": "torch"})  # the device paths
-    capture = Capture(targets, lengths, policy, sketch, names, device="meta")
+    capture = BatchCapture(targets, lengths, policy, sketch, names, device="meta")
     ids = torch.zeros(3, 90, dtype=torch.long, device="meta")
     with capture.hooks(model):
         model(input_ids=ids, use_cache=False).logits.sum().backward()

@@ -10,7 +10,7 @@ from conftest import FakeCupy, assert_matches_reference, padded_batch, random_se
 
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.linalg import eigen as spectral
-from gradspec.linalg.dispatch import Fastest, size_bucket
+from gradspec.linalg.dispatch import MeasuredDispatch, size_bucket
 
 FP32_RTOL = 0.3  # fp32 Grams resolve singular values only down to ~sqrt(d * eps32) of the largest
 
@@ -30,7 +30,7 @@ def test_fastest_measures_each_candidate_once_then_runs_the_winner():
             return name
         return run
 
-    fastest = Fastest(clock=lambda: next(ticks))
+    fastest = MeasuredDispatch(clock=lambda: next(ticks))
     candidates = {"slow": candidate("slow", 5), "quick": candidate("quick", 2)}
     assert fastest.choice("k") is None
     assert fastest.run("k", candidates) == "quick"  # the winner's result, not the last one run
@@ -44,7 +44,7 @@ def test_a_candidate_that_fails_is_left_out_and_logged(caplog):
     def broken():
         raise RuntimeError("no kernel image for this GPU")
 
-    fastest = Fastest()
+    fastest = MeasuredDispatch()
     with caplog.at_level(logging.WARNING, logger="gradspec"):
         assert fastest.run("k", {"triton": broken, "torch": lambda: 3}) == 3
     assert fastest.choice("k") == "torch" and fastest.seconds["k"]["triton"] == float("inf")
@@ -54,7 +54,7 @@ def test_a_candidate_that_fails_is_left_out_and_logged(caplog):
 
 
 def test_a_measurement_waits_for_work_that_holds_the_lock_and_a_measured_key_does_not():
-    fastest = Fastest()
+    fastest = MeasuredDispatch()
     fastest.run("known", {"a": lambda: 1})
     holding, release = threading.Event(), threading.Event()
 
@@ -77,7 +77,7 @@ def test_a_measurement_waits_for_work_that_holds_the_lock_and_a_measured_key_doe
 def measured_on_cpu(monkeypatch):
     """Take the GPU's measured dispatch on CPU tensors (the Triton Gram under the interpreter)."""
     monkeypatch.setattr(spectral, "_on_gpu", lambda t: True)
-    monkeypatch.setattr(spectral, "DISPATCH", Fastest())
+    monkeypatch.setattr(spectral, "DISPATCH", MeasuredDispatch())
     return spectral
 
 

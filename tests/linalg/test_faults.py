@@ -10,7 +10,7 @@ from conftest import assert_matches_reference, padded_batch, random_sequences, t
 
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.linalg import eigen as spectral
-from gradspec.linalg.dispatch import RETRY_AFTER, Fastest
+from gradspec.linalg.dispatch import RETRY_AFTER, MeasuredDispatch
 
 VOCAB = 500
 LENGTHS = [5, 17, 40, 90]  # both eigen stages: the core (T < 32) and the materialised Grams
@@ -71,7 +71,7 @@ def test_a_sample_that_fails_alone_is_flagged_and_the_others_kept(monkeypatch, c
 
 def test_a_candidate_that_failed_is_measured_again_later():
     ticks = itertools.count()
-    fastest = Fastest(clock=lambda: next(ticks))
+    fastest = MeasuredDispatch(clock=lambda: next(ticks))
     broken = {"yes": True}
 
     def flaky():

@@ -89,3 +89,21 @@ def test_scipy_lapack_alone_gives_the_same_spectra():
         spectral._C.bind_lapack(**spectral.lapack_addresses())
     for (_, m_default), (_, m_scipy) in zip(default, scipy_only, strict=True):
         torch.testing.assert_close(m_scipy, m_default, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+@pytest.mark.parametrize("n_wins", [True, False])
+def test_python_and_cpp_share_one_cut_off_rule(n_wins):
+    """max(n, terms) * eps * max: the C++ extension (cutoff_of) and the device paths
+    (metrics.eigenvalue_cutoff) zero exactly the same eigenvalues, just either side of it."""
+    n, eps = 6, 1e-6
+    terms = 2 if n_wins else 1000
+    cutoff = max(n, terms) * eps  # the largest eigenvalue is 1
+    lam = torch.tensor([1.0, 0.5, cutoff * 1.01, cutoff * 0.99, cutoff * 0.5, 0.0], dtype=torch.float64)
+    q, _ = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
+    grams = (q * lam) @ q.T
+    host, _ = spectral._gram_cpp(grams[None], eps, terms)
+    device, _ = spectral._gram_device(spectral.TORCH_EIGEN, grams[None], eps, terms)
+    want = [1.0, 0.5 ** 0.5, (cutoff * 1.01) ** 0.5, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(host[0], torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
+    torch.testing.assert_close(device[0], host[0], rtol=1e-6, atol=0)

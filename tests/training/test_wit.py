@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from gradspec.engine.spectral_engine import IGNORE_INDEX
+from gradspec.engine.loss import IGNORE_INDEX
 from gradspec.training.wit import WITCollator, WITLoss, encode_labels, wit_loss
 
 ROWS = [

@@ -1,0 +1,24 @@
+"""`gradspec report`: compare labelled score files in figures and a Markdown summary."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("report", help="compare labelled score files: figures and a Markdown summary")
+    p.add_argument("groups", nargs="+", metavar="LABEL=SCORES", help="e.g. high=high.parquet low=low.parquet")
+    p.add_argument("--out", default="report", help="output folder (default: report)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradspec.analysis.report import write_report
+
+    groups = {}
+    for spec in args.groups:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path:
+            raise ValueError(f"{spec!r}: expected LABEL=SCORES, e.g. high=high.parquet")
+        groups[label] = path
+    print(f"wrote {write_report(groups, args.out)}")
+    return 0

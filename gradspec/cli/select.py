@@ -1,0 +1,38 @@
+"""`gradspec select`: keep the best (or worst) rows of a dataset by their scores."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("select", help="keep the best (or worst) rows of a dataset by their scores")
+    p.add_argument("--scores", required=True, help="a score file from gradspec score")
+    p.add_argument("--data", help="the scored input (default: the one the score file names)")
+    p.add_argument("--out", required=True, help="where to write the chosen rows, in the input's format")
+    p.add_argument("--by", required=True,
+                   help="a column, a metric averaged over modules (effective_rank), or weighted z-scores "
+                        "('effective_rank:1,nuclear_norm:-1')")
+    p.add_argument("--bottom", action="store_true", help="keep the lowest scores (default: the highest)")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--fraction", type=float)
+    size.add_argument("--count", type=int)
+    p.add_argument("--length-buckets", type=int, default=0, help="choose within this many length quantiles")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradspec.analysis.select import choose, criteria, write_selection
+    from gradspec.runs.score_files import complete, read_metadata, read_scores
+
+    data = args.data or read_metadata(args.scores).get("data")
+    if not data or data == "humaneval":
+        raise ValueError(f"{args.scores} does not name a data file to select from; pass --data")
+    scores = read_scores(args.scores)[0]
+    chosen = choose(scores, args.by, top=not args.bottom, fraction=args.fraction, count=args.count,
+                    length_buckets=args.length_buckets)
+    columns = ["gradspec_score", *dict.fromkeys(name for name, _ in criteria(args.by)), "loss", "num_tokens"]
+    n = write_selection(data, chosen, args.out, columns)
+    left_out = scores.loc[~complete(scores["status"]), "status"].value_counts()
+    why = ", ".join(f"{count} {status}" for status, count in left_out.items()) or "none"
+    print(f"wrote {n} of {len(scores)} rows to {args.out} (only complete rows compete; left out: {why})")
+    return 0

@@ -1,0 +1,58 @@
+"""Finding and splitting layers: one file per kind, registered; fused projections split by head counts."""
+
+import pytest
+import torch
+from conftest import tiny_model
+from torch import nn
+
+from gradspec.engine.spectral_engine import SpectralEngine
+from gradspec.layers import registry
+from gradspec.layers.registry import Shape
+from gradspec.layers.targets import select_targets
+
+VOCAB = 500
+
+
+def test_fused_parts_are_named_and_split():
+    engine = SpectralEngine(tiny_model("phi3", vocab=VOCAB), "all")
+    names = engine.part_names
+    assert "model.layers.1.self_attn.qkv_proj.k" in names and "model.layers.0.mlp.gate_up_proj.up" in names
+    sizes = {p.name: p.d_out for p in engine.parts}
+    assert sizes["model.layers.0.self_attn.qkv_proj.q"] == 64 and sizes["model.layers.0.self_attn.qkv_proj.v"] == 32
+
+
+def test_no_matching_modules_lists_what_exists():
+    with pytest.raises(ValueError, match=r"no module matches.*q_proj"):
+        SpectralEngine(tiny_model("llama", vocab=VOCAB), "*.nothing_here")
+
+
+def test_module_patterns_select_by_glob_and_role():
+    model = tiny_model("llama", vocab=VOCAB)
+    assert SpectralEngine(model, "*.1.*v_proj").part_names == ["model.layers.1.self_attn.v_proj"]
+    assert len(SpectralEngine(model, "down,q").part_names) == 4
+
+
+class Bilinearish(nn.Module):
+    """A layer kind gradspec does not know: y = x W^T, its weight under another name."""
+
+    def __init__(self, inner: nn.Linear) -> None:
+        super().__init__()
+        self.kernel = nn.Parameter(inner.weight.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.kernel.T
+
+
+def test_a_new_layer_kind_is_one_registered_function(monkeypatch):
+    model = tiny_model("llama", vocab=VOCAB)
+    layer = model.model.layers[0].self_attn
+    layer.q_proj = Bilinearish(layer.q_proj)
+    with pytest.raises(ValueError, match="no module matches"):
+        select_targets(model, "*.0.*q_proj")
+
+    def bilinearish(module):
+        return Shape(module.kernel.shape[1], module.kernel.shape[0], False) if isinstance(module, Bilinearish) else None
+
+    monkeypatch.setattr(registry, "LAYER_KINDS", [*registry.LAYER_KINDS, bilinearish])
+    (target,) = select_targets(model, "*.0.*q_proj")
+    assert target.name == "model.layers.0.self_attn.q_proj" and (target.d_in, target.parts[0].d_out) == (64, 64)
