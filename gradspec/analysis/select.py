@@ -57,7 +57,7 @@ def choose(
     scores: pd.DataFrame, by: str, top: bool = True, fraction: float | None = None, count: int | None = None,
     length_buckets: int = 0,
 ) -> pd.DataFrame:
-    """The chosen rows of a score table (complete rows only: output.complete), with their selection score in
+    """The chosen rows of a score table (complete rows only: score_files.complete), with their selection score in
     ``gradspec_score``.
 
     With length_buckets > 0 the choice is made within each quantile bucket of num_tokens, so that a

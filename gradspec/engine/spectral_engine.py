@@ -9,7 +9,6 @@ X X^T and D D^T when T is smallest, else the Gram of the materialised G.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -27,8 +26,6 @@ from gradspec.linalg import eigen as spectral
 from gradspec.linalg.lowrank import LOWRANK_METRICS
 from gradspec.linalg.metrics import METRICS
 from gradspec.linalg.policy import Policy
-
-log = logging.getLogger("gradspec")
 
 
 @dataclass
