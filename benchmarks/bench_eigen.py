@@ -8,12 +8,12 @@ import pytest
 import torch
 from conftest import MEDIANS
 
-from gradspec.linalg import eigen as spectral
+from gradspec.linalg import eigen, extension
 
 SIZES = (64, 128, 256)
 BATCH = 120
 
-pytestmark = pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="gradspec._C not built")
+pytestmark = pytest.mark.skipif(not extension.BUILT, reason="gradspec._C not built")
 
 
 def _grams(n: int) -> torch.Tensor:
@@ -31,7 +31,7 @@ def test_torch_eigvalsh(n, record):
 @pytest.mark.parametrize("n", SIZES)
 def test_cpp_gram_spectra(n, record):
     grams = _grams(n)
-    record(f"cpp-{n}", lambda: spectral.gram_spectra(grams, "cpp"), rounds=7)
+    record(f"cpp-{n}", lambda: eigen.gram_spectra(grams, "cpp"), rounds=7)
 
 
 def test_report_ratios():

@@ -56,7 +56,7 @@ from gpu_suite import SHAPES, build_model  # noqa: E402
 from gradspec.engine.loss import IGNORE_INDEX  # noqa: E402
 from gradspec.engine.reference import reference_scores  # noqa: E402
 from gradspec.engine.spectral_engine import BatchScores, SpectralEngine  # noqa: E402
-from gradspec.linalg import eigen as spectral  # noqa: E402
+from gradspec.linalg import extension, solvers, stages  # noqa: E402
 from gradspec.linalg.metrics import METRICS  # noqa: E402
 from gradspec.linalg.policy import Policy  # noqa: E402
 
@@ -285,10 +285,10 @@ def unavailable(config: Config, device: str) -> tuple[str, str] | None:
     optional (skipped); the C++ extension, and Triton on CUDA, are part of what is accepted (fail)."""
     probe = torch.zeros(1, 2, 2, device=device)
     for stage, path in config.force.items():
-        if path in spectral.paths(stage, probe, Policy(config.precision)):
+        if path in stages.paths(stage, probe, Policy(config.precision)):
             continue
         reasons = {"cpp": "gradspec._C is not built (see build.txt)",
-                   "cupy": "CuPy is not installed" if spectral._cupy_eigen() is None else "CuPy runs on CUDA only",
+                   "cupy": "CuPy is not installed" if solvers.cupy_eigen() is None else "CuPy runs on CUDA only",
                    "triton": "Triton needs CUDA or TRITON_INTERPRET=1"}
         optional = path == "cupy" or (path == "triton" and not device.startswith("cuda"))
         return ("skipped" if optional else "fail"), f"no {path} path for {stage}: {reasons.get(path, '?')}"
@@ -368,9 +368,9 @@ def device_check(device: str) -> dict:
         errors["segment_gram"] = ((gram.double() - want).abs().max() / want.abs().max()).item()
         tdot, want = segment_tdot_triton(Y, P, lengths), segment_tdot_torch(Y, P, lengths)
         errors["segment_tdot"] = ((tdot.double() - want).abs().max() / want.abs().max()).item()
-        if spectral._cupy_eigen() is not None:
+        if solvers.cupy_eigen() is not None:
             grams = segment_gram_torch(Y, lengths)[0]
-            got = spectral._cupy_eigen().eigvalsh(grams).sort(-1).values
+            got = solvers.cupy_eigen().eigvalsh(grams).sort(-1).values
             want = torch.linalg.eigvalsh(grams.cpu()).to(got.device)
             errors["cupy_eigvalsh"] = ((got - want).abs().max() / want.abs().max()).item()
         torch.cuda.synchronize(1)
@@ -392,7 +392,7 @@ def environment(device: str) -> dict:
     cuda = device.startswith("cuda")
     return {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
             "gpus": torch.cuda.device_count() if cuda else 0, "torch": torch.__version__, "cuda": torch.version.cuda,
-            **versions, "extension": spectral.HAS_EXTENSION, "host_threads": spectral.default_threads(),
+            **versions, "extension": extension.BUILT, "host_threads": extension.default_threads(),
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
@@ -478,8 +478,8 @@ class Report:
     def write(self) -> None:
         self.result["verdict"] = verdict(self.checks)
         self.result["dispatch"] = [{"stage": k[0], "key": list(k[1:]), "chosen": v,
-                                    "ms": {p: s * 1e3 for p, s in spectral.DISPATCH.seconds.get(k, {}).items()}}
-                                   for k, v in spectral.DISPATCH.chosen.items()]
+                                    "ms": {p: s * 1e3 for p, s in stages.DISPATCH.seconds.get(k, {}).items()}}
+                                   for k, v in stages.DISPATCH.chosen.items()]
         (self.out / "acceptance.json").write_text(json.dumps(self.result, indent=1, default=str))
         (self.out / "acceptance.md").write_text(markdown(self.result))
 

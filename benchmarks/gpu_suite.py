@@ -32,7 +32,7 @@ from gradspec.engine.loss import IGNORE_INDEX, response_losses
 from gradspec.engine.reference import reference_scores
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.layers.targets import select_targets
-from gradspec.linalg import eigen as spectral
+from gradspec.linalg import eigen, extension, solvers, stages
 from gradspec.linalg.metrics import EPS64
 
 # Real shapes of the three models (from their published configs).
@@ -185,17 +185,17 @@ def eigen_rows(args: argparse.Namespace) -> list[dict]:
     torch and CuPy on the device) and the Triton Jacobi; error against the first path's."""
     from gradspec.kernels import jacobi_eigvalsh_triton
 
-    paths = {"cpp": partial(spectral._gram_cpp, eps=EPS64, terms=0)} if spectral.HAS_EXTENSION else {}
-    paths["torch"] = partial(spectral._gram_device, spectral.TORCH_EIGEN)
-    if spectral._cupy_eigen() is not None:
-        paths["cupy"] = partial(spectral._gram_device, spectral._cupy_eigen())
-    jacobi = spectral.Eigensolver(torch.linalg.eigh, jacobi_eigvalsh_triton)  # the gram stage uses eigvalsh only
+    paths = {"cpp": partial(eigen._gram_cpp, eps=EPS64, terms=0)} if extension.BUILT else {}
+    paths["torch"] = partial(eigen._gram_device, solvers.TORCH_EIGEN)
+    if solvers.cupy_eigen() is not None:
+        paths["cupy"] = partial(eigen._gram_device, solvers.cupy_eigen())
+    jacobi = solvers.Eigensolver(torch.linalg.eigh, jacobi_eigvalsh_triton)  # the gram stage uses eigvalsh only
     rows = []
     for n in SMOKE_EIGEN_SIZES if args.smoke else EIGEN_SIZES:
         N = 2 if args.smoke else 120
         Y = torch.randn(N, n, 2 * n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
         grams = (Y @ Y.transpose(1, 2)).to(args.device)
-        here = paths | ({"triton_jacobi": partial(spectral._gram_device, jacobi)} if n <= JACOBI_MAX_N else {})
+        here = paths | ({"triton_jacobi": partial(eigen._gram_device, jacobi)} if n <= JACOBI_MAX_N else {})
         want = None
         for path, fn in here.items():
             row = {"n": n, "N": N, "path": path}
@@ -249,7 +249,7 @@ def kernel_rows(args: argparse.Namespace) -> list[dict]:
 
 def dispatch_rows() -> list[dict]:
     """What gradspec's measured dispatch chose on this device during the runs, per stage and size."""
-    dispatch = spectral.DISPATCH
+    dispatch = stages.DISPATCH
     return [{"stage": key[0], "shape": list(key[1:]), "chosen": dispatch.chosen[key],
              "ms": {name: s * 1e3 for name, s in seconds.items()}} for key, seconds in dispatch.seconds.items()]
 
@@ -263,7 +263,7 @@ def environment(device: str) -> dict:
         cupy = None
     return {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
             "torch": torch.__version__, "triton": triton.__version__, "cupy": cupy and cupy.__version__,
-            "host_threads": spectral.default_threads(), "extension": spectral.HAS_EXTENSION,
+            "host_threads": extension.default_threads(), "extension": extension.BUILT,
             "date": time.strftime("%Y-%m-%d")}
 
 

@@ -4,7 +4,7 @@ Frobenius inner product <Y_i Y_i^T, other_i> (for Y = D and other = X X^T this i
 
 ``segment_gram_triton`` is the GPU kernel (fp32 accumulation; tiles that lie wholly in a
 sample's padding only store zeros, so padding costs no products); ``segment_gram_torch``
-is the reference it is tested against (fp64). gradspec.linalg.eigen.segment_gram picks a path.
+is the reference it is tested against (fp64). gradspec.linalg.grams.segment_gram picks a path.
 """
 
 from __future__ import annotations

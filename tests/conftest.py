@@ -131,7 +131,7 @@ FP32_RTOL = {"spectral_norm": 1e-3, "frobenius_norm": 1e-3, "stable_rank": 2e-3,
 
 
 class FakeCupy:
-    """The part of CuPy that spectral.eigensolver_via uses, over NumPy on the CPU."""
+    """The part of CuPy that solvers.eigensolver_via uses, over NumPy on the CPU."""
 
     linalg = np.linalg
     from_dlpack = staticmethod(np.from_dlpack)

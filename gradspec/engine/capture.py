@@ -21,7 +21,8 @@ from torch import nn
 
 from gradspec.kernels import token_mask
 from gradspec.layers.targets import Part, Target
-from gradspec.linalg.eigen import core_spectra, eigen_faults, eigen_path, gram_spectra, segment_gram
+from gradspec.linalg.eigen import core_spectra, eigen_faults, eigen_path, gram_spectra
+from gradspec.linalg.grams import segment_gram
 from gradspec.linalg.host_copies import HostCopies
 from gradspec.linalg.lowrank import lowrank_metrics, sketch_matrix, sketch_singular_values
 from gradspec.linalg.metrics import METRICS

@@ -22,7 +22,7 @@ from gradspec.engine.capture import BatchCapture, LowRankSketch
 from gradspec.engine.loss import check_head_shortcut, response_losses
 from gradspec.kernels import token_mask
 from gradspec.layers.targets import Part, Target, select_targets
-from gradspec.linalg import eigen as spectral
+from gradspec.linalg import stages
 from gradspec.linalg.lowrank import LOWRANK_METRICS
 from gradspec.linalg.metrics import METRICS
 from gradspec.linalg.policy import Policy
@@ -99,7 +99,7 @@ class SpectralEngine:
 
     def _finish_beside_measurements(self, *work) -> BatchScores:
         """On the worker: a measurement on the caller's thread (a new size's Gram path) waits for this."""
-        with spectral.DISPATCH.lock:
+        with stages.DISPATCH.lock:
             return self._finish(*work)
 
     def _forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from gradspec.linalg.eigen import segment_gram, segment_tdot
+from gradspec.linalg.grams import segment_gram, segment_tdot
 from gradspec.linalg.metrics import METRICS, metrics_from_singular_values
 from gradspec.linalg.policy import Policy
 

@@ -9,7 +9,7 @@ from gradspec.data.readers import humaneval_samples
 from gradspec.data.templates import tokenize
 from gradspec.engine.reference import reference_scores
 from gradspec.engine.spectral_engine import SpectralEngine
-from gradspec.linalg import eigen as spectral
+from gradspec.linalg import extension, grams, solvers, stages
 from gradspec.linalg.metrics import METRICS
 
 MODULES = "*.layers.0.self_attn.*,*.layers.29.self_attn.*"
@@ -44,7 +44,7 @@ def _worst_errors(scores, references) -> dict[str, float]:
 
 FP64_PATHS = [
     pytest.param({"segment_gram": "cpp", "core": "cpp", "gram": "cpp"}, id="cpp",
-                 marks=pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")),
+                 marks=pytest.mark.skipif(not extension.BUILT, reason="no _C")),
     pytest.param({"segment_gram": "torch", "core": "torch", "gram": "torch"}, id="torch"),
     pytest.param({"segment_gram": "torch", "core": "cupy", "gram": "cupy"}, id="cupy"),
 ]
@@ -54,9 +54,9 @@ FP64_PATHS = [
 def test_every_fp64_path_is_exact(problem, force, monkeypatch):
     model, tok, seqs, references = problem
     if "cupy" in force.values():  # CuPy's eigensolver over NumPy, offered as on a GPU
-        monkeypatch.setattr(spectral, "_on_gpu", lambda t: True)
+        monkeypatch.setattr(stages, "on_gpu", lambda t: True)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0}))
-        monkeypatch.setattr(spectral, "_cupy_eigen", lambda: spectral.eigensolver_via(FakeCupy))
+        monkeypatch.setattr(solvers, "cupy_eigen", lambda: solvers.eigensolver_via(FakeCupy))
     engine = SpectralEngine(model, MODULES, precision="fp64", force=force)
     worst = _worst_errors(engine.score(*padded_batch(seqs, tok.pad_token_id)), references)
     assert max(worst.values()) < FP64_RTOL, worst
@@ -79,11 +79,11 @@ def test_fp32_is_never_measured_against_fp64():
     from gradspec.linalg.policy import Policy
 
     Y = torch.zeros(2, 8, 4)
-    assert "triton" not in spectral.paths("segment_gram", Y, Policy("fp64"))
-    assert "triton" not in spectral.paths("segment_tdot", Y, Policy("fp64"))
-    assert "cpp" not in spectral.paths("segment_gram", Y, Policy("fp32"))
+    assert "triton" not in stages.paths("segment_gram", Y, Policy("fp64"))
+    assert "triton" not in stages.paths("segment_tdot", Y, Policy("fp64"))
+    assert "cpp" not in stages.paths("segment_gram", Y, Policy("fp32"))
     with pytest.raises(ValueError, match="no 'triton' path"):
-        spectral.segment_gram(Y, torch.tensor([8, 3]), policy=Policy("fp64", force={"segment_gram": "triton"}))
+        grams.segment_gram(Y, torch.tensor([8, 3]), policy=Policy("fp64", force={"segment_gram": "triton"}))
     with pytest.raises(ValueError, match="precision"):
         Policy("fp16")
 
@@ -96,7 +96,7 @@ def test_the_score_file_records_the_precision_and_each_stages_paths(tiny_model_d
     score(model=str(tiny_model_dir), out=out, limit=3, progress=False, modules="all")
     meta = read_metadata(out)
     assert meta["precision"] == "fp64"
-    want = "cpp" if spectral.HAS_EXTENSION else "torch"
+    want = "cpp" if extension.BUILT else "torch"
     assert "gram" in meta["paths"] and all(paths == [want] for paths in meta["paths"].values()), meta["paths"]
 
 

@@ -9,7 +9,7 @@ import torch
 from conftest import FakeCupy, assert_matches_reference, padded_batch, random_sequences, tiny_model
 
 from gradspec.engine.spectral_engine import SpectralEngine
-from gradspec.linalg import eigen as spectral
+from gradspec.linalg import eigen, extension, solvers, stages
 from gradspec.linalg.dispatch import MeasuredDispatch, size_bucket
 
 FP32_RTOL = 0.3  # fp32 Grams resolve singular values only down to ~sqrt(d * eps32) of the largest
@@ -76,12 +76,13 @@ def test_a_measurement_waits_for_work_that_holds_the_lock_and_a_measured_key_doe
 @pytest.fixture
 def measured_on_cpu(monkeypatch):
     """Take the GPU's measured dispatch on CPU tensors (the Triton Gram under the interpreter)."""
-    monkeypatch.setattr(spectral, "_on_gpu", lambda t: True)
-    monkeypatch.setattr(spectral, "DISPATCH", MeasuredDispatch())
-    return spectral
+    monkeypatch.setattr(stages, "on_gpu", lambda t: True)
+    dispatch = MeasuredDispatch()
+    monkeypatch.setattr(stages, "DISPATCH", dispatch)
+    return dispatch
 
 
-@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+@pytest.mark.skipif(not extension.BUILT, reason="no _C")
 @pytest.mark.parametrize(("precision", "gram_paths", "rtol"),
                          [("fp64", {"cpp", "torch"}, 1e-4), ("fp32", {"triton", "torch"}, FP32_RTOL)])
 def test_measured_dispatch_matches_the_reference(measured_on_cpu, precision, gram_paths, rtol):
@@ -92,29 +93,28 @@ def test_measured_dispatch_matches_the_reference(measured_on_cpu, precision, gra
     seqs = random_sequences([5, 17, 40, 90], 500)
     engine = SpectralEngine(model, "all", precision=precision)
     assert_matches_reference(model, engine.score(*padded_batch(seqs)), seqs, "all", rtol=rtol)
-    stages = {key[0] for key in measured_on_cpu.DISPATCH.chosen}
-    assert {"segment_gram", "core", "gram"} <= stages
-    for key, seconds in measured_on_cpu.DISPATCH.seconds.items():
+    assert {"segment_gram", "core", "gram"} <= {key[0] for key in measured_on_cpu.chosen}
+    for key, seconds in measured_on_cpu.seconds.items():
         assert key[1] == precision
         assert set(seconds) == (gram_paths if key[0] == "segment_gram" else {"cpp", "torch"})
     assert set(engine.policy.describe()["paths"]["segment_gram"]) <= gram_paths
     # now the winners alone, with the eigen stage on submit's worker thread as `gradspec score` runs it
     assert_matches_reference(model, engine.submit(*padded_batch(seqs)).result(), seqs, "all", rtol=rtol)
-    for (stage, _, *size), won in measured_on_cpu.DISPATCH.chosen.items():
+    for (stage, _, *size), won in measured_on_cpu.chosen.items():
         if stage != "segment_gram":
             grams = torch.zeros(1, size[0], size[0])
-            assert spectral.eigen_path(grams, engine.policy, stage) == won
-    assert spectral.eigen_path(torch.zeros(1, 300, 300), engine.policy, "core") is None  # not measured yet
+            assert eigen.eigen_path(grams, engine.policy, stage) == won
+    assert eigen.eigen_path(torch.zeros(1, 300, 300), engine.policy, "core") is None  # not measured yet
     grams = torch.zeros(1, 4, 4)
-    assert spectral.eigen_path(grams, "cpp", "core") == "cpp" and spectral.eigen_path(grams, "torch", "core") == "torch"
+    assert eigen.eigen_path(grams, "cpp", "core") == "cpp" and eigen.eigen_path(grams, "torch", "core") == "torch"
 
 
-@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+@pytest.mark.skipif(not extension.BUILT, reason="no _C")
 def test_submit_measures_on_the_callers_thread_alone(measured_on_cpu, monkeypatch):
     """A batch that measures an eigen stage is finished by submit itself (timings beside the next
     batch's device work would be off); a batch of measured sizes goes to the worker."""
     timed_on = set()
-    monkeypatch.setattr(measured_on_cpu.DISPATCH, "clock",
+    monkeypatch.setattr(measured_on_cpu, "clock",
                         lambda: timed_on.add(threading.current_thread().name) or time.perf_counter())
     model = tiny_model("llama", vocab=500)
     seqs = random_sequences([6, 30], 500)
@@ -126,7 +126,7 @@ def test_submit_measures_on_the_callers_thread_alone(measured_on_cpu, monkeypatc
 
     def finish(*work):
         finished_on.append(threading.current_thread().name)
-        lock = measured_on_cpu.DISPATCH.lock  # a measurement elsewhere would have to wait for this batch
+        lock = measured_on_cpu.lock  # a measurement elsewhere would have to wait for this batch
         other = threading.Thread(target=lambda: free_meanwhile.append(lock.acquire(blocking=False)))
         other.start()
         other.join()
@@ -139,7 +139,7 @@ def test_submit_measures_on_the_callers_thread_alone(measured_on_cpu, monkeypatc
 @pytest.fixture
 def cupy_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
-    return spectral.eigensolver_via(FakeCupy)
+    return solvers.eigensolver_via(FakeCupy)
 
 
 def test_the_cupy_eigensolver_gives_torchs_spectra(cupy_on_cpu):
@@ -148,21 +148,21 @@ def test_the_cupy_eigensolver_gives_torchs_spectra(cupy_on_cpu):
     X, D = torch.randn(3, 9, 5, generator=g, dtype=torch.float64), torch.randn(3, 2, 9, 4, generator=g)
     B, A = X @ X.mT, (D @ D.mT).double()
     lengths = torch.tensor([9, 7, 4])
-    for ours, theirs in zip(spectral._core_device(cupy_on_cpu, B, A, lengths),
-                            spectral._core_device(spectral.TORCH_EIGEN, B, A, lengths), strict=True):
+    for ours, theirs in zip(eigen._core_device(cupy_on_cpu, B, A, lengths),
+                            eigen._core_device(solvers.TORCH_EIGEN, B, A, lengths), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9, equal_nan=True)
-    for ours, theirs in zip(spectral._gram_device(cupy_on_cpu, A[:, 0]),
-                            spectral._gram_device(spectral.TORCH_EIGEN, A[:, 0]), strict=True):
+    for ours, theirs in zip(eigen._gram_device(cupy_on_cpu, A[:, 0]),
+                            eigen._gram_device(solvers.TORCH_EIGEN, A[:, 0]), strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9, equal_nan=True)
 
 
-@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+@pytest.mark.skipif(not extension.BUILT, reason="no _C")
 def test_cupy_is_measured_where_installed(measured_on_cpu, cupy_on_cpu, monkeypatch):
-    monkeypatch.setattr(spectral, "_cupy_eigen", lambda: cupy_on_cpu)
+    monkeypatch.setattr(solvers, "cupy_eigen", lambda: cupy_on_cpu)
     model = tiny_model("llama", vocab=500)
     seqs = random_sequences([5, 40], 500)
     assert_matches_reference(model, SpectralEngine(model, "all").score(*padded_batch(seqs)), seqs, "all")
-    eigen_stages = [s for key, s in measured_on_cpu.DISPATCH.seconds.items() if key[0] != "segment_gram"]
+    eigen_stages = [s for key, s in measured_on_cpu.seconds.items() if key[0] != "segment_gram"]
     assert eigen_stages and all(set(s) == {"cpp", "torch", "cupy"} for s in eigen_stages)
 
 
@@ -172,28 +172,28 @@ def test_measured_lowrank_sketch_matches_the_cpu_path(measured_on_cpu, monkeypat
     model = tiny_model("llama", vocab=500)
     batch = padded_batch(random_sequences([5, 4], 500))
     measured = SpectralEngine(model, "attn", method="lowrank", rank=8, precision="fp32").score(*batch)
-    assert any(key[0] == "segment_tdot" for key in measured_on_cpu.DISPATCH.chosen)
-    monkeypatch.setattr(spectral, "_on_gpu", lambda t: False)  # the plain CPU path
+    assert any(key[0] == "segment_tdot" for key in measured_on_cpu.chosen)
+    monkeypatch.setattr(stages, "on_gpu", lambda t: False)  # the plain CPU path
     plain = SpectralEngine(model, "attn", method="lowrank", rank=8).score(*batch)
     for name, values in plain.metrics.items():
         torch.testing.assert_close(measured.metrics[name], values, rtol=1e-4, atol=1e-9)
 
 
-@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+@pytest.mark.skipif(not extension.BUILT, reason="no _C")
 def test_a_measured_eigen_stage_out_of_gpu_memory_falls_back_to_the_host(measured_on_cpu, monkeypatch, caplog):
     Y = torch.randn(3, 6, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     grams = Y @ Y.mT
-    want = spectral.gram_spectra(grams, "cpp")
-    measured_on_cpu.DISPATCH.chosen[("gram", "fp64", 8)] = "torch"
+    want = eigen.gram_spectra(grams, "cpp")
+    measured_on_cpu.chosen[("gram", "fp64", 8)] = "torch"
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr(spectral, "_gram_device", out_of_memory)
+    monkeypatch.setattr(eigen, "_gram_device", out_of_memory)
     with caplog.at_level(logging.WARNING, logger="gradspec"):
-        got = spectral.gram_spectra(grams)
+        got = eigen.gram_spectra(grams)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and "solved on the host" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="gradspec"):  # a forced device path falls back the same way
-        got = spectral.gram_spectra(grams, "torch")
+        got = eigen.gram_spectra(grams, "torch")
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and "solved on the host" in caplog.text

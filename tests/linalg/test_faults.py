@@ -9,7 +9,7 @@ import torch
 from conftest import assert_matches_reference, padded_batch, random_sequences, tiny_model
 
 from gradspec.engine.spectral_engine import SpectralEngine
-from gradspec.linalg import eigen as spectral
+from gradspec.linalg import eigen, extension, solvers
 from gradspec.linalg.dispatch import RETRY_AFTER, MeasuredDispatch
 
 VOCAB = 500
@@ -25,8 +25,8 @@ def _failing(real, fault: type[BaseException], when):
 
 
 FAULTS = [torch.OutOfMemoryError, torch.linalg.LinAlgError]
-if spectral.HAS_EXTENSION:
-    FAULTS.append(spectral._C.LapackError)
+if extension.BUILT:
+    FAULTS.append(extension.C.LapackError)
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.__name__)
@@ -34,9 +34,9 @@ if spectral.HAS_EXTENSION:
 def test_a_batch_that_fails_everywhere_is_solved_sample_by_sample(monkeypatch, fault, run):
     """Every path fails on any batch of more than one sample (on the caller's thread or the
     worker's): each sample alone still gets its exact scores."""
-    many = lambda args: args[-1].shape[0] > 1 if isinstance(args[0], spectral.Eigensolver) else args[0].shape[0] > 1  # noqa: E731
+    many = lambda args: args[-1].shape[0] > 1 if isinstance(args[0], solvers.Eigensolver) else args[0].shape[0] > 1  # noqa: E731
     for name in ("_core_cpp", "_core_device", "_gram_cpp", "_gram_device"):
-        monkeypatch.setattr(spectral, name, _failing(getattr(spectral, name), fault, many))
+        monkeypatch.setattr(eigen, name, _failing(getattr(eigen, name), fault, many))
     model = tiny_model("llama", vocab=VOCAB)
     seqs = random_sequences(LENGTHS, VOCAB)
     engine = SpectralEngine(model, "all")
@@ -54,7 +54,7 @@ def test_a_sample_that_fails_alone_is_flagged_and_the_others_kept(monkeypatch, c
         return lengths is not None and bool((lengths == poisoned).any())
 
     for name in ("_core_cpp", "_core_device"):
-        monkeypatch.setattr(spectral, name, _failing(getattr(spectral, name), spectral.eigen_faults()[1], has_poisoned))
+        monkeypatch.setattr(eigen, name, _failing(getattr(eigen, name), eigen.eigen_faults()[1], has_poisoned))
     model = tiny_model("llama", vocab=VOCAB)
     seqs = random_sequences(LENGTHS, VOCAB)
     with caplog.at_level(logging.WARNING, logger="gradspec"):

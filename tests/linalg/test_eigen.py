@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from gradspec.linalg import eigen as spectral
+from gradspec.linalg import eigen, extension, solvers
 from gradspec.linalg.metrics import metrics_from_singular_values
 
-BACKENDS = ["torch", pytest.param("cpp", marks=pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C"))]
+BACKENDS = ["torch", pytest.param("cpp", marks=pytest.mark.skipif(not extension.BUILT, reason="no _C"))]
 
 
 LENGTHS = torch.tensor([24, 1, 7, 21, 12, 2])
@@ -30,7 +30,7 @@ def _svd(X, D):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_core_spectra_equal_svd(backend):
     X, D = _problem()
-    sigma, metrics = spectral.core_spectra(X @ X.transpose(-1, -2), D @ D.transpose(-1, -2), LENGTHS, backend)
+    sigma, metrics = eigen.core_spectra(X @ X.transpose(-1, -2), D @ D.transpose(-1, -2), LENGTHS, backend)
     want = _svd(X, D)
     k = min(sigma.shape[-1], want.shape[-1])
     torch.testing.assert_close(sigma[..., :k], want[..., :k], rtol=1e-7, atol=1e-6)
@@ -41,57 +41,57 @@ def test_core_spectra_equal_svd(backend):
 def test_gram_spectra_equal_svd(backend):
     X, D = _problem()
     G = (D.transpose(-1, -2) @ X.unsqueeze(1)).flatten(0, 1)
-    sigma, metrics = spectral.gram_spectra(G @ G.transpose(-1, -2), backend)
+    sigma, metrics = eigen.gram_spectra(G @ G.transpose(-1, -2), backend)
     want = torch.linalg.svdvals(G)
     torch.testing.assert_close(sigma, want, rtol=1e-7, atol=1e-6)
     torch.testing.assert_close(metrics, metrics_from_singular_values(want), rtol=1e-7, atol=1e-9)
 
 
-@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+@pytest.mark.skipif(not extension.BUILT, reason="no _C")
 def test_backends_agree_and_zero_gradient_is_nan():
     X, D = _problem(seed=3)
     D[2] = 0
     B, A = X @ X.transpose(-1, -2), D @ D.transpose(-1, -2)
-    s_cpp, m_cpp = spectral.core_spectra(B, A, LENGTHS, "cpp")
-    s_t, m_t = spectral.core_spectra(B, A, LENGTHS, "torch")
-    s_full, m_full = spectral.core_spectra(B, A, None, "cpp")  # padding computed through
+    s_cpp, m_cpp = eigen.core_spectra(B, A, LENGTHS, "cpp")
+    s_t, m_t = eigen.core_spectra(B, A, LENGTHS, "torch")
+    s_full, m_full = eigen.core_spectra(B, A, None, "cpp")  # padding computed through
     torch.testing.assert_close(m_cpp, m_full, rtol=1e-9, atol=1e-12, equal_nan=True)
     torch.testing.assert_close(m_cpp, m_t, rtol=1e-9, atol=1e-12, equal_nan=True)
     assert m_cpp[2, :, 0].eq(0).all() and m_cpp[2, :, 1].isnan().all()
 
 
-@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+@pytest.mark.skipif(not extension.BUILT, reason="no _C")
 def test_extension_rejects_bad_shapes():
     with pytest.raises(ValueError, match="shape"):
-        spectral.gram_spectra(torch.zeros(2, 3, 4), "cpp")
+        eigen.gram_spectra(torch.zeros(2, 3, 4), "cpp")
     with pytest.raises(ValueError, match="shape"):
-        spectral.core_spectra(torch.zeros(2, 3, 3), torch.zeros(2, 1, 4, 4), None, "cpp")
+        eigen.core_spectra(torch.zeros(2, 3, 3), torch.zeros(2, 1, 4, 4), None, "cpp")
     with pytest.raises(ValueError, match="lengths"):
-        spectral.core_spectra(torch.zeros(2, 3, 3), torch.zeros(2, 1, 3, 3), torch.tensor([1, 4]), "cpp")
+        eigen.core_spectra(torch.zeros(2, 3, 3), torch.zeros(2, 1, 3, 3), torch.tensor([1, 4]), "cpp")
 
 
 def test_unknown_backend():
     with pytest.raises(ValueError, match="backend"):
-        spectral.gram_spectra(torch.zeros(1, 2, 2), "magic")
+        eigen.gram_spectra(torch.zeros(1, 2, 2), "magic")
 
 
-@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+@pytest.mark.skipif(not extension.BUILT, reason="no _C")
 def test_scipy_lapack_alone_gives_the_same_spectra():
     """Where torch exports no MKL, the extension runs on SciPy's OpenBLAS alone."""
     X, D = _problem(seed=5)
     B, A = X @ X.transpose(-1, -2), D @ D.transpose(-1, -2)
     G = (D.transpose(-1, -2) @ X.unsqueeze(1)).flatten(0, 1)
-    default = spectral.core_spectra(B, A, LENGTHS, "cpp"), spectral.gram_spectra(G @ G.transpose(-1, -2), "cpp")
+    default = eigen.core_spectra(B, A, LENGTHS, "cpp"), eigen.gram_spectra(G @ G.transpose(-1, -2), "cpp")
     try:
-        spectral._C.bind_lapack(**spectral.lapack_addresses(prefer_mkl=False))
-        scipy_only = spectral.core_spectra(B, A, LENGTHS, "cpp"), spectral.gram_spectra(G @ G.transpose(-1, -2), "cpp")
+        extension.C.bind_lapack(**extension.lapack_addresses(prefer_mkl=False))
+        scipy_only = eigen.core_spectra(B, A, LENGTHS, "cpp"), eigen.gram_spectra(G @ G.transpose(-1, -2), "cpp")
     finally:
-        spectral._C.bind_lapack(**spectral.lapack_addresses())
+        extension.C.bind_lapack(**extension.lapack_addresses())
     for (_, m_default), (_, m_scipy) in zip(default, scipy_only, strict=True):
         torch.testing.assert_close(m_scipy, m_default, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.skipif(not spectral.HAS_EXTENSION, reason="no _C")
+@pytest.mark.skipif(not extension.BUILT, reason="no _C")
 @pytest.mark.parametrize("n_wins", [True, False])
 def test_python_and_cpp_share_one_cut_off_rule(n_wins):
     """max(n, terms) * eps * max: the C++ extension (cutoff_of) and the device paths
@@ -102,8 +102,8 @@ def test_python_and_cpp_share_one_cut_off_rule(n_wins):
     lam = torch.tensor([1.0, 0.5, cutoff * 1.01, cutoff * 0.99, cutoff * 0.5, 0.0], dtype=torch.float64)
     q, _ = torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=torch.Generator().manual_seed(0)))
     grams = (q * lam) @ q.T
-    host, _ = spectral._gram_cpp(grams[None], eps, terms)
-    device, _ = spectral._gram_device(spectral.TORCH_EIGEN, grams[None], eps, terms)
+    host, _ = eigen._gram_cpp(grams[None], eps, terms)
+    device, _ = eigen._gram_device(solvers.TORCH_EIGEN, grams[None], eps, terms)
     want = [1.0, 0.5 ** 0.5, (cutoff * 1.01) ** 0.5, 0.0, 0.0, 0.0]
     torch.testing.assert_close(host[0], torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
     torch.testing.assert_close(device[0], host[0], rtol=1e-6, atol=0)

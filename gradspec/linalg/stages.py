@@ -1,0 +1,80 @@
+"""Which path runs a stage (gradspec.linalg.policy.STAGES), and running it.
+
+The policy's forced path, else the only one, else on the CPU the first of a fixed preference
+(the extension wins at every size there: benchmarks/bench_eigen.py; a fixed path keeps reruns
+bit-identical), else on a GPU the path measured fastest for this (stage, precision, size bucket)
+on the first batch that needs it. Every path of a stage gives the same numbers at one precision.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from functools import partial
+from typing import TypeVar
+
+import torch
+
+from gradspec import kernels
+from gradspec.linalg import extension, solvers
+from gradspec.linalg.dispatch import MeasuredDispatch
+from gradspec.linalg.policy import Policy
+
+T = TypeVar("T")
+
+DISPATCH = MeasuredDispatch()
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def on_gpu(t: torch.Tensor) -> bool:
+    """Whether paths are measured against each other for t: on a GPU."""
+    return t.is_cuda
+
+
+def _sync(t: torch.Tensor) -> Callable[[], None]:
+    return partial(torch.cuda.synchronize, t.device) if t.is_cuda else (lambda: None)
+
+
+def paths(stage: str, t: torch.Tensor, policy: Policy) -> list[str]:
+    """The paths this stage has for t at the policy's precision, preferred first."""
+    fp64 = policy.precision == "fp64"
+    triton_here = kernels.triton is not None and not fp64 and (t.is_cuda or TRITON_INTERPRETED)
+    if stage == "segment_gram":
+        found = ["cpp"] * (fp64 and extension.BUILT and not t.is_cuda) + ["torch"] + ["triton"] * triton_here
+    elif stage == "segment_tdot":
+        found = ["torch"] + ["triton"] * triton_here
+    else:
+        found = ["cpp"] * extension.BUILT + ["torch"] + ["cupy"] * (on_gpu(t) and solvers.cupy_eigen() is not None)
+    if policy.backend == "cpp" and not extension.BUILT and stage in ("core", "gram"):
+        raise RuntimeError("gradspec._C is not built: reinstall gradspec (pip install -e .)")
+    return found
+
+
+def _key(stage: str, policy: Policy, shape: tuple) -> tuple:
+    return (stage, policy.precision, *shape)
+
+
+def chosen_path(stage: str, t: torch.Tensor, policy: Policy, shape: tuple) -> str | None:
+    """The path this stage will take for t: forced, the only one, the CPU's preference or the
+    measured winner; None while it is still to be measured."""
+    found = paths(stage, t, policy)
+    name = policy.wanted(stage, found)
+    if name is not None:
+        return name
+    if len(found) == 1 or not on_gpu(t):
+        return found[0]
+    return DISPATCH.choice(_key(stage, policy, shape))
+
+
+def run(stage: str, t: torch.Tensor, policy: Policy, shape: tuple, calls: dict[str, Callable[[], T]]) -> T:
+    """The chosen path's result, measuring the candidates first where the choice is open; the
+    path taken is recorded in the policy (and so in the run's metadata)."""
+    name = chosen_path(stage, t, policy, shape)
+    if name is None:
+        key = _key(stage, policy, shape)
+        result = DISPATCH.run(key, {p: calls[p] for p in paths(stage, t, policy)}, _sync(t))
+        name = DISPATCH.choice(key)
+    else:
+        result = calls[name]()
+    policy.record(stage, name)
+    return result
