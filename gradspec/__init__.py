@@ -1,4 +1,5 @@
-"""gradspec: score SFT data by the singular-value spectra of per-sample layer-wise gradients."""
+"""gradspec: score SFT data by the singular-value spectra of per-sample layer-wise gradients, and align
+it with a task by exact gradient cosines."""
 
 import importlib
 
@@ -6,7 +7,7 @@ from gradspec.data.readers import Fields, InputError
 from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
 from gradspec.linalg.metrics import METRICS
 from gradspec.runs.score_files import read_metadata, read_scores
-from gradspec.runs.scoring import score
+from gradspec.runs.scoring import align, score
 
 # The training classes import transformers' Trainer: loaded on first use, not with every `import gradspec`.
 _TRAINING = {
@@ -14,8 +15,8 @@ _TRAINING = {
     "SFTMixTrainer": "sftmix", "DynamicsCallback": "dynamics", "SpectralMonitor": "monitor",
 }
 
-__all__ = ["METRICS", "BatchScores", "Fields", "InputError", "SpectralEngine", "read_metadata", "read_scores",
-           "score", *_TRAINING]
+__all__ = ["METRICS", "BatchScores", "Fields", "InputError", "SpectralEngine", "align", "read_metadata",
+           "read_scores", "score", *_TRAINING]
 
 
 def __getattr__(name: str):

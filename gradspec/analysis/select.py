@@ -2,6 +2,7 @@
 
 A criterion is a column of the score file (``model.layers.3.self_attn.q_proj/effective_rank``),
 a metric name (``effective_rank``: the mean over every scored module), a classic score (``ifd``),
+``alignment`` (the whole model's cosine with a task, from `gradspec align`),
 or a weighted combination of these, each standardised first (``effective_rank:1,nuclear_norm:-1``).
 """
 
@@ -16,9 +17,18 @@ import pandas as pd
 from gradspec.data.readers import InputError, read_records
 from gradspec.runs.score_files import complete, module_columns, module_mean, write_parquet
 
+ALIGNMENT_COLUMNS = ("align_mean", "align_mean_gradient", "align_max")  # what "alignment" means, by preference
+
 
 def criterion_values(scores: pd.DataFrame, name: str) -> pd.Series:
-    """One named criterion per row: a column, or a metric averaged over all modules."""
+    """One named criterion per row: a column, a metric averaged over all modules, or "alignment":
+    the whole model's cosine with a task from `gradspec align` (the mean over its examples, LESS's
+    choice, else the cosine with their mean gradient, else the max)."""
+    if name == "alignment":
+        found = [c for c in ALIGNMENT_COLUMNS if c in scores.columns]
+        if not found:
+            raise ValueError("--by alignment needs a score file from `gradspec align` (columns align_*)")
+        name = found[0]
     if name in scores.columns:
         return scores[name].astype(float)
     if not module_columns(scores.columns, name):

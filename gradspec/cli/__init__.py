@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gradspec.cli import diagnose, dynamics, merge, report, score, select, train
+from gradspec.cli import align, diagnose, dynamics, merge, report, score, select, train
 from gradspec.data.readers import InputError
 
-COMMANDS = {"score": score, "select": select, "report": report, "merge": merge, "train": train,
+COMMANDS = {"score": score, "align": align, "select": select, "report": report, "merge": merge, "train": train,
             "dynamics": dynamics, "diagnose": diagnose}
 
 

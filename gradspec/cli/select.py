@@ -11,7 +11,8 @@ def add_parser(sub) -> None:
     p.add_argument("--data", help="the scored input (default: the one the score file names)")
     p.add_argument("--out", required=True, help="where to write the chosen rows, in the input's format")
     p.add_argument("--by", required=True,
-                   help="a column, a metric averaged over modules (effective_rank), or weighted z-scores "
+                   help="a column, a metric averaged over modules (effective_rank), alignment (from gradspec "
+                        "align), or weighted z-scores "
                         "('effective_rank:1,nuclear_norm:-1')")
     p.add_argument("--bottom", action="store_true", help="keep the lowest scores (default: the highest)")
     size = p.add_mutually_exclusive_group(required=True)

@@ -52,6 +52,42 @@ class LowRankSketch:
         return self.omegas[part.name]
 
 
+class PartHooks:
+    """Hooks for one batch: each target's input X is kept in the forward, and on_part(part, X, D)
+    is called per scored part (D: the part's slice of the output gradient) as the gradient arrives."""
+
+    def __init__(self, targets: list[Target]) -> None:
+        self.targets = targets
+        self.inputs: dict[str, torch.Tensor] = {}
+
+    @contextmanager
+    def hooks(self, model: nn.Module) -> Iterator[None]:
+        handles = [model.get_input_embeddings().register_forward_hook(require_grad)]
+        handles += [t.module.register_forward_hook(self._forward_hook(t)) for t in self.targets]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _forward_hook(self, target: Target):
+        def hook(module, args, output):
+            self.inputs[target.name] = args[0].detach()
+            output.register_hook(lambda grad: self._on_grad(target, grad.detach()))
+
+        return hook
+
+    def _on_grad(self, target: Target, grad: torch.Tensor) -> None:
+        # Reduced as soon as the gradient arrives; the input is released here (its storage goes
+        # once every module reading it is done), so only what on_part keeps stays in flight.
+        X = self.inputs.pop(target.name)
+        for part in target.parts:
+            self.on_part(part, X, grad[..., part.start : part.start + part.d_out])
+
+    def on_part(self, part: Part, X: torch.Tensor, D: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
 @dataclass
 class _Samples:
     """Some samples of a batch: their rows on the host, and a gather index on the device (None
@@ -65,7 +101,7 @@ class _Samples:
         return t if self.index is None else t[self.index]
 
 
-class BatchCapture:
+class BatchCapture(PartHooks):
     """Hook state for one batch: inputs in the forward, reductions as gradients arrive.
 
     Which samples take the core path, and how many tokens each reduction spans, are decided from
@@ -77,7 +113,7 @@ class BatchCapture:
         self, targets: list[Target], lengths: torch.Tensor, policy: Policy | str, sketch: LowRankSketch | None,
         metric_names: tuple[str, ...], scale: torch.Tensor | None = None, device: torch.device | str | None = None,
     ) -> None:
-        self.targets = targets
+        super().__init__(targets)
         self.policy = Policy.of(policy)
         self.metric_names = metric_names
         self.device = torch.device(device) if device is not None else lengths.device
@@ -86,7 +122,6 @@ class BatchCapture:
         self.scale = None if scale is None else scale.to(self.device).view(-1, 1, 1)
         self.sketch = sketch
         self.sketched: list[tuple[Part, torch.Tensor, torch.Tensor]] = []  # (part, top-k sigma, ||G||_F^2)
-        self.inputs: dict[str, torch.Tensor] = {}
         self.x_grams: dict[tuple, tuple[_Samples, torch.Tensor]] = {}  # input -> (samples, X X^T)
         # (input, samples, T) -> (X X^T, [(part, D D^T, <D D^T, X X^T>)])
         self.core: dict[tuple, tuple[torch.Tensor, list]] = {}
@@ -110,51 +145,29 @@ class BatchCapture:
                                self._samples([i for i, s in enumerate(short) if not s]))
         return self._splits[n]
 
-    @contextmanager
-    def hooks(self, model: nn.Module) -> Iterator[None]:
-        handles = [model.get_input_embeddings().register_forward_hook(_require_grad)]
-        handles += [t.module.register_forward_hook(self._forward_hook(t)) for t in self.targets]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-
-    def _forward_hook(self, target: Target):
-        def hook(module, args, output):
-            self.inputs[target.name] = args[0].detach()
-            output.register_hook(lambda grad: self._on_grad(target, grad.detach()))
-
-        return hook
-
-    def _on_grad(self, target: Target, grad: torch.Tensor) -> None:
-        # Reduced as soon as the gradient arrives; the input is released here (its storage goes
-        # once every module reading it is done), so only the T x T products stay in flight.
-        X = self.inputs.pop(target.name)
+    def on_part(self, part: Part, X: torch.Tensor, D: torch.Tensor) -> None:
         if self.scale is not None:
-            grad = grad * self.scale.to(grad.dtype)
-        for part in target.parts:
-            D = grad[..., part.start : part.start + part.d_out]
-            if self.sketch is not None:
-                s = self.sketch
-                omega = s.omega(part, target.d_in, X.device)
-                self.sketched.append((part, *sketch_singular_values(
-                    X, D, self.device_lengths, omega, s.rank, s.power_iters, self.policy)))
-                continue
-            core, materialised = self._split(min(target.d_in, part.d_out))
-            if core.rows:
-                key = (_input_key(X), core.rows, core.T)
-                if key not in self.core:
-                    self.core[key] = (self._x_gram(X, core, target.d_in), [])
-                B, items = self.core[key]
-                A, inner = segment_gram(core.take(D)[:, :core.T], core.take(self.device_lengths), B, self.policy)
-                items.append((part, A, inner))
-            if materialised.rows:
-                dtype, lengths = self.policy.dtype, materialised.take(self.device_lengths)
-                Xs = materialised.take(X).to(dtype) * token_mask(lengths, X.shape[1], X.device)[..., None]
-                G = materialised.take(D).to(dtype).transpose(1, 2) @ Xs  # (n, d_out, d_in)
-                gram = G @ G.transpose(1, 2) if part.d_out <= target.d_in else G.transpose(1, 2) @ G
-                self.materialised.append((part, materialised.rows, gram))
+            D = D * self.scale.to(D.dtype)
+        if self.sketch is not None:
+            s = self.sketch
+            omega = s.omega(part, part.d_in, X.device)
+            self.sketched.append((part, *sketch_singular_values(
+                X, D, self.device_lengths, omega, s.rank, s.power_iters, self.policy)))
+            return
+        core, materialised = self._split(min(part.d_in, part.d_out))
+        if core.rows:
+            key = (_input_key(X), core.rows, core.T)
+            if key not in self.core:
+                self.core[key] = (self._x_gram(X, core, part.d_in), [])
+            B, items = self.core[key]
+            A, inner = segment_gram(core.take(D)[:, :core.T], core.take(self.device_lengths), B, self.policy)
+            items.append((part, A, inner))
+        if materialised.rows:
+            dtype, lengths = self.policy.dtype, materialised.take(self.device_lengths)
+            Xs = materialised.take(X).to(dtype) * token_mask(lengths, X.shape[1], X.device)[..., None]
+            G = materialised.take(D).to(dtype).transpose(1, 2) @ Xs  # (n, d_out, d_in)
+            gram = G @ G.transpose(1, 2) if part.d_out <= part.d_in else G.transpose(1, 2) @ G
+            self.materialised.append((part, materialised.rows, gram))
 
     def _x_gram(self, X: torch.Tensor, core: _Samples, d_in: int) -> torch.Tensor:
         """X X^T for these samples, from one Gram per input shared by all modules that read it
@@ -293,7 +306,7 @@ def _zero_rows(t: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     return t if bool(ok.all()) else torch.where(ok.to(t.device).view(-1, *[1] * (t.dim() - 1)), t, 0.0)
 
 
-def _require_grad(module, args, output):
+def require_grad(module, args, output):
     """Make the embeddings' output require grad, so the backward reaches every hooked module."""
     output.requires_grad_(True)
 

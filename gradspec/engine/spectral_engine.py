@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
+from gradspec.align.capture import AlignmentCapture
+from gradspec.align.cosines import cosines
+from gradspec.align.task import DEFAULT_AGGREGATES, TaskGradients, collect_task
 from gradspec.engine.capture import BatchCapture, LowRankSketch
 from gradspec.engine.loss import check_head_shortcut, response_losses
 from gradspec.kernels import token_mask
@@ -38,6 +41,7 @@ class BatchScores:
     metrics: dict[str, torch.Tensor]
     spectra: dict[str, list[np.ndarray]] = field(default_factory=dict)
     token_stats: dict[str, torch.Tensor] = field(default_factory=dict)  # see response_losses
+    alignment: dict[str, torch.Tensor] = field(default_factory=dict)  # whole-model cosines, (N,) each
 
     def status(self, i: int) -> str:
         return ";".join(sorted(self.flags[i])) or "ok"
@@ -53,11 +57,12 @@ class SpectralEngine:
         self, model: nn.Module, modules: str | list[str] = "attn",
         backend: str = "auto", keep_spectra: bool = False,
         method: str = "exact", rank: int = 64, power_iters: int = 2, seed: int = 0, token_stats: bool = False,
-        precision: str = "fp64", force: dict[str, str] | None = None,
+        precision: str = "fp64", force: dict[str, str] | None = None, spectra: bool = True,
     ) -> None:
         """method="lowrank" approximates the top `rank` singular values (see gradspec.linalg.lowrank);
         token_stats adds each sample's mean predictive entropy and token accuracy; precision and
-        force (a path per stage) are gradspec.linalg.policy's, and ``policy.describe()`` says what ran."""
+        force (a path per stage) are gradspec.linalg.policy's, and ``policy.describe()`` says what ran.
+        spectra=False leaves the spectral metrics out (for alignment alone: see set_task)."""
         if method not in ("exact", "lowrank"):
             raise ValueError(f"method must be 'exact' or 'lowrank', got {method!r}")
         self.model = model
@@ -66,9 +71,29 @@ class SpectralEngine:
         self.policy = Policy(precision, backend, dict(force or {}))
         self.keep_spectra = keep_spectra
         self.sketch = LowRankSketch(rank, power_iters, seed) if method == "lowrank" else None
-        self.metric_names = METRICS if self.sketch is None else LOWRANK_METRICS
+        self.spectra = spectra
         self.token_stats = token_stats
+        self.task: TaskGradients | None = None
         self._eigen_worker: ThreadPoolExecutor | None = None
+
+    @property
+    def spectral_names(self) -> tuple[str, ...]:
+        return () if not self.spectra else METRICS if self.sketch is None else LOWRANK_METRICS
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """Each part's columns, in order: the spectral metrics, then the alignment cosines."""
+        return self.spectral_names + (() if self.task is None else self.task.metric_names)
+
+    def set_task(
+        self, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        aggregates: list[str] | str = DEFAULT_AGGREGATES, route: str = "auto",
+    ) -> TaskGradients:
+        """Compare every later batch's gradients with these task examples' (right-padded batches,
+        as for score), under the model as it is now: call again to follow a training model. Adds the
+        cosine columns "align_<aggregate>" per part and over the whole scored model."""
+        self.task = collect_task(self.backward_pass, self.targets, batches, aggregates, self.policy.dtype, route)
+        return self.task
 
     @property
     def part_names(self) -> list[str]:
@@ -88,7 +113,7 @@ class SpectralEngine:
         if self._eigen_worker is None:
             self._eigen_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradspec-eigen")
         work = self._forward_backward(input_ids, attention_mask, labels)
-        if not work[0].measures:
+        if not any(capture.measures for capture in work[0]):
             return self._eigen_worker.submit(self._finish_beside_measurements, *work)
         done: Future[BatchScores] = Future()
         try:
@@ -102,36 +127,74 @@ class SpectralEngine:
         with stages.DISPATCH.lock:
             return self._finish(*work)
 
+    def backward_pass(self, captures: list, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+        """One forward and input-gradient backward of a right-padded batch under these captures'
+        hooks -> (loss, count, finite, token stats), the per-sample values on the CPU."""
+        input_ids, attention_mask, labels = batch
+        with borrowed(self.model), torch.enable_grad(), ExitStack() as hooked:
+            check_head_shortcut(self.model, input_ids, attention_mask, labels)
+            for capture in captures:
+                hooked.enter_context(capture.hooks(self.model))
+            loss, count, stats = response_losses(self.model, input_ids, attention_mask, labels, self.token_stats)
+            finite = torch.isfinite(loss) & (count > 0)
+            if finite.any():
+                loss[finite].sum().backward()
+        for capture in captures:
+            capture.to_host()
+        return loss.detach().double().cpu(), count.cpu(), finite.cpu(), stats
+
     def _forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
         # The batch's one host synchronisation: its lengths, from which every split is decided.
         mask = attention_mask.cpu().bool()
         lengths = mask.sum(1)
         if not torch.equal(mask, token_mask(lengths, mask.shape[1], "cpu")):
             raise ValueError("the batch must be right-padded (attention_mask a prefix of ones)")
-        capture = BatchCapture(self.targets, lengths, self.policy, self.sketch, self.metric_names,
-                          device=input_ids.device)
-        with borrowed(self.model), torch.enable_grad():
-            check_head_shortcut(self.model, input_ids, attention_mask, labels)
-            with capture.hooks(self.model):
-                loss, count, stats = response_losses(self.model, input_ids, attention_mask, labels, self.token_stats)
-                finite = torch.isfinite(loss) & (count > 0)
-                if finite.any():
-                    loss[finite].sum().backward()
-        capture.to_host()
-        return capture, loss.detach().double().cpu(), count.cpu(), finite.cpu(), stats
+        captures: list = []
+        if self.spectra:
+            captures.append(BatchCapture(self.targets, lengths, self.policy, self.sketch, self.spectral_names,
+                                         device=input_ids.device))
+        if self.task is not None:
+            captures.append(AlignmentCapture(self.targets, lengths, input_ids.device, self.task.parts,
+                                             self.policy.dtype))
+        return (captures, *self.backward_pass(captures, (input_ids, attention_mask, labels)))
 
     def _finish(
-        self, capture: BatchCapture, loss: torch.Tensor, count: torch.Tensor, finite: torch.Tensor,
+        self, captures: list, loss: torch.Tensor, count: torch.Tensor, finite: torch.Tensor,
         stats: dict[str, torch.Tensor],
     ) -> BatchScores:
         flags: list[set[str]] = [set() for _ in range(len(loss))]
         for i in torch.nonzero(~finite).flatten().tolist():
             flags[i].add("no_response_tokens" if count[i] == 0 else "nonfinite_loss")
-        try:
-            metrics, spectra = capture.reduce(finite, flags, self.keep_spectra)
-        finally:
-            capture.release()
-        return BatchScores(loss, count, flags, metrics, spectra, stats)
+        metrics: dict[str, torch.Tensor] = {}
+        spectra: dict[str, list[np.ndarray]] = {}
+        alignment: dict[str, torch.Tensor] = {}
+        for capture in captures:
+            if isinstance(capture, BatchCapture):
+                try:
+                    metrics, spectra = capture.reduce(finite, flags, self.keep_spectra)
+                finally:
+                    capture.release()
+            else:
+                per_part, model = cosines(self.task, capture.results)
+                per_part, model = _flag_alignment(per_part, model, finite, flags)
+                metrics = {p: torch.cat([metrics[p], v], 1) if p in metrics else v for p, v in per_part.items()}
+                alignment = dict(zip(self.task.metric_names, model.unbind(1), strict=True))
+        return BatchScores(loss, count, flags, metrics, spectra, stats, alignment)
+
+
+def _flag_alignment(per_part: dict[str, torch.Tensor], model: torch.Tensor, finite: torch.Tensor,
+                    flags: list[set[str]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """NaN for samples without a loss; a scored sample with a NaN cosine is flagged
+    alignment_undefined (a zero or non-finite gradient, or a part where the task's is zero)."""
+    unscored = ~finite
+    per_part = {p: torch.where(unscored[:, None], torch.nan, v) for p, v in per_part.items()}
+    model = torch.where(unscored[:, None], torch.nan, model)
+    undefined = torch.isnan(model).any(1)
+    for v in per_part.values():
+        undefined |= torch.isnan(v).any(1)
+    for i in torch.nonzero(undefined & finite).flatten().tolist():
+        flags[i].add("alignment_undefined")
+    return per_part, model
 
 
 @contextmanager

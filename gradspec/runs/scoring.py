@@ -19,6 +19,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
+from gradspec.align.task import DEFAULT_AGGREGATES, check_aggregates
 from gradspec.analysis.classic_scores import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
 from gradspec.data.models import DEFAULT_MODEL, load_model
@@ -28,6 +29,7 @@ from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
 from gradspec.runs.run_folder import CHUNK_ROWS, INPUT_ERROR, RunFolder, Shard
 from gradspec.runs.score_files import SPECTRA, carried_name, column, file_metadata, metric_columns, read_scores
+from gradspec.runs.task_set import task_batches
 
 log = logging.getLogger("gradspec")
 
@@ -165,12 +167,16 @@ def _fill_scores(row: dict[str, Any], result: BatchScores | None, k: int, names:
     for name, sigmas in result.spectra.items():
         row[column(name, SPECTRA)] = sigmas[k].tolist()
     row.update({name: float(values[k]) for name, values in result.token_stats.items()})
+    row.update({name: float(values[k]) for name, values in result.alignment.items()})
 
 
 def _fill(row: dict[str, Any], engine: SpectralEngine) -> dict[str, Any]:
     """Unscored rows get NaN metrics (their status says why), so every row has every column."""
     if engine.token_stats:
         for name in CLASSIC_COLUMNS:
+            row.setdefault(name, math.nan)
+    if engine.task is not None:
+        for name in engine.task.metric_names:
             row.setdefault(name, math.nan)
     for name in engine.part_names:
         for m in engine.metric_names:
@@ -199,16 +205,23 @@ class ScoreConfig:
     limit: int | None = None
     chunk_rows: int = CHUNK_ROWS
     precision: str = "fp64"  # of the Grams and sketch products (gradspec.linalg.policy)
+    task: str | None = None  # a task file: add the cosines of each sample's gradient with its examples'
+    aggregate: str = ",".join(DEFAULT_AGGREGATES)
+    spectra: bool = True
 
     def describe(self) -> dict[str, Any]:
-        """The manifest and file metadata: the config, the data file's size and the version."""
+        """The manifest and file metadata: the config, the input files' sizes and the version."""
         info = {**asdict(self), "model": self.model or DEFAULT_MODEL, "data": self.data or "humaneval",
                 "version": version("gradspec")}
-        if self.data is not None:
-            info["data"] = str(Path(self.data).resolve())
-            info["data_bytes"] = Path(self.data).stat().st_size if Path(self.data).is_file() else None
+        for key in ("data", "task"):
+            path = getattr(self, key)
+            if path is not None:
+                info[key] = str(Path(path).resolve())
+                info[f"{key}_bytes"] = Path(path).stat().st_size if Path(path).is_file() else None
         if self.method != "lowrank":
             del info["rank"], info["seed"]
+        if self.task is None:  # a spectra run describes itself as before alignment existed
+            del info["task"], info["aggregate"], info["spectra"]
         return info
 
     def records(self) -> int:
@@ -220,11 +233,18 @@ class ScoreConfig:
         return data_samples(self.data, self.fields, self.limit, wanted, on_error)
 
 
-def _engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: bool):
+def _engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: bool,
+            batch_tokens: int = BATCH_TOKENS):
+    if not config.spectra and config.task is None:
+        raise ValueError("nothing to compute: spectra are off and no task file is given")
     net, tokenizer = load_model(config.model, device, config.dtype, trust_remote_code)
     engine = SpectralEngine(net, config.modules, backend=backend, keep_spectra=config.save_spectra,
-                            precision=config.precision,
-                            method=config.method, rank=config.rank, seed=config.seed, token_stats=config.classic)
+                            precision=config.precision, method=config.method, rank=config.rank, seed=config.seed,
+                            token_stats=config.classic, spectra=config.spectra)
+    if config.task is not None:
+        batches = task_batches(config.task, tokenizer, config.fields, config.template, config.max_length,
+                               batch_tokens, next(net.parameters()).device)
+        engine.set_task(batches, config.aggregate)
     return engine, tokenizer
 
 
@@ -247,7 +267,8 @@ def run(
     mine = ranks or shard or Shard()
     with Group() if ranks else nullcontext() as group:
         # A torchrun rank makes its own GPU current before anything touches CUDA (bind_device)
-        engine, tokenizer = _engine(config, bind_device(device) if ranks else device, backend, trust_remote_code)
+        engine, tokenizer = _engine(config, bind_device(device) if ranks else device, backend, trust_remote_code,
+                                    batch_tokens)
         folder, info = RunFolder(out), config.describe()
         if group is None:
             folder.start(info, resume, overwrite, shared=mine.count > 1)
@@ -271,6 +292,8 @@ def run(
         total = sum(min(config.chunk_rows, records - start) for start in range(0, records, config.chunk_rows)
                     if wanted(start))  # rows of the chunks this process will score
         metadata = file_metadata(engine.parts, engine.metric_names, info)
+        if engine.task is not None:
+            metadata["task_examples"] = {"kept": int(engine.task.kept.sum()), "rows": count_records(config.task)}
         statuses = score_samples(
             config.samples(wanted, on_error), engine, tokenizer,
             lambda chunk, rows: folder.write_part(chunk, rows, {**metadata, **engine.policy.describe()}),
@@ -291,25 +314,37 @@ def score(
     fields: Fields = Fields(), save_spectra: bool = False, backend: str = "auto", progress: bool = True,
     trust_remote_code: bool = False, overwrite: bool = False, resume: bool = False, method: str = "exact",
     rank: int = 64, seed: int = 0, classic: bool = False, on_error: str = "fail", chunk_rows: int = CHUNK_ROWS,
-    precision: str = "fp64",
+    precision: str = "fp64", task: str | Path | None = None, aggregate: str | list[str] = DEFAULT_AGGREGATES,
+    spectra: bool = True,
 ) -> pd.DataFrame:
     """Scores a dataset file (default: HumanEval) with a model (default: SmolLM2-135M-Instruct).
 
     Returns one row per input sample, in input order. With ``out``, rows are written to that
     Parquet file chunk by chunk (see ``run``: resume, shards, torchrun) and read back at the end.
+    With ``task`` (a file of examples of the task one cares about), each row also gets the cosines of
+    its gradient with the task's ("align_<aggregate>" per module and over the whole scored model);
+    spectra=False leaves the spectral metrics out.
     """
     config = ScoreConfig(
         None if data is None else str(data), model, template,
         modules if isinstance(modules, str) else ",".join(modules), max_length, dtype, method, rank, seed,
-        classic, save_spectra, fields, limit, chunk_rows, precision,
+        classic, save_spectra, fields, limit, chunk_rows, precision, None if task is None else str(task),
+        ",".join(check_aggregates(aggregate)), spectra,
     )
     settings = {"device": device, "backend": backend, "batch_tokens": batch_tokens, "progress": progress,
                 "trust_remote_code": trust_remote_code}
     if out is not None:
         run(config, out, resume=resume, overwrite=overwrite, on_error=on_error, **settings)
         return read_scores(out)[0]
-    engine, tokenizer = _engine(config, device, backend, trust_remote_code)
+    engine, tokenizer = _engine(config, device, backend, trust_remote_code, batch_tokens)
     rows: list[dict[str, Any]] = []
     score_samples(config.samples(on_error=on_error), engine, tokenizer, lambda _, chunk: rows.extend(chunk),
                   config.chunk_rows, template, max_length, batch_tokens, progress, config.records())
     return pd.DataFrame(rows)
+
+
+def align(data: str | Path | None, task: str | Path, model: str | None = None, out: str | Path | None = None, *,
+          aggregate: str | list[str] = DEFAULT_AGGREGATES, spectra: bool = False, **options: Any) -> pd.DataFrame:
+    """Exact gradient alignment of each sample of data with the examples of task: ``score`` with a
+    task, the spectral metrics only if asked (options: any of score's)."""
+    return score(data, model, out, task=task, aggregate=aggregate, spectra=spectra, **options)

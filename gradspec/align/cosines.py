@@ -1,0 +1,49 @@
+"""Cosines between each pool sample's gradient and the task's, per part and over the whole scored
+model, from the inner products and squared norms the capture gives (see gradspec.align.task)."""
+
+from __future__ import annotations
+
+import torch
+
+from gradspec.align.task import TaskGradients
+
+
+def _nanmax(x: torch.Tensor) -> torch.Tensor:
+    """Max over the last dimension ignoring NaN; NaN where all are."""
+    top = torch.where(torch.isnan(x), -torch.inf, x).amax(-1)
+    return torch.where(torch.isnan(x).all(-1), torch.nan, top)
+
+
+def _aggregate(cos: torch.Tensor, mean_gradient: torch.Tensor, aggregates: tuple[str, ...]) -> torch.Tensor:
+    """(N, K) cosines with each example, (N,) with the mean gradient -> (N, len(aggregates))."""
+    found = {"mean_gradient": mean_gradient, "mean": cos.nanmean(-1), "max": _nanmax(cos)}
+    return torch.stack([found[a] for a in aggregates], -1)
+
+
+def cosines(task: TaskGradients, results: dict[str, tuple[torch.Tensor, torch.Tensor]]
+            ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """results[part] = (<G_i, W_k> (N, K), ||G_i||^2 (N,)) -> ({part: (N, A)}, whole model (N, A)),
+    A = len(task.aggregates), fp64 on the CPU; NaN where a norm is zero or not finite."""
+    results = {name: (inner.double().cpu(), n2.double().cpu()) for name, (inner, n2) in results.items()}
+    per_part = {}
+    model_inner = sum(inner for inner, _ in results.values())
+    model_n2 = sum(n2 for _, n2 in results.values())
+    mean_norm2 = sum(task.parts[name].mean_norm2 for name in results)
+    for name, (inner, n2) in results.items():
+        d = task.parts[name]
+        if task.per_example:
+            n2_j = d.norms2[task.kept]
+            cos = inner / (n2[:, None] * n2_j[None, :]).sqrt()
+            cos = torch.where(n2_j[None, :] > 0, cos, torch.nan)
+            per_part[name] = _aggregate(cos, inner.mean(1) / (n2 * d.mean_norm2).sqrt(), task.aggregates)
+        else:
+            found = {"mean_gradient": inner[:, 0] / (n2 * d.mean_norm2).sqrt(), "mean": inner[:, 1] / n2.sqrt()}
+            per_part[name] = torch.stack([found[a] for a in task.aggregates], -1)
+    if task.per_example:
+        cos = model_inner / (model_n2[:, None] * task.model_norms2[task.kept][None, :]).sqrt()
+        model = _aggregate(cos, model_inner.mean(1) / (model_n2 * mean_norm2).sqrt(), task.aggregates)
+    else:
+        found = {"mean_gradient": model_inner[:, 0] / (model_n2 * mean_norm2).sqrt(),
+                 "mean": model_inner[:, 2] / model_n2.sqrt()}
+        model = torch.stack([found[a] for a in task.aggregates], -1)
+    return per_part, model
