@@ -80,6 +80,35 @@ def assert_matches_reference(model, scores, sequences, modules, rtol=1e-4):
     assert checked > 0
 
 
+def materialised_gradients(model, sequences, modules) -> list[dict[str, torch.Tensor]]:
+    """Each sample's parameter gradient per part (d_out x d_in, fp64), by a backward of its own loss alone."""
+    from gradspec.engine.loss import response_loss_per_sample
+    from gradspec.layers.targets import select_targets
+
+    targets = select_targets(model, modules)
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    out = []
+    try:
+        for ids, labels in sequences:
+            model.requires_grad_(False)
+            for t in targets:
+                t.module.weight.requires_grad_(True)
+                t.module.weight.grad = None
+            loss, _ = response_loss_per_sample(model(input_ids=ids[None], use_cache=False).logits, labels[None])
+            loss.sum().backward()
+            grads = {}
+            for t in targets:
+                w = t.module.weight.grad.T if t.transposed else t.module.weight.grad
+                grads.update({p.name: w[p.start : p.start + p.d_out].double().clone() for p in t.parts})
+            out.append(grads)
+    finally:
+        for t in targets:
+            t.module.weight.grad = None
+        for p, requires_grad in flags:
+            p.requires_grad_(requires_grad)
+    return out
+
+
 @pytest.fixture(scope="session")
 def smol():
     """SmolLM2-135M-Instruct, real weights (converted from the GGUF once, then cached)."""

@@ -20,10 +20,14 @@ def _aggregate(cos: torch.Tensor, mean_gradient: torch.Tensor, aggregates: tuple
     return torch.stack([found[a] for a in aggregates], -1)
 
 
-def cosines(task: TaskGradients, results: dict[str, tuple[torch.Tensor, torch.Tensor]]
+def cosines(task: TaskGradients, results: dict[str, tuple[torch.Tensor, torch.Tensor]], samples: int
             ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """results[part] = (<G_i, W_k> (N, K), ||G_i||^2 (N,)) -> ({part: (N, A)}, whole model (N, A)),
-    A = len(task.aggregates), fp64 on the CPU; NaN where a norm is zero or not finite."""
+    A = len(task.aggregates), fp64 on the CPU; NaN where a norm is zero or not finite, and
+    everywhere when nothing was captured (no sample of the batch had a loss)."""
+    if not results:
+        nan = torch.full((samples, len(task.aggregates)), torch.nan, dtype=torch.float64)
+        return {name: nan.clone() for name in task.parts}, nan
     results = {name: (inner.double().cpu(), n2.double().cpu()) for name, (inner, n2) in results.items()}
     per_part = {}
     model_inner = sum(inner for inner, _ in results.values())
@@ -47,3 +51,24 @@ def cosines(task: TaskGradients, results: dict[str, tuple[torch.Tensor, torch.Te
                  "mean": model_inner[:, 2] / model_n2.sqrt()}
         model = torch.stack([found[a] for a in task.aggregates], -1)
     return per_part, model
+
+
+def projected_cosines(pool: torch.Tensor, task: torch.Tensor, part_names: list[str], aggregates: tuple[str, ...]
+                      ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The same cosines from projected gradients (gradspec.align.projection): pool (N, dims) and
+    task (m, dims), each part's block of dims/len(part_names) in order -> ({part: (N, A)}, (N, A)).
+    Estimates: inner products and norms are those of the projections (task rows: usable ones,
+    see gradspec.runs.store_query.task_vectors)."""
+    pool, task = pool.double(), task.double()
+    width = pool.shape[1] // len(part_names)
+
+    def aggregated(u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        nu, nv = u.norm(dim=1), v.norm(dim=1)
+        cos = (u @ v.T) / (nu[:, None] * nv[None, :])
+        cos = torch.where(nv[None, :] > 0, cos, torch.nan)
+        mean = v.mean(0)
+        return _aggregate(cos, (u @ mean) / (nu * mean.norm()), aggregates)
+
+    per_part = {name: aggregated(pool[:, k * width : (k + 1) * width], task[:, k * width : (k + 1) * width])
+                for k, name in enumerate(part_names)}
+    return per_part, aggregated(pool, task)

@@ -28,10 +28,15 @@ def route_for(d_in: int, d_out: int, task_tokens: int, directions: int) -> str:
     return "cross" if cross < dense else "dense"
 
 
+def held_values(route: str, d_in: int, d_out: int, task_tokens: int, directions: int) -> int:
+    """How many values a part's directions hold on this route."""
+    return directions * d_in * d_out if route == "dense" else task_tokens * (d_in + d_out)
+
+
 def masked(Y: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Y (N, T, d) -> (N, T', d) at dtype: the first T' = mask.shape[1] (the longest sample's) rows,
-    those beyond each sample's length zeroed."""
-    return Y[:, : mask.shape[1]].to(dtype) * mask[..., None]
+    those beyond each sample's length zero (whatever they held: NaN * 0 would not be)."""
+    return torch.where(mask[..., None], Y[:, : mask.shape[1]].to(dtype), 0.0)
 
 
 def per_sample_gradients(X: torch.Tensor, D: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -46,9 +51,10 @@ def gram_norms2(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class PartDirections:
-    """One part's K directions over m task examples. coefficients (K, m); dense: W (K, d_out, d_in);
-    cross: the task's valid-token rows X (T_task, d_in), D (T_task, d_out) and owner (T_task,), the
-    example each row belongs to. norms2 (m,): each example's ||G_j||^2 in this part (host, fp64);
+    """One part's K directions over m task examples. coefficients (K, m), on the host in fp64 and,
+    as device_coefficients, where the pool's gradients are; dense: W (K, d_out, d_in); cross: the
+    task's valid-token rows X (T_task, d_in), D (T_task, d_out) and owner (T_task,), the example
+    each row belongs to. norms2 (m,): each example's ||G_j||^2 in this part (host, fp64);
     mean_norm2: ||mean_j G_j||^2 over the examples kept."""
 
     route: str
@@ -59,6 +65,7 @@ class PartDirections:
     X: torch.Tensor | None = None
     D: torch.Tensor | None = None
     owner: torch.Tensor | None = None
+    device_coefficients: torch.Tensor | None = None
 
     def inner(self, X: torch.Tensor, D: torch.Tensor, mask: torch.Tensor, lengths: list[int],
               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +74,7 @@ class PartDirections:
         if self.route == "dense":
             flat = per_sample_gradients(X, D, mask, dtype).flatten(1)
             return flat @ self.W.flatten(1).T, flat.pow(2).sum(1)
-        C = self.coefficients.to(X.device, dtype)
+        C = self.device_coefficients
         inner, norms2 = [], []
         for i, n in enumerate(lengths):
             x, d = X[i, :n].to(dtype), D[i, :n].to(dtype)

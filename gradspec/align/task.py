@@ -15,13 +15,21 @@ by their part's and by their model-wide norms); with it, one per example.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from gradspec.align.capture import PaddedBatchHooks
-from gradspec.align.directions import ROUTES, PartDirections, gram_norms2, per_sample_gradients, route_for
+from gradspec.align.directions import (
+    ROUTES,
+    PartDirections,
+    gram_norms2,
+    held_values,
+    per_sample_gradients,
+    route_for,
+)
 from gradspec.layers.targets import Part, Target
 
 log = logging.getLogger("gradspec")
@@ -65,57 +73,62 @@ class TaskGradients:
 
 
 class _Norms(PaddedBatchHooks):
-    """First pass: each example's ||G_j||^2 per part, from its Grams (no G formed)."""
+    """First pass: each example's ||G_j||^2 per part, from its Grams (no G formed), read once at the end."""
 
-    def __init__(self, targets, lengths, device, dtype, rows: list[int], norms2: dict[str, torch.Tensor]):
+    def __init__(self, targets, lengths, device, dtype, rows: list[int], norms2: dict[str, dict[int, torch.Tensor]]):
         super().__init__(targets, lengths, device)
         self.dtype, self.rows, self.norms2 = dtype, rows, norms2
 
     def on_part(self, part: Part, X: torch.Tensor, D: torch.Tensor) -> None:
         for k, (row, n) in enumerate(zip(self.rows, self.lengths, strict=True)):
-            self.norms2[part.name][row] = float(gram_norms2(X[k, :n].to(self.dtype), D[k, :n].to(self.dtype)))
+            self.norms2[part.name][row] = gram_norms2(X[k, :n].to(self.dtype), D[k, :n].to(self.dtype))
 
 
 class _Directions(PaddedBatchHooks):
-    """Second pass: dense parts accumulate W += C[:, rows] G(rows); cross parts keep the rows."""
+    """Second pass, over the kept examples only (another's NaN would spread through a sum even
+    at coefficient 0): dense parts accumulate W += C[:, rows] G(rows); cross parts keep the rows."""
 
-    def __init__(self, targets, lengths, device, dtype, rows: list[int], parts: dict[str, PartDirections],
-                 kept_rows: dict[str, list]):
+    def __init__(self, targets, lengths, device, dtype, rows: list[int], kept: torch.Tensor,
+                 parts: dict[str, PartDirections], kept_rows: dict[str, list]):
         super().__init__(targets, lengths, device)
-        self.dtype, self.rows, self.parts, self.kept_rows = dtype, rows, parts, kept_rows
+        self.dtype, self.parts, self.kept_rows = dtype, parts, kept_rows
+        self.batch_rows = [k for k, row in enumerate(rows) if kept[row]]
+        self.rows = [rows[k] for k in self.batch_rows]
 
     def on_part(self, part: Part, X: torch.Tensor, D: torch.Tensor) -> None:
         p = self.parts[part.name]
         if p.route == "dense":
-            G = per_sample_gradients(X, D, self.mask, self.dtype).flatten(1)  # (N, d_out d_in)
-            C = p.coefficients[:, self.rows].to(G.device, self.dtype)
-            p.W += (C @ G).view_as(p.W)
+            take = torch.tensor(self.batch_rows).to(X.device, non_blocking=True)
+            G = per_sample_gradients(X[take], D[take], self.mask[take], self.dtype).flatten(1)  # (n, d_out d_in)
+            p.W += (p.device_coefficients[:, self.rows] @ G).view_as(p.W)
             return
-        for k, (row, n) in enumerate(zip(self.rows, self.lengths, strict=True)):
-            self.kept_rows[part.name].append((row, X[k, :n].to(self.dtype), D[k, :n].to(self.dtype)))
+        for k, row in zip(self.batch_rows, self.rows, strict=True):
+            n = self.lengths[k]  # copies: a view would keep the whole padded (fused) tensor alive
+            x, d = X[k, :n].to(self.dtype, copy=True), D[k, :n].to(self.dtype, copy=True)
+            self.kept_rows[part.name].append((row, x, d))
 
 
 def collect_task(
     backward_pass: Pass, targets: list[Target], batches: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     aggregates: Sequence[str] | str = DEFAULT_AGGREGATES, dtype: torch.dtype = torch.float64, route: str = "auto",
+    budget_bytes: int | None = None,
 ) -> TaskGradients:
     """The task's directions from right-padded batches of its examples (in order: example j is the
-    j-th row over all batches). route: "auto" (route_for, per part), or "dense" or "cross" for all."""
+    j-th row over all batches). route: "auto" (route_for, per part, within budget_bytes of held
+    directions: default GRADSPEC_TASK_BYTES or 8 GiB), or "dense" or "cross" for all."""
     aggregates = check_aggregates(aggregates)
     if route not in ("auto", *ROUTES):
         raise ValueError(f"route must be 'auto', 'dense' or 'cross', got {route!r}")
     parts = [p for t in targets for p in t.parts]
     m = sum(len(b[0]) for b in batches)
-    device = batches[0][0].device if batches else "cpu"
-    norms2 = {p.name: torch.full((m,), float("nan"), dtype=torch.float64) for p in parts}
+    device = batches[0][0].device if batches else torch.device("cpu")
+    found: dict[str, dict[int, torch.Tensor]] = {p.name: {} for p in parts}
     usable = torch.zeros(m, dtype=torch.bool)
-    start = 0
-    for batch in batches:
-        rows = list(range(start, start + len(batch[0])))
-        start += len(rows)
-        lengths = batch[1].sum(1).cpu()
-        _, _, finite, _ = backward_pass([_Norms(targets, lengths, device, dtype, rows, norms2)], batch)
+    for rows, batch in _numbered(batches):
+        _, _, finite, _ = backward_pass([_Norms(targets, batch[1].sum(1).cpu(), device, dtype, rows, found)], batch)
         usable[rows] = finite.cpu()
+    norms2 = {name: torch.tensor([float(v[j]) if j in v else float("nan") for j in range(m)], dtype=torch.float64)
+              for name, v in found.items()}
     model_norms2 = torch.stack([norms2[p.name] for p in parts]).sum(0) if parts else torch.zeros(m)
     kept = usable & torch.isfinite(model_norms2) & (model_norms2 > 0)
     if not kept.any():
@@ -124,22 +137,28 @@ def collect_task(
     if not kept.all():
         log.warning("task examples %s have no usable gradient (no response tokens, non-finite or zero); "
                     "left out", torch.nonzero(~kept).flatten().tolist())
-    task_tokens = sum(int(b[1][k].sum()) for b in batches for k in range(len(b[0])))
-    directions = {p.name: _part_directions(p, norms2[p.name], model_norms2, kept, aggregates, task_tokens, dtype,
-                                           device, route) for p in parts}
+    task_tokens = sum(int(b[1][k].sum()) for rows, b in _numbered(batches) for k, j in enumerate(rows) if kept[j])
+    coefficients = {p.name: _coefficients(norms2[p.name], model_norms2, kept, aggregates) for p in parts}
+    routes = _routes(parts, {n: len(c) for n, c in coefficients.items()}, task_tokens, route,
+                     torch.finfo(dtype).bits // 8, budget_bytes)
+    directions = {}
+    for p in parts:
+        C = coefficients[p.name]
+        d = directions[p.name] = PartDirections(routes[p.name], C, norms2[p.name],
+                                                device_coefficients=C.to(device, dtype))
+        if d.route == "dense":
+            d.W = torch.zeros(len(C), p.d_out, p.d_in, dtype=dtype, device=device)
     kept_rows: dict[str, list] = {name: [] for name, d in directions.items() if d.route == "cross"}
-    start = 0
-    for batch in batches:
-        rows = list(range(start, start + len(batch[0])))
-        start += len(rows)
-        lengths = batch[1].sum(1).cpu()
-        backward_pass([_Directions(targets, lengths, device, dtype, rows, directions, kept_rows)], batch)
+    for rows, batch in _numbered(batches):
+        if kept[rows].any():
+            backward_pass([_Directions(targets, batch[1].sum(1).cpu(), device, dtype, rows, kept, directions,
+                                       kept_rows)], batch)
+    mean = (kept.double() / int(kept.sum())).to(device, dtype)
     for name, d in directions.items():
         if d.route == "cross":
-            rows = [r for r in kept_rows[name] if kept[r[0]]]
+            rows = kept_rows[name]
             d.X, d.D = torch.cat([x for _, x, _ in rows]), torch.cat([dd for _, _, dd in rows])
-            d.owner = torch.cat([torch.full((len(x),), j, dtype=torch.long) for j, x, _ in rows]).to(d.X.device)
-            mean = (kept.double() / int(kept.sum())).to(d.X.device, dtype)
+            d.owner = torch.cat([torch.full((len(x),), j, dtype=torch.long) for j, x, _ in rows]).to(device)
             d.mean_norm2 = float(mean @ d.task_inner() @ mean)
         elif "max" in aggregates:
             d.mean_norm2 = float(d.W.mean(0).pow(2).sum())
@@ -148,25 +167,53 @@ def collect_task(
     return TaskGradients(aggregates, directions, kept, model_norms2)
 
 
-def _part_directions(part: Part, norms2: torch.Tensor, model_norms2: torch.Tensor, kept: torch.Tensor,
-                     aggregates: tuple[str, ...], task_tokens: int, dtype: torch.dtype, device, route: str,
-                     ) -> PartDirections:
-    """The coefficients C (K, m): one row per kept example with "max"; else the mean gradient and the
-    means of the examples' gradients over their part's norm (zero-norm examples out) and over their
-    model-wide norm."""
+def _numbered(batches: Sequence[tuple[torch.Tensor, ...]]):
+    """(example numbers, batch) for each batch: example j is the j-th row over all batches."""
+    start = 0
+    for batch in batches:
+        yield list(range(start, start + len(batch[0]))), batch
+        start += len(batch[0])
+
+
+def _coefficients(norms2: torch.Tensor, model_norms2: torch.Tensor, kept: torch.Tensor,
+                  aggregates: tuple[str, ...]) -> torch.Tensor:
+    """C (K, m), fp64: one row per kept example with "max"; else the mean gradient, and the means of
+    the examples' gradients over their part's norm (zero-norm examples out: NaN where none is left)
+    and over their model-wide norm."""
     m = len(norms2)
     if "max" in aggregates:
-        C = torch.eye(m, dtype=torch.float64)[kept]
-    else:
-        in_part = kept & (norms2 > 0)
-        C = torch.stack([
-            kept.double() / int(kept.sum()),
-            torch.where(in_part, 1 / (max(int(in_part.sum()), 1) * norms2.sqrt()), 0.0),  # fp64: norms2's
-            torch.where(kept, 1 / (int(kept.sum()) * model_norms2.sqrt()), 0.0),
-        ])
-    if route == "auto":
-        route = route_for(part.d_in, part.d_out, task_tokens, C.shape[0])
-    d = PartDirections(route, C, norms2)
-    if route == "dense":
-        d.W = torch.zeros(C.shape[0], part.d_out, part.d_in, dtype=dtype, device=device)
-    return d
+        return torch.eye(m, dtype=torch.float64)[kept]
+    in_part = kept & (norms2 > 0)
+    count = int(in_part.sum())
+    return torch.stack([
+        kept.double() / int(kept.sum()),
+        torch.where(in_part, 1 / (count * norms2.sqrt()), 0.0) if count else torch.full((m,), torch.nan,
+                                                                                           dtype=torch.float64),
+        torch.where(kept, 1 / (int(kept.sum()) * model_norms2.sqrt()), 0.0),
+    ])
+
+
+def _routes(parts: list[Part], directions: dict[str, int], task_tokens: int, route: str, itemsize: int,
+            budget_bytes: int | None) -> dict[str, str]:
+    """Each part's route: the one given, or the cheaper one, moved to cross part by part where that
+    holds less (those that save the most first) while the directions would not fit in the budget."""
+    if route != "auto":
+        return {p.name: route for p in parts}
+    budget = budget_bytes if budget_bytes is not None else int(os.environ.get("GRADSPEC_TASK_BYTES", 8 * 2**30))
+    routes = {p.name: route_for(p.d_in, p.d_out, task_tokens, directions[p.name]) for p in parts}
+
+    def held(p: Part, r: str) -> int:
+        return held_values(r, p.d_in, p.d_out, task_tokens, directions[p.name]) * itemsize
+
+    total = sum(held(p, routes[p.name]) for p in parts)
+    for p in sorted((p for p in parts if routes[p.name] == "dense" and held(p, "cross") < held(p, "dense")),
+                    key=lambda p: held(p, "cross") - held(p, "dense")):
+        if total <= budget:
+            break
+        total += held(p, "cross") - held(p, "dense")
+        routes[p.name] = "cross"
+    if total > budget:
+        raise ValueError(f"the task's directions would hold {total / 2**30:.1f} GiB (budget {budget / 2**30:.1f} "
+                         "GiB, GRADSPEC_TASK_BYTES): use fewer or shorter task examples, fewer modules, no 'max' "
+                         "aggregate, or a projected store (gradspec project, align --store)")
+    return routes

@@ -17,8 +17,23 @@ def add_parser(sub) -> None:
                         "the mean and the max of the cosines with each example's (max keeps one gradient per "
                         "example and module)")
     p.add_argument("--spectra", action="store_true", help="also the spectral metrics, in the same pass")
+    p.add_argument("--store", help="a store from `gradspec project` instead of --data: only the task goes through "
+                                   "the model; the cosines are those of the projected gradients (estimates)")
     score.add_run_arguments(p, "alignment.parquet")
 
 
 def run(args: argparse.Namespace) -> int:
-    return score.run(args, task=args.target, aggregate=args.aggregate, spectra=args.spectra)
+    if args.store is None:
+        return score.run(args, task=args.target, aggregate=args.aggregate, spectra=args.spectra)
+    from gradspec.runs.store_query import query_store
+
+    given = [flag for flag, value in (("--data", args.data), ("--model", args.model), ("--spectra", args.spectra),
+                                      ("--resume", args.resume), ("--shard", args.shard), ("--limit", args.limit))
+             if value]
+    if given:
+        raise ValueError(f"--store takes the pool, model and settings from the store; drop {', '.join(given)}")
+    statuses = query_store(args.store, args.target, args.out, args.aggregate, device=args.device,
+                           batch_tokens=args.batch_tokens, overwrite=args.overwrite,
+                           trust_remote_code=args.trust_remote_code)
+    print(f"wrote {sum(statuses.values())} rows to {args.out}: {dict(statuses)}")
+    return 0

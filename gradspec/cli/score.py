@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from gradspec.align.task import check_aggregates
 from gradspec.data.batching import BATCH_TOKENS
 from gradspec.data.models import DTYPES
 from gradspec.data.readers import ON_ERROR, Fields
@@ -72,12 +73,14 @@ def add_run_arguments(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def run(args: argparse.Namespace, task: str | None = None, aggregate: str = "", spectra: bool = True) -> int:
+def run(args: argparse.Namespace, task: str | None = None, aggregate: str = "", spectra: bool = True,
+        project: int = 0) -> int:
     config = ScoreConfig(
         args.data, args.model, args.template, args.modules, args.max_length, args.dtype, args.method, args.rank,
         args.seed, args.classic, args.save_spectra,
         Fields(args.instruction_field, args.input_field, args.output_field, args.messages_field),
-        args.limit, args.chunk_rows, args.precision, task, aggregate or ScoreConfig.aggregate, spectra,
+        args.limit, args.chunk_rows, args.precision, task,
+        ",".join(check_aggregates(aggregate)) if aggregate else ScoreConfig.aggregate, spectra, project,
     )
     statuses = run_scoring(
         config, args.out, device=args.device, backend=args.backend, batch_tokens=args.batch_tokens,

@@ -20,6 +20,7 @@ from torch import nn
 
 from gradspec.align.capture import AlignmentCapture
 from gradspec.align.cosines import cosines
+from gradspec.align.projection import KroneckerProjection, ProjectionCapture
 from gradspec.align.task import DEFAULT_AGGREGATES, TaskGradients, collect_task
 from gradspec.engine.capture import BatchCapture, LowRankSketch
 from gradspec.engine.loss import check_head_shortcut, response_losses
@@ -42,6 +43,7 @@ class BatchScores:
     spectra: dict[str, list[np.ndarray]] = field(default_factory=dict)
     token_stats: dict[str, torch.Tensor] = field(default_factory=dict)  # see response_losses
     alignment: dict[str, torch.Tensor] = field(default_factory=dict)  # whole-model cosines, (N,) each
+    projection: torch.Tensor | None = None  # (N, dims) fp32: gradspec.align.projection's, parts in order
 
     def status(self, i: int) -> str:
         return ";".join(sorted(self.flags[i])) or "ok"
@@ -57,12 +59,13 @@ class SpectralEngine:
         self, model: nn.Module, modules: str | list[str] = "attn",
         backend: str = "auto", keep_spectra: bool = False,
         method: str = "exact", rank: int = 64, power_iters: int = 2, seed: int = 0, token_stats: bool = False,
-        precision: str = "fp64", force: dict[str, str] | None = None, spectra: bool = True,
+        precision: str = "fp64", force: dict[str, str] | None = None, spectra: bool = True, project: int = 0,
     ) -> None:
         """method="lowrank" approximates the top `rank` singular values (see gradspec.linalg.lowrank);
         token_stats adds each sample's mean predictive entropy and token accuracy; precision and
         force (a path per stage) are gradspec.linalg.policy's, and ``policy.describe()`` says what ran.
-        spectra=False leaves the spectral metrics out (for alignment alone: see set_task)."""
+        spectra=False leaves the spectral metrics out (for alignment alone: see set_task); project=k
+        adds each sample's gradient under a seeded k x k Kronecker projection per part (a store's rows)."""
         if method not in ("exact", "lowrank"):
             raise ValueError(f"method must be 'exact' or 'lowrank', got {method!r}")
         self.model = model
@@ -74,6 +77,7 @@ class SpectralEngine:
         self.spectra = spectra
         self.token_stats = token_stats
         self.task: TaskGradients | None = None
+        self.projection = KroneckerProjection(self.parts, project, project, seed) if project else None
         self._eigen_worker: ThreadPoolExecutor | None = None
 
     @property
@@ -154,8 +158,10 @@ class SpectralEngine:
             captures.append(BatchCapture(self.targets, lengths, self.policy, self.sketch, self.spectral_names,
                                          device=input_ids.device))
         if self.task is not None:
-            captures.append(AlignmentCapture(self.targets, lengths, input_ids.device, self.task.parts,
-                                             self.policy.dtype))
+            captures.append(AlignmentCapture(self.targets, lengths, input_ids.device, self.task, self.policy.dtype))
+        if self.projection is not None:
+            captures.append(ProjectionCapture(self.targets, lengths, input_ids.device, self.projection,
+                                              self.policy.dtype))
         return (captures, *self.backward_pass(captures, (input_ids, attention_mask, labels)))
 
     def _finish(
@@ -168,18 +174,25 @@ class SpectralEngine:
         metrics: dict[str, torch.Tensor] = {}
         spectra: dict[str, list[np.ndarray]] = {}
         alignment: dict[str, torch.Tensor] = {}
+        projection = None
         for capture in captures:
             if isinstance(capture, BatchCapture):
                 try:
                     metrics, spectra = capture.reduce(finite, flags, self.keep_spectra)
                 finally:
                     capture.release()
-            else:
-                per_part, model = cosines(self.task, capture.results)
-                per_part, model = _flag_alignment(per_part, model, finite, flags)
-                metrics = {p: torch.cat([metrics[p], v], 1) if p in metrics else v for p, v in per_part.items()}
-                alignment = dict(zip(self.task.metric_names, model.unbind(1), strict=True))
-        return BatchScores(loss, count, flags, metrics, spectra, stats, alignment)
+                continue
+            try:
+                if isinstance(capture, ProjectionCapture):
+                    projection = torch.where(finite[:, None], capture.vectors(), torch.nan)
+                    continue
+                per_part, model = cosines(capture.task, capture.kept, len(loss))
+            finally:
+                capture.release()
+            per_part, model = _flag_alignment(per_part, model, finite, flags)
+            metrics = {p: torch.cat([metrics[p], v], 1) if p in metrics else v for p, v in per_part.items()}
+            alignment = dict(zip(capture.task.metric_names, model.unbind(1), strict=True))
+        return BatchScores(loss, count, flags, metrics, spectra, stats, alignment, projection)
 
 
 def _flag_alignment(per_part: dict[str, torch.Tensor], model: torch.Tensor, finite: torch.Tensor,

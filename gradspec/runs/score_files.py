@@ -19,6 +19,7 @@ from gradspec.linalg.metrics import METRICS, metrics_dict
 
 BASE_COLUMNS = ("index", "status", "error", "loss", "num_tokens", "num_response_tokens")
 SPECTRA = "singular_values"
+PROJECTION = "projected_gradient"  # a store's column: gradspec.align.projection's values, fp32
 METADATA_KEY = b"gradspec"
 
 
@@ -50,7 +51,8 @@ def module_mean(frame: pd.DataFrame, metric: str) -> pd.Series:
 
 def carried_name(name: str) -> str:
     """Input columns keep their name unless it would clash with ours."""
-    return f"input_{name}" if name in BASE_COLUMNS or "/" in name else name
+    ours = name in BASE_COLUMNS or name == PROJECTION or name.startswith("align_") or "/" in name
+    return f"input_{name}" if ours else name
 
 
 def file_metadata(parts: list[Part], metrics: tuple[str, ...], run_info: dict[str, Any]) -> dict[str, Any]:

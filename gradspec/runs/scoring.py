@@ -28,7 +28,15 @@ from gradspec.data.templates import check_response_tokens, tokenize
 from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
 from gradspec.runs.run_folder import CHUNK_ROWS, INPUT_ERROR, RunFolder, Shard
-from gradspec.runs.score_files import SPECTRA, carried_name, column, file_metadata, metric_columns, read_scores
+from gradspec.runs.score_files import (
+    PROJECTION,
+    SPECTRA,
+    carried_name,
+    column,
+    file_metadata,
+    metric_columns,
+    read_scores,
+)
 from gradspec.runs.task_set import task_batches
 
 log = logging.getLogger("gradspec")
@@ -168,6 +176,11 @@ def _fill_scores(row: dict[str, Any], result: BatchScores | None, k: int, names:
         row[column(name, SPECTRA)] = sigmas[k].tolist()
     row.update({name: float(values[k]) for name, values in result.token_stats.items()})
     row.update({name: float(values[k]) for name, values in result.alignment.items()})
+    if result.projection is not None:
+        if bool(torch.isfinite(result.projection[k]).all()):
+            row[PROJECTION] = result.projection[k].numpy()
+        elif not {"no_response_tokens", "nonfinite_loss"} & set(row["status"].split(";")):
+            row["status"] = "nonfinite_gradient" if row["status"] == "ok" else row["status"] + ";nonfinite_gradient"
 
 
 def _fill(row: dict[str, Any], engine: SpectralEngine) -> dict[str, Any]:
@@ -178,6 +191,8 @@ def _fill(row: dict[str, Any], engine: SpectralEngine) -> dict[str, Any]:
     if engine.task is not None:
         for name in engine.task.metric_names:
             row.setdefault(name, math.nan)
+    if engine.projection is not None:
+        row.setdefault(PROJECTION, None)
     for name in engine.part_names:
         for m in engine.metric_names:
             row.setdefault(column(name, m), math.nan)
@@ -208,6 +223,7 @@ class ScoreConfig:
     task: str | None = None  # a task file: add the cosines of each sample's gradient with its examples'
     aggregate: str = ",".join(DEFAULT_AGGREGATES)
     spectra: bool = True
+    project: int = 0  # k: store each sample's gradient under a k x k Kronecker projection per part
 
     def describe(self) -> dict[str, Any]:
         """The manifest and file metadata: the config, the input files' sizes and the version."""
@@ -219,9 +235,15 @@ class ScoreConfig:
                 info[key] = str(Path(path).resolve())
                 info[f"{key}_bytes"] = Path(path).stat().st_size if Path(path).is_file() else None
         if self.method != "lowrank":
-            del info["rank"], info["seed"]
+            del info["rank"]
+        if self.method != "lowrank" and not self.project:
+            del info["seed"]
+        if not self.project:
+            del info["project"]
         if self.task is None:  # a spectra run describes itself as before alignment existed
-            del info["task"], info["aggregate"], info["spectra"]
+            del info["task"], info["aggregate"]
+        if self.task is None and not self.project:
+            del info["spectra"]
         return info
 
     def records(self) -> int:
@@ -235,12 +257,12 @@ class ScoreConfig:
 
 def _engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: bool,
             batch_tokens: int = BATCH_TOKENS):
-    if not config.spectra and config.task is None:
-        raise ValueError("nothing to compute: spectra are off and no task file is given")
+    if not config.spectra and config.task is None and not config.project:
+        raise ValueError("nothing to compute: spectra are off, and neither a task file nor a projection is given")
     net, tokenizer = load_model(config.model, device, config.dtype, trust_remote_code)
     engine = SpectralEngine(net, config.modules, backend=backend, keep_spectra=config.save_spectra,
                             precision=config.precision, method=config.method, rank=config.rank, seed=config.seed,
-                            token_stats=config.classic, spectra=config.spectra)
+                            token_stats=config.classic, spectra=config.spectra, project=config.project)
     if config.task is not None:
         batches = task_batches(config.task, tokenizer, config.fields, config.template, config.max_length,
                                batch_tokens, next(net.parameters()).device)
@@ -292,6 +314,8 @@ def run(
         total = sum(min(config.chunk_rows, records - start) for start in range(0, records, config.chunk_rows)
                     if wanted(start))  # rows of the chunks this process will score
         metadata = file_metadata(engine.parts, engine.metric_names, info)
+        if engine.projection is not None:
+            metadata["projection"] = engine.projection.describe()
         if engine.task is not None:
             metadata["task_examples"] = {"kept": int(engine.task.kept.sum()), "rows": count_records(config.task)}
         statuses = score_samples(
@@ -315,7 +339,7 @@ def score(
     trust_remote_code: bool = False, overwrite: bool = False, resume: bool = False, method: str = "exact",
     rank: int = 64, seed: int = 0, classic: bool = False, on_error: str = "fail", chunk_rows: int = CHUNK_ROWS,
     precision: str = "fp64", task: str | Path | None = None, aggregate: str | list[str] = DEFAULT_AGGREGATES,
-    spectra: bool = True,
+    spectra: bool = True, project: int = 0,
 ) -> pd.DataFrame:
     """Scores a dataset file (default: HumanEval) with a model (default: SmolLM2-135M-Instruct).
 
@@ -323,13 +347,14 @@ def score(
     Parquet file chunk by chunk (see ``run``: resume, shards, torchrun) and read back at the end.
     With ``task`` (a file of examples of the task one cares about), each row also gets the cosines of
     its gradient with the task's ("align_<aggregate>" per module and over the whole scored model);
-    spectra=False leaves the spectral metrics out.
+    spectra=False leaves the spectral metrics out; project=k stores each sample's gradient under a
+    k x k Kronecker projection per module (column projected_gradient: a store for `gradspec align --store`).
     """
     config = ScoreConfig(
         None if data is None else str(data), model, template,
         modules if isinstance(modules, str) else ",".join(modules), max_length, dtype, method, rank, seed,
         classic, save_spectra, fields, limit, chunk_rows, precision, None if task is None else str(task),
-        ",".join(check_aggregates(aggregate)), spectra,
+        ",".join(check_aggregates(aggregate)), spectra, project,
     )
     settings = {"device": device, "backend": backend, "batch_tokens": batch_tokens, "progress": progress,
                 "trust_remote_code": trust_remote_code}

@@ -75,8 +75,7 @@ def test_cli_align_spectra_resume_and_select(tmp_path, tiny_model_dir, capsys):
     assert {f"{q}/effective_rank", f"{q}/align_mean", "align_mean", "align_mean_gradient"} <= set(first.columns)
     assert main(args) == 2 and "exists" in capsys.readouterr().err  # neither --overwrite nor --resume
     half = tmp_path / "half.parquet"
-    halves = [*args[:-1], str(2)]
-    halves[halves.index(str(out))] = str(half)
+    halves = [str(half) if a == str(out) else a for a in args]
     assert main([*halves, "--shard", "0/2"]) == 0 and not half.exists()  # chunks 0 and 2 of 0..2
     other = _write_jsonl(tmp_path / "other.jsonl", TASK[:1])
     changed = [*halves, "--resume"]

@@ -5,36 +5,14 @@ import logging
 
 import pytest
 import torch
-from conftest import padded_batch, random_sequences, tiny_model
+from conftest import materialised_gradients, padded_batch, random_sequences, tiny_model
 
-from gradspec.engine.loss import response_loss_per_sample
 from gradspec.engine.spectral_engine import SpectralEngine
-from gradspec.layers.targets import select_targets
 
 VOCAB = 500
 POOL = [5, 17, 40, 90]
 TASK = [7, 30, 12]
 ALL = ("mean_gradient", "mean", "max")
-
-
-def materialised(model, sequences, modules) -> list[dict[str, torch.Tensor]]:
-    """Each sample's parameter gradient per part, by a backward of its own loss alone."""
-    targets = select_targets(model, modules)
-    out = []
-    for ids, labels in sequences:
-        model.requires_grad_(False)
-        for t in targets:
-            t.module.weight.requires_grad_(True)
-            t.module.weight.grad = None
-        loss, _ = response_loss_per_sample(model(input_ids=ids[None], use_cache=False).logits, labels[None])
-        loss.sum().backward()
-        grads = {}
-        for t in targets:
-            w = t.module.weight.grad.T if t.transposed else t.module.weight.grad
-            grads.update({p.name: w[p.start : p.start + p.d_out].double().clone() for p in t.parts})
-        out.append(grads)
-    model.requires_grad_(False)
-    return out
 
 
 def expected_cosines(pool, task, names) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -62,8 +40,8 @@ def test_cosines_equal_those_of_materialised_gradients(kind, route):
         assert {d.route for d in engine.task.parts.values()} == {route}
         scores = engine.score(*padded_batch(pool))
         if want_parts is None:
-            want_parts, want_model = expected_cosines(materialised(model, pool, "all"),
-                                                      materialised(model, task, "all"), engine.part_names)
+            want_parts, want_model = expected_cosines(materialised_gradients(model, pool, "all"),
+                                                      materialised_gradients(model, task, "all"), engine.part_names)
         columns = [ALL.index(a) for a in aggregates]
         assert engine.metric_names == tuple(f"align_{a}" for a in aggregates)
         for name in engine.part_names:
@@ -117,28 +95,84 @@ def test_spectra_and_alignment_in_one_pass_equal_each_alone():
     assert all(torch.equal(together.alignment[k], v) for k, v in alignment_alone.alignment.items())
 
 
-def test_unusable_examples_are_left_out_and_unscored_samples_flagged(caplog):
+@pytest.mark.parametrize("route", ["dense", "cross"])
+def test_unusable_examples_are_left_out_and_unscored_samples_flagged(caplog, route):
+    """A task example without response tokens, and one whose forward overflows (NaN inputs to every
+    later layer: a NaN times a zero coefficient would still spread), are left out; the pool's
+    cosines are those of the task without them. Pool rows without a loss are NaN and flagged."""
     model = tiny_model("llama", vocab=VOCAB).double()
-    task = random_sequences(TASK, VOCAB, seed=7)
+    task = random_sequences([7, 30, 12, 9], VOCAB, seed=7)
     silent = (task[1][0], torch.full_like(task[1][1], -100))  # no response tokens
-    engine = SpectralEngine(model, "attn", spectra=False)
-    with caplog.at_level(logging.WARNING, logger="gradspec"):
-        engine.set_task([padded_batch([task[0], silent, task[2]])], ALL)
-    assert "[1]" in caplog.text and engine.task.kept.tolist() == [True, False, True]
+    engine = SpectralEngine(model, "all", spectra=False)
+
+    def overflow(module, args, output):  # the fourth example's forward turns NaN (not the head check's)
+        if len(output) < 4:
+            return output
+        output = output.clone()
+        output[3] = torch.nan
+        return output
+
+    hook = model.get_input_embeddings().register_forward_hook(overflow)
+    try:
+        with caplog.at_level(logging.WARNING, logger="gradspec"):
+            engine.set_task([padded_batch([task[0], silent, task[2], task[3]])], ALL, route=route)
+    finally:
+        hook.remove()
+    assert "[1, 3]" in caplog.text and engine.task.kept.tolist() == [True, False, True, False]
     pool = random_sequences([9, 14], VOCAB, seed=8)
     pool[1] = (pool[1][0], torch.full_like(pool[1][1], -100))
     scores = engine.score(*padded_batch(pool))
-    reference = SpectralEngine(model, "attn", spectra=False)
-    reference.set_task([padded_batch([task[0], task[2]])], ALL)
-    want = reference.score(*padded_batch(pool[:1]))
+    clean = SpectralEngine(model, "all", spectra=False)
+    clean.set_task([padded_batch([task[0], task[2]])], ALL, route=route)
+    want = clean.score(*padded_batch(pool[:1]))
     for name, values in want.metrics.items():
         torch.testing.assert_close(scores.metrics[name][:1], values, rtol=1e-10, atol=1e-12)
+    for name, values in want.alignment.items():
+        torch.testing.assert_close(scores.alignment[name][:1], values, rtol=1e-10, atol=1e-12)
     assert scores.status(0) == "ok" and scores.status(1) == "no_response_tokens"
     assert all(torch.isnan(v[1]).all() for v in scores.metrics.values())
+    assert all(torch.isnan(v[1]) for v in scores.alignment.values())
     with pytest.raises(ValueError, match="none of the 1 task examples"):
         engine.set_task([padded_batch([silent])])
     with pytest.raises(ValueError, match="--aggregate takes"):
         engine.set_task([padded_batch(task)], "median")
+
+
+def test_a_batch_without_any_loss_gives_nan_not_an_error():
+    model = tiny_model("llama", vocab=VOCAB)
+    engine = SpectralEngine(model, "attn", spectra=False, project=3)
+    engine.set_task([padded_batch(random_sequences(TASK, VOCAB))], ALL)
+    ids, labels = random_sequences([8], VOCAB)[0]
+    scores = engine.score(*padded_batch([(ids, torch.full_like(labels, -100))]))
+    assert scores.status(0) == "no_response_tokens"
+    assert all(torch.isnan(v).all() for v in scores.metrics.values())
+    assert all(torch.isnan(v).all() for v in scores.alignment.values()) and torch.isnan(scores.projection).all()
+
+
+def test_directions_that_would_not_fit_move_to_the_cross_route_or_stop():
+    """Eight short examples with "max": one 64 x 64 matrix per example and part on the dense route
+    (the cheaper in operations), more than their 80 rows on the cross one. Half the budget moves
+    parts to cross, with the same cosines; a budget nothing fits in stops with the estimate."""
+    model = tiny_model("llama", vocab=VOCAB).double()
+    task = [padded_batch(random_sequences([10] * 8, VOCAB, seed=9))]
+    pool = padded_batch(random_sequences(POOL, VOCAB, seed=10))
+    engine = SpectralEngine(model, "all", spectra=False)
+    dense = engine.set_task(task, ALL)
+    assert {d.route for d in dense.parts.values()} == {"dense"}
+    want = engine.score(*pool)
+    held = sum(d.W.numel() for d in dense.parts.values()) * 8
+    from gradspec.align.task import collect_task
+
+    engine.task = collect_task(engine.backward_pass, engine.targets, task, ALL, budget_bytes=held // 2)
+    routes = [d.route for d in engine.task.parts.values()]
+    assert "cross" in routes and "dense" in routes
+    assert sum(d.W.numel() * 8 if d.route == "dense" else (d.X.numel() + d.D.numel()) * 8
+               for d in engine.task.parts.values()) <= held // 2
+    got = engine.score(*pool)
+    for name, values in want.metrics.items():
+        torch.testing.assert_close(got.metrics[name], values, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="GRADSPEC_TASK_BYTES"):
+        collect_task(engine.backward_pass, engine.targets, task, ALL, budget_bytes=1000)
 
 
 def test_the_model_is_left_as_it_was_found():
@@ -148,3 +182,27 @@ def test_the_model_is_left_as_it_was_found():
     engine.set_task([padded_batch(random_sequences(TASK, VOCAB))])
     engine.score(*padded_batch(random_sequences(POOL, VOCAB)))
     assert model.training and all(p.requires_grad and p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("route", ["dense", "cross"])
+def test_smollm2_cosines_equal_those_of_materialised_gradients(smol, route):
+    """Real weights (fp32): HumanEval 0-2 against 3-4, two layers' attention and MLP; the tolerance
+    is the fp32 parameter gradients' rounding, not ours (ours are fp64 from the same X and D)."""
+    from gradspec.data.readers import humaneval_samples
+    from gradspec.data.templates import tokenize
+
+    model, tok = smol
+    modules = "*.layers.3.self_attn.*,*.layers.29.*"
+    seqs = [(torch.tensor(t.input_ids), torch.tensor(t.labels))
+            for t in (tokenize(s.messages, tok, "plain", 2048) for s in humaneval_samples(5))]
+    pool, task = seqs[:3], seqs[3:]
+    engine = SpectralEngine(model, modules, spectra=False)
+    engine.set_task([padded_batch(task, tok.pad_token_id)], ALL, route=route)
+    scores = engine.score(*padded_batch(pool, tok.pad_token_id))
+    want_parts, want_model = expected_cosines(materialised_gradients(model, pool, modules),
+                                              materialised_gradients(model, task, modules), engine.part_names)
+    assert len(engine.part_names) == 11
+    for name in engine.part_names:
+        torch.testing.assert_close(scores.metrics[name], want_parts[name], rtol=1e-4, atol=1e-6)
+    got_model = torch.stack([scores.alignment[f"align_{a}"] for a in ALL], 1)
+    torch.testing.assert_close(got_model, want_model, rtol=1e-4, atol=1e-6)

@@ -1,0 +1,128 @@
+"""Aligning a stored pool with a task: the pool's projected gradients are read from a store (a
+score file with a projected_gradient column, from `gradspec project`), only the task's go through
+the model. Streamed in row batches, so a store need not fit in memory."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from gradspec.align.cosines import projected_cosines
+from gradspec.align.projection import ProjectionCapture
+from gradspec.align.task import DEFAULT_AGGREGATES, alignment_metrics, check_aggregates
+from gradspec.data.batching import BATCH_TOKENS
+from gradspec.data.models import load_model
+from gradspec.data.readers import Fields
+from gradspec.engine.spectral_engine import SpectralEngine
+from gradspec.runs.score_files import METADATA_KEY, PROJECTION, atomic_write, column, read_metadata
+from gradspec.runs.task_set import task_batches
+
+READ_ROWS = 4096  # store rows per streamed batch
+
+
+def store_engine(meta: dict[str, Any], store: str | Path, device: str, trust_remote_code: bool):
+    """(engine, tokenizer): the model and projection the store was written with (its metadata says which)."""
+    projection = meta.get("projection")
+    if not projection:
+        raise ValueError(f"{store} holds no projected gradients; write a store with `gradspec project`")
+    model, tokenizer = load_model(meta["model"], device, meta.get("dtype", "float32"), trust_remote_code)
+    engine = SpectralEngine(model, meta["modules"], spectra=False, project=projection["k_in"],
+                            seed=projection["seed"], precision=meta.get("precision", "fp64"))
+    if engine.projection.describe() != projection:
+        raise ValueError(f"{store}: the model's scored parts differ from the store's ({meta['model']}, modules "
+                         f"{meta['modules']}); was the model changed since?")
+    return engine, tokenizer
+
+
+def task_vectors(engine: SpectralEngine, batches: list) -> torch.Tensor:
+    """(m, dims): the projected gradient of each task example that has a usable one (a loss, a
+    finite nonzero projection), as the store's were made."""
+    vectors = []
+    for batch in batches:
+        capture = ProjectionCapture(engine.targets, batch[1].sum(1).cpu(), batch[0].device, engine.projection,
+                                    engine.policy.dtype)
+        _, _, finite, _ = engine.backward_pass([capture], batch)
+        v = capture.vectors()
+        capture.release()
+        vectors.append(v[finite & torch.isfinite(v).all(1) & (v.abs().sum(1) > 0)])
+    found = torch.cat(vectors)
+    if not len(found):
+        raise ValueError("no task example has a usable projected gradient (response tokens, a finite nonzero "
+                         "gradient): check the task file and the template")
+    return found
+
+
+def query_store(
+    store: str | Path, task: str | Path, out: str | Path, aggregate: str | list[str] = DEFAULT_AGGREGATES, *,
+    device: str = "cpu", batch_tokens: int = BATCH_TOKENS, overwrite: bool = False, trust_remote_code: bool = False,
+) -> Counter[str]:
+    """Writes out: the store's rows (index, status, loss, lengths, carried columns) with the projected
+    cosines per part and over the model; returns the count of each status."""
+    aggregates = check_aggregates(aggregate)
+    if Path(out).exists() and not overwrite:
+        raise FileExistsError(f"{out} exists; pass --overwrite or choose another --out")
+    meta = read_metadata(store)
+    engine, tokenizer = store_engine(meta, store, device, trust_remote_code)
+    fields = Fields(**meta.get("fields", {}))
+    batches = task_batches(task, tokenizer, fields, meta.get("template", "plain"),
+                           meta.get("max_length", 2048), batch_tokens, next(engine.model.parameters()).device)
+    task_values = task_vectors(engine, batches)
+    names = [p.name for p in engine.projection.parts]
+    metrics = alignment_metrics(aggregates)
+    reader = pq.ParquetFile(store)
+    kept = [f.name for f in reader.schema_arrow if f.name != PROJECTION and "/" not in f.name
+            and not f.name.startswith("align_")]
+    statuses: Counter[str] = Counter()
+    info = {**meta, "metrics": list(metrics), "task": str(Path(task).resolve()), "aggregate": ",".join(aggregates),
+            "store": str(Path(store).resolve()), "task_examples": {"kept": len(task_values)},
+            "estimate": f"cosines of Kronecker-projected gradients (k_in = k_out = {meta['projection']['k_in']})"}
+    schema = None
+
+    def write(f) -> None:
+        nonlocal schema
+        writer = None
+        for batch in reader.iter_batches(batch_size=READ_ROWS):
+            table = _aligned(batch, kept, names, metrics, task_values, aggregates)
+            statuses.update(table["status"].to_pylist())
+            if writer is None:
+                schema = table.schema.with_metadata({METADATA_KEY: json.dumps(info).encode()})
+                writer = pq.ParquetWriter(f, schema)
+            writer.write_table(table.cast(schema))
+        if writer is not None:
+            writer.close()
+
+    atomic_write(out, write)
+    return statuses
+
+
+def _aligned(batch: pa.RecordBatch, kept: list[str], names: list[str], metrics: tuple[str, ...],
+             task_values: torch.Tensor, aggregates: tuple[str, ...]) -> pa.Table:
+    values = batch.column(PROJECTION)
+    present = ~np.asarray(values.is_null().to_numpy(zero_copy_only=False), dtype=bool)
+    dims = task_values.shape[1]
+    pool = torch.full((len(batch), dims), math.nan, dtype=torch.float64)
+    if present.any():
+        flat = values.filter(pa.array(present)).flatten().to_numpy(zero_copy_only=False)
+        pool[torch.from_numpy(present)] = torch.from_numpy(np.asarray(flat, dtype=np.float64).reshape(-1, dims))
+    per_part, model = projected_cosines(pool, task_values, names, aggregates)
+    columns = {name: batch.column(name) for name in kept}
+    undefined = torch.from_numpy(present) & torch.isnan(model).any(1)
+    for v in per_part.values():
+        undefined |= torch.from_numpy(present) & torch.isnan(v).any(1)
+    columns["status"] = pa.array([("alignment_undefined" if s == "ok" else f"{s};alignment_undefined") if u else s
+                                  for s, u in zip(batch.column("status").to_pylist(), undefined.tolist(), strict=True)])
+    for k, metric in enumerate(metrics):
+        columns[metric] = pa.array(model[:, k].numpy())
+    for name, v in per_part.items():
+        for k, metric in enumerate(metrics):
+            columns[column(name, metric)] = pa.array(v[:, k].numpy())
+    return pa.table(columns)
+
