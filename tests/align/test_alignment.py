@@ -206,3 +206,37 @@ def test_smollm2_cosines_equal_those_of_materialised_gradients(smol, route):
         torch.testing.assert_close(scores.metrics[name], want_parts[name], rtol=1e-4, atol=1e-6)
     got_model = torch.stack([scores.alignment[f"align_{a}"] for a in ALL], 1)
     torch.testing.assert_close(got_model, want_model, rtol=1e-4, atol=1e-6)
+
+
+def test_re_ranking_inside_a_training_loop_follows_the_model():
+    """Every few optimizer steps, set_task and score again: the cosines are those of a fresh engine
+    on the model as it is then, and training goes on as if the engine were not there."""
+    import copy
+
+    model = tiny_model("llama", vocab=VOCAB).double().train()
+    twin = copy.deepcopy(model)
+    task, pool = padded_batch(random_sequences(TASK, VOCAB, seed=11)), padded_batch(random_sequences(POOL, VOCAB))
+    data = [padded_batch(random_sequences([12, 9], VOCAB, seed=s)) for s in range(4)]
+    engine = SpectralEngine(model, "attn", spectra=False)
+
+    def step(net, optimizer, batch):
+        ids, mask, labels = batch
+        net(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    optimizer, twin_optimizer = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, twin))
+    for k, batch in enumerate(data):
+        step(model, optimizer, batch)
+        step(twin, twin_optimizer, batch)
+        if k % 2 == 1:
+            engine.set_task([task])
+            got = engine.score(*pool)
+            fresh = SpectralEngine(copy.deepcopy(model).eval(), "attn", spectra=False)
+            fresh.set_task([task])
+            want = fresh.score(*pool)
+            for name, values in want.alignment.items():
+                torch.testing.assert_close(got.alignment[name], values, rtol=1e-12, atol=1e-14)
+            assert model.training
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
