@@ -185,6 +185,8 @@ class SpectralEngine:
             try:
                 if isinstance(capture, ProjectionCapture):
                     projection = torch.where(finite[:, None], capture.vectors(), torch.nan)
+                    for i in torch.nonzero(finite & ~torch.isfinite(projection).all(1)).flatten().tolist():
+                        flags[i].add("nonfinite_gradient")
                     continue
                 per_part, model = cosines(capture.task, capture.kept, len(loss))
             finally:

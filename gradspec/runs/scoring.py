@@ -176,11 +176,8 @@ def _fill_scores(row: dict[str, Any], result: BatchScores | None, k: int, names:
         row[column(name, SPECTRA)] = sigmas[k].tolist()
     row.update({name: float(values[k]) for name, values in result.token_stats.items()})
     row.update({name: float(values[k]) for name, values in result.alignment.items()})
-    if result.projection is not None:
-        if bool(torch.isfinite(result.projection[k]).all()):
-            row[PROJECTION] = result.projection[k].numpy()
-        elif not {"no_response_tokens", "nonfinite_loss"} & set(row["status"].split(";")):
-            row["status"] = "nonfinite_gradient" if row["status"] == "ok" else row["status"] + ";nonfinite_gradient"
+    if result.projection is not None and bool(torch.isfinite(result.projection[k]).all()):
+        row[PROJECTION] = result.projection[k].numpy()
 
 
 def _fill(row: dict[str, Any], engine: SpectralEngine) -> dict[str, Any]:
