@@ -18,8 +18,10 @@ SCRIPT = """
 import sys, torch
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, token_batches
 from gradspec.data.readers import humaneval_samples
+from gradspec.engine.capture import start_graph
 from gradspec.engine.loss import response_losses
 from gradspec.engine.spectral_engine import SpectralEngine
+from gradspec.layers.targets import select_targets
 from gradspec.data.models import load_model
 from gradspec.engine.reference import reference_scores
 from gradspec.data.templates import tokenize
@@ -38,7 +40,8 @@ before = status_kib("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:
     f.write("5")  # resets the peak (VmHWM) to the current RSS: loading's own peak does not count
 if mode == "floor":
-    model.get_input_embeddings().register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+    for target in select_targets(model, "attn"):  # the backward from the loss to the scored modules, as the engine's
+        target.module.register_forward_hook(lambda module, args, out: start_graph(out))
     for ids, mask, labels in batches:
         loss, count, _ = response_losses(model, ids, mask, labels)
         loss[count > 0].sum().backward()

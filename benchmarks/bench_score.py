@@ -6,7 +6,7 @@ problems 30-47. Rows, per set:
 - floor, padded batches: the batches gradspec makes (token_batches: 4,096 padded tokens, at most
   20% padding), one forward and one input-gradient backward each, no hooks, with the LM head at
   response positions only (``gradspec.engine.loss.response_losses``, the engine's own loss) and the
-  embeddings' output requiring grad, as in the engine;
+  backward starting at the scored modules' outputs, as in the engine (``start_graph``);
 - floor, one sample per pass: the same, each sample alone (no padding, attention mask of ones);
 - gradspec engine: ``SpectralEngine.score`` on the padded batches, one after the other;
 - gradspec score: ``gradspec.runs.scoring.score_samples`` as ``gradspec score`` runs it
@@ -33,9 +33,11 @@ from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, token_batches
 from gradspec.data.models import load_model
 from gradspec.data.readers import humaneval_samples
 from gradspec.data.templates import tokenize
+from gradspec.engine.capture import start_graph
 from gradspec.engine.loss import response_losses
 from gradspec.engine.reference import reference_scores
 from gradspec.engine.spectral_engine import SpectralEngine
+from gradspec.layers.targets import select_targets
 from gradspec.runs.scoring import score_samples
 
 ROUNDS = 3
@@ -43,15 +45,18 @@ SETS = {"HumanEval 0-15": slice(0, 16), "HumanEval 30-47": slice(30, 48)}
 REFERENCE_SET = "HumanEval 0-15"
 
 
-def floor(model: torch.nn.Module, batches: list[tuple[torch.Tensor, ...]]) -> None:
-    """Forward and input-gradient backward, as the engine runs them, without its hooks."""
-    hook = model.get_input_embeddings().register_forward_hook(lambda module, args, out: out.requires_grad_(True))
+def floor(model: torch.nn.Module, batches: list[tuple[torch.Tensor, ...]], modules: str = "attn") -> None:
+    """Forward and input-gradient backward, as the engine runs them for these modules, without its
+    captures: the backward runs from the loss down to the lowest scored module and stops there."""
+    hooks = [t.module.register_forward_hook(lambda module, args, out: start_graph(out))
+             for t in select_targets(model, modules)]
     try:
         for ids, mask, labels in batches:
             loss, count, _ = response_losses(model, ids, mask, labels)
             loss[count > 0].sum().backward()
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
 
 
 def rows_for(model, tok, engine, name: str, items: list[Item]) -> dict[str, Callable[[], object]]:

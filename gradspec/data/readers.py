@@ -1,7 +1,8 @@
-"""Reading SFT samples: JSON lists, JSONL, Parquet and `datasets` folders, Alpaca or chat.
+"""Reading SFT samples: JSON lists, JSONL, Parquet and `datasets` folders, Alpaca, chat or ShareGPT.
 
 Every sample becomes a list of chat messages (Alpaca: user = instruction [+ "\\n" + input],
-assistant = output) plus the scalar columns carried into the output. Errors name the file
+assistant = output; ShareGPT: ``conversations`` of from/value turns, human -> user, gpt ->
+assistant) plus the scalar columns carried into the output. Errors name the file
 and the line or row, and are raised lazily so rows scored before them are kept.
 """
 
@@ -14,10 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-class InputError(ValueError):
-    """Bad input, with the file and line or row it came from."""
-
+from gradspec.data import hub as hub_datasets
+from gradspec.data.errors import InputError
+from gradspec.data.hub import Hub
 
 ON_ERROR = ("fail", "skip")  # what a malformed row does: stop the run, or skip and report the row
 
@@ -30,6 +30,7 @@ class Fields:
     input: str = "input"
     output: str = "output"
     messages: str = "messages"
+    conversations: str = "conversations"  # ShareGPT
 
 
 @dataclass
@@ -43,33 +44,41 @@ class Sample:
 Record = dict | InputError | None  # a record, a problem confined to it, or None: not wanted, not parsed
 
 
-def read_records(path: str | Path, wanted: Callable[[int], bool] | None = None) -> Iterator[tuple[str, Record]]:
+def read_records(
+    path: str | Path, wanted: Callable[[int], bool] | None = None, hub: Hub = Hub()
+) -> Iterator[tuple[str, Record]]:
     """(location, record) pairs, one per input row, read as a stream (a JSON list is read whole).
 
     location is 'file:line' or 'file row i'. Rows that wanted(index) rejects are not parsed; a
     problem confined to one row comes back in its place, so the caller decides to stop or skip.
+    A folder, or a name that is no local path but reads as a Hub dataset's, goes to `datasets`
+    (gradspec.data.hub: hub says which split, configuration, and whether to stream).
     """
+    if Path(path).is_dir() or hub_datasets.is_dataset_name(str(path)):
+        yield from hub_datasets.records(str(path), hub, wanted)
+        return
     path = Path(path)
     if not path.exists():
-        raise InputError(f"{path}: no such file or folder")
-    if path.is_dir():
-        yield from _read_dataset_folder(path)
-    elif path.suffix == ".jsonl":
+        raise InputError(f"{path}: no such file or folder (nor a Hub dataset name: org/name)")
+    if path.suffix == ".jsonl":
         yield from _read_jsonl(path, wanted or _everything)
     elif path.suffix == ".json":
         yield from _read_json(path)
     elif path.suffix == ".parquet":
         yield from _read_parquet(path, wanted or _everything)
     else:
-        raise InputError(f"{path}: unknown format (expected .json, .jsonl, .parquet or a datasets folder)")
+        raise InputError(f"{path}: unknown format (expected .json, .jsonl, .parquet, a datasets folder "
+                         "or a Hub dataset name)")
 
 
 def _everything(index: int) -> bool:
     return True
 
 
-def count_records(path: str | Path) -> int:
+def count_records(path: str | Path, hub: Hub = Hub()) -> int:
     """Rows in a dataset without parsing them (a JSON list is parsed)."""
+    if Path(path).is_dir() or hub_datasets.is_dataset_name(str(path)):
+        return hub_datasets.size(str(path), hub)
     path = Path(path)
     if path.suffix == ".jsonl" and path.is_file():
         with open(path, "rb") as f:
@@ -134,20 +143,6 @@ def _read_parquet(path: Path, wanted: Callable[[int], bool]) -> Iterator[tuple[s
         row += batch.num_rows
 
 
-def _read_dataset_folder(path: Path) -> Iterator[tuple[str, dict]]:
-    try:
-        import datasets
-    except ImportError:
-        raise InputError(f"{path}: reading a datasets folder needs `pip install datasets`") from None
-    ds = datasets.load_from_disk(str(path))
-    if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise InputError(f"{path}: a DatasetDict without a 'train' split; splits: {list(ds)}")
-        ds = ds["train"]
-    for row, record in enumerate(ds):
-        yield f"{path} row {row}", record
-
-
 def _require_object(record: Any, where: str) -> dict:
     if not isinstance(record, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
@@ -165,25 +160,41 @@ def _text(record: dict, name: str, where: str, required: bool) -> str:
     return value
 
 
-def _messages(record: dict, fields: Fields, where: str) -> list[dict[str, str]]:
-    raw = record[fields.messages]
+# ShareGPT's speakers -> chat roles (the loss is on the assistant's turns)
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "system": "system"}
+
+
+def _messages(record: dict, name: str, where: str) -> list[dict[str, str]]:
+    """A conversation as role/content messages; each turn may be chat's role/content or ShareGPT's
+    from/value (whichever field holds the list)."""
+    raw = record[name]
     if not isinstance(raw, list) or not raw:
-        raise InputError(f"{where}: field {fields.messages!r} must be a non-empty list of role/content objects")
+        raise InputError(f"{where}: field {name!r} must be a non-empty list of role/content "
+                         f"(or ShareGPT from/value) objects")
     out = []
     for k, m in enumerate(raw):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise InputError(f"{where}: {fields.messages}[{k}] must have string 'role' and 'content'")
-        out.append({"role": m["role"], "content": m["content"]})
+        if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str):
+            out.append({"role": m["role"], "content": m["content"]})
+        elif isinstance(m, dict) and isinstance(m.get("from"), str) and isinstance(m.get("value"), str):
+            if m["from"] not in SHAREGPT_ROLES:
+                raise InputError(f"{where}: {name}[{k}] is from {m['from']!r}; ShareGPT speakers understood: "
+                                 f"{', '.join(SHAREGPT_ROLES)}")
+            out.append({"role": SHAREGPT_ROLES[m["from"]], "content": m["value"]})
+        else:
+            raise InputError(f"{where}: {name}[{k}] must have string 'role' and 'content' (or ShareGPT's "
+                             f"'from' and 'value')")
     if not any(m["role"] == "assistant" for m in out):
-        raise InputError(f"{where}: {fields.messages!r} has no assistant turn to score")
+        raise InputError(f"{where}: {name!r} has no assistant turn to score")
     return out
 
 
 def to_sample(index: int, where: str, record: dict, fields: Fields = Fields()) -> Sample:
     """One record -> Sample; scalar columns other than the text fields are carried."""
-    if fields.messages in record:
-        messages = _messages(record, fields, where)
-        text_fields = {fields.messages}
+    chat = next((name for name in (fields.messages, fields.conversations) if name in record), None)
+    if chat is not None:
+        messages = _messages(record, chat, where)
+        text_fields = {chat}
     elif fields.instruction in record or fields.output in record:
         instruction = _text(record, fields.instruction, where, required=True)
         extra = _text(record, fields.input, where, required=False)
@@ -194,7 +205,8 @@ def to_sample(index: int, where: str, record: dict, fields: Fields = Fields()) -
     else:
         raise InputError(
             f"{where}: expected Alpaca fields {fields.instruction!r}, {fields.output!r} "
-            f"(optional {fields.input!r}) or a chat field {fields.messages!r}; found {sorted(record)}"
+            f"(optional {fields.input!r}), a chat field {fields.messages!r} or a ShareGPT field "
+            f"{fields.conversations!r}; found {sorted(record)}"
         )
     carried = {k: v for k, v in record.items() if k not in text_fields and _is_scalar(v)}
     return Sample(index, messages, carried)
@@ -208,7 +220,7 @@ def _is_scalar(value: Any) -> bool:
 
 def read_samples(
     path: str | Path, fields: Fields = Fields(), limit: int | None = None,
-    wanted: Callable[[int], bool] | None = None, on_error: str = "fail",
+    wanted: Callable[[int], bool] | None = None, on_error: str = "fail", hub: Hub = Hub(),
 ) -> Iterator[Sample]:
     """Samples in input order, index = 0-based position in the input; only those wanted.
 
@@ -217,7 +229,7 @@ def read_samples(
     """
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
-    for index, (where, record) in enumerate(read_records(path, wanted)):
+    for index, (where, record) in enumerate(read_records(path, wanted, hub)):
         if limit is not None and index >= limit:
             return
         if record is None or (wanted is not None and not wanted(index)):
@@ -252,9 +264,9 @@ def humaneval_samples(limit: int | None = None) -> Iterator[Sample]:
 
 def data_samples(
     path: str | Path | None, fields: Fields = Fields(), limit: int | None = None,
-    wanted: Callable[[int], bool] | None = None, on_error: str = "fail",
+    wanted: Callable[[int], bool] | None = None, on_error: str = "fail", hub: Hub = Hub(),
 ) -> Iterator[Sample]:
     """``read_samples`` of path, or of the built-in HumanEval where no path is given."""
     if path is not None:
-        return read_samples(path, fields, limit, wanted, on_error)
+        return read_samples(path, fields, limit, wanted, on_error, hub)
     return (s for s in humaneval_samples(limit) if wanted is None or wanted(s.index))

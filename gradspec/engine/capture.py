@@ -62,8 +62,7 @@ class PartHooks:
 
     @contextmanager
     def hooks(self, model: nn.Module) -> Iterator[None]:
-        handles = [model.get_input_embeddings().register_forward_hook(require_grad)]
-        handles += [t.module.register_forward_hook(self._forward_hook(t)) for t in self.targets]
+        handles = [t.module.register_forward_hook(self._forward_hook(t)) for t in self.targets]
         try:
             yield
         finally:
@@ -73,7 +72,9 @@ class PartHooks:
     def _forward_hook(self, target: Target):
         def hook(module, args, output):
             self.inputs[target.name] = args[0].detach()
+            output = start_graph(output)
             output.register_hook(lambda grad: self._on_grad(target, grad.detach()))
+            return output
 
         return hook
 
@@ -306,7 +307,10 @@ def _zero_rows(t: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     return t if bool(ok.all()) else torch.where(ok.to(t.device).view(-1, *[1] * (t.dim() - 1)), t, 0.0)
 
 
-def require_grad(module, args, output):
-    """Make the embeddings' output require grad, so the backward reaches every hooked module."""
-    output.requires_grad_(True)
+def start_graph(output: torch.Tensor) -> torch.Tensor:
+    """A scored module's output as the start of the backward's graph where nothing below it needs
+    a gradient (parameters are frozen): the backward stops at the lowest scored module instead of
+    running down to the embeddings, so scoring the last k of L layers costs about k/L of a backward.
+    Its output gradient is unchanged: it depends only on what comes after."""
+    return output if output.requires_grad else output.detach().requires_grad_(True)
 

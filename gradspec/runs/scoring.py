@@ -23,7 +23,7 @@ from gradspec.align.task import DEFAULT_AGGREGATES, check_aggregates
 from gradspec.analysis.classic_scores import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
 from gradspec.data.models import DEFAULT_MODEL, load_model
-from gradspec.data.readers import HUMANEVAL_SIZE, Fields, Sample, count_records, data_samples
+from gradspec.data.readers import HUMANEVAL_SIZE, Fields, Hub, InputError, Sample, count_records, data_samples
 from gradspec.data.templates import check_response_tokens, tokenize
 from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
@@ -221,6 +221,7 @@ class ScoreConfig:
     aggregate: str = ",".join(DEFAULT_AGGREGATES)
     spectra: bool = True
     project: int = 0  # k: store each sample's gradient under a k x k Kronecker projection per part
+    hub: Hub = Hub()  # the split, configuration and streaming of data read through `datasets`
 
     def describe(self) -> dict[str, Any]:
         """The manifest and file metadata: the config, the input files' sizes and the version."""
@@ -229,8 +230,11 @@ class ScoreConfig:
         for key in ("data", "task"):
             path = getattr(self, key)
             if path is not None:
-                info[key] = str(Path(path).resolve())
+                local = Path(path).exists()  # else a Hub dataset's name, kept as given
+                info[key] = str(Path(path).resolve()) if local else path
                 info[f"{key}_bytes"] = Path(path).stat().st_size if Path(path).is_file() else None
+        if self.data is None or Path(self.data).is_file():  # a local file: no split to choose
+            del info["hub"]
         if self.method != "lowrank":
             del info["rank"]
         if self.method != "lowrank" and not self.project:
@@ -244,12 +248,18 @@ class ScoreConfig:
         return info
 
     def records(self) -> int:
-        """Rows the run covers: the input's, up to the limit."""
-        n = HUMANEVAL_SIZE if self.data is None else count_records(self.data)
+        """Rows the run covers: the input's, up to the limit (the limit, for a streamed split
+        whose size its metadata does not give)."""
+        try:
+            n = HUMANEVAL_SIZE if self.data is None else count_records(self.data, self.hub)
+        except InputError:
+            if self.limit is None or not self.hub.streaming:
+                raise
+            return self.limit
         return n if self.limit is None else min(n, self.limit)
 
     def samples(self, wanted: Callable[[int], bool] | None = None, on_error: str = "fail") -> Iterator[Sample]:
-        return data_samples(self.data, self.fields, self.limit, wanted, on_error)
+        return data_samples(self.data, self.fields, self.limit, wanted, on_error, self.hub)
 
 
 def _engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: bool,
@@ -336,7 +346,8 @@ def score(
     trust_remote_code: bool = False, overwrite: bool = False, resume: bool = False, method: str = "exact",
     rank: int = 64, seed: int = 0, classic: bool = False, on_error: str = "fail", chunk_rows: int = CHUNK_ROWS,
     precision: str = "fp64", task: str | Path | None = None, aggregate: str | list[str] = DEFAULT_AGGREGATES,
-    spectra: bool = True, project: int = 0,
+    spectra: bool = True, project: int = 0, split: str = "train", config_name: str | None = None,
+    streaming: bool = False,
 ) -> pd.DataFrame:
     """Scores a dataset file (default: HumanEval) with a model (default: SmolLM2-135M-Instruct).
 
@@ -346,12 +357,14 @@ def score(
     its gradient with the task's ("align_<aggregate>" per module and over the whole scored model);
     spectra=False leaves the spectral metrics out; project=k stores each sample's gradient under a
     k x k Kronecker projection per module (column projected_gradient: a store for `gradspec align --store`).
+    data may also be a Hub dataset's name or a folder that ``datasets.load_dataset`` reads: split,
+    config_name and streaming choose what of it is read.
     """
     config = ScoreConfig(
         None if data is None else str(data), model, template,
         modules if isinstance(modules, str) else ",".join(modules), max_length, dtype, method, rank, seed,
         classic, save_spectra, fields, limit, chunk_rows, precision, None if task is None else str(task),
-        ",".join(check_aggregates(aggregate)), spectra, project,
+        ",".join(check_aggregates(aggregate)), spectra, project, Hub(split, config_name, streaming),
     )
     settings = {"device": device, "backend": backend, "batch_tokens": batch_tokens, "progress": progress,
                 "trust_remote_code": trust_remote_code}

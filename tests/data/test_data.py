@@ -119,3 +119,35 @@ def test_unwanted_rows_are_not_parsed_and_skip_keeps_going(tmp_path):
                                                      "property name enclosed in double quotes (column 2)"), (2, None)]
     with pytest.raises(ValueError, match="on_error must be one of"):
         list(read_samples(path, on_error="ignore"))
+
+
+SHAREGPT = {"id": "x1", "conversations": [
+    {"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+    {"from": "gpt", "value": "Hello there."}, {"from": "human", "value": "Name a colour."},
+    {"from": "gpt", "value": "Blue."}]}
+
+
+def test_sharegpt_conversations_are_recognised(tmp_path):
+    (tmp_path / "s.jsonl").write_text(json.dumps(SHAREGPT) + "\n")
+    [s] = read_samples(tmp_path / "s.jsonl")
+    assert [m["role"] for m in s.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert [m["content"] for m in s.messages] == [t["value"] for t in SHAREGPT["conversations"]]
+    assert s.carried == {"id": "x1"}
+    (tmp_path / "c.json").write_text(json.dumps([{"turns": SHAREGPT["conversations"]}]))  # a custom field
+    [s] = read_samples(tmp_path / "c.json", Fields(conversations="turns"))
+    assert s.messages[2] == {"role": "assistant", "content": "Hello there."}
+
+
+def test_sharegpt_problems_name_the_row_and_turn(tmp_path):
+    turns = SHAREGPT["conversations"]
+    bad = [{"conversations": turns[:2] + [{"from": "bard?", "value": "x"}]},
+           {"conversations": turns[:1] + [{"from": "human"}]},
+           {"conversations": turns[:2]}]
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad))
+    samples = list(read_samples(tmp_path / "b.jsonl", on_error="skip"))
+    assert [s.error for s in samples] == [
+        f"{tmp_path / 'b.jsonl'}:1: conversations[2] is from 'bard?'; ShareGPT speakers understood: "
+        "human, user, gpt, assistant, chatgpt, system",
+        f"{tmp_path / 'b.jsonl'}:2: conversations[1] must have string 'role' and 'content' (or ShareGPT's "
+        "'from' and 'value')",
+        f"{tmp_path / 'b.jsonl'}:3: 'conversations' has no assistant turn to score"]

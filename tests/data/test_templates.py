@@ -157,3 +157,18 @@ def test_most_rows_without_response_tokens_stop_the_run():
     with pytest.raises(ValueError, match=r"^412 of 500 rows have no response tokens \(no_response_tokens 400, "
                                          r"prompt_too_long 12\): check the tokenizer and --template$"):
         check_response_tokens({"ok": 88, "no_response_tokens": 400, "prompt_too_long": 12})
+
+
+@pytest.mark.parametrize("template", ["plain", "chat"])
+def test_sharegpt_loss_is_on_the_gpt_turns(tmp_path, tokenizer, template):
+    import json
+
+    from gradspec.data.readers import read_samples
+
+    turns = [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello there."},
+             {"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Blue."}]
+    (tmp_path / "s.jsonl").write_text(json.dumps({"conversations": turns}) + "\n")
+    [sample] = read_samples(tmp_path / "s.jsonl")
+    t = tokenize(sample.messages, tokenizer, template)
+    end = "<|im_end|>\n" if template == "chat" else ""  # plain: each gpt turn's content alone
+    assert t.status == "ok" and tokenizer.decode(_response(t)) == f"Hello there.{end}Blue.{end}"

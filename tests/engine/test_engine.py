@@ -148,3 +148,24 @@ def test_submit_overlaps_batches_and_equals_score():
         assert got.flags == want.flags
         for name in want.metrics:
             torch.testing.assert_close(got.metrics[name], want.metrics[name], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2", "phi3"])
+def test_backward_stops_at_the_lowest_scored_module(kind):
+    """Scoring the last layer alone: the backward never reaches layer 0 (nothing there needs a
+    gradient), and the last layer's numbers are exactly those of a run that scores every layer."""
+    model = tiny_model(kind, vocab=VOCAB)
+    batch = padded_batch(random_sequences(LENGTHS, VOCAB))
+    blocks = [m for name, m in model.named_modules() if name.endswith(("layers.0", "h.0"))]
+    everything = SpectralEngine(model, "all").score(*batch)  # the head check's forwards run here, once
+    reached = []
+    hook = blocks[0].register_forward_hook(lambda module, args, out: reached.append(
+        (out[0] if isinstance(out, tuple) else out).requires_grad))
+    last = SpectralEngine(model, "*.1.*").score(*batch)
+    SpectralEngine(model, "all").score(*batch)
+    hook.remove()
+    assert reached == [False, True]  # last layer alone: layer 0 outside the graph; all layers: inside
+    assert last.metrics and all(".1." in name for name in last.metrics)
+    for name, values in last.metrics.items():
+        assert torch.equal(values, everything.metrics[name]), name
+    assert torch.equal(last.loss, everything.loss)

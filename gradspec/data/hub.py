@@ -1,0 +1,87 @@
+"""Datasets that the `datasets` library reads: a Hub name (``org/name``), a folder that
+``datasets.load_dataset`` reads (data files, or a Hub repository's layout with its README
+configs), or a ``save_to_disk`` folder. A split is read in order; streamed, as it downloads.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gradspec.data.errors import InputError
+
+_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # the Hub's repository ids
+_FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".arrow")
+_ROWS_PER_READ = 1024
+
+
+@dataclass(frozen=True)
+class Hub:
+    """Which part of such a dataset to read."""
+
+    split: str = "train"
+    name: str | None = None  # the dataset's configuration (load_dataset's ``name``)
+    streaming: bool = False
+
+
+def is_dataset_name(data: str) -> bool:
+    """Whether data, which is not a local path, reads as a Hub dataset name."""
+    return not Path(data).exists() and bool(_NAME.match(data)) and not data.endswith(_FILE_SUFFIXES)
+
+
+def _saved(path: Path) -> bool:
+    return (path / "dataset_dict.json").exists() or (path / "state.json").exists()
+
+
+def load(data: str, hub: Hub = Hub()) -> Any:
+    """The split as a ``datasets.Dataset`` (an ``IterableDataset`` when streaming)."""
+    try:
+        import datasets
+    except ImportError:
+        raise InputError(f"{data}: reading it needs the datasets library: pip install datasets") from None
+    path = Path(data)
+    if path.is_dir() and _saved(path):
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if hub.split not in ds:
+                raise InputError(f"{data}: no split {hub.split!r} (--split); splits: {list(ds)}")
+            ds = ds[hub.split]
+        return ds.to_iterable_dataset() if hub.streaming else ds
+    try:
+        return datasets.load_dataset(data, hub.name, split=hub.split, streaming=hub.streaming)
+    except (ValueError, OSError) as e:  # unknown split or config, no such dataset, no network
+        where = "folder" if path.is_dir() else "Hub dataset"
+        raise InputError(f"{data}: datasets.load_dataset cannot read this {where} "
+                         f"(split {hub.split!r}, config {hub.name!r}): {e}") from None
+
+
+def size(data: str, hub: Hub = Hub()) -> int:
+    """Rows in the split; a streamed one's size as its metadata gives it."""
+    ds = load(data, hub)
+    if not hub.streaming:
+        return len(ds)
+    splits = ds.info.splits or {}
+    if hub.split in splits and splits[hub.split].num_examples:
+        return splits[hub.split].num_examples
+    raise InputError(f"{data}: streaming, and the dataset does not say how many rows split {hub.split!r} has: "
+                     "pass --limit N (or leave out --streaming)")
+
+
+def records(data: str, hub: Hub = Hub(), wanted: Callable[[int], bool] | None = None
+            ) -> Iterator[tuple[str, dict | None]]:
+    """(location, record) per row of the split, None for rows that wanted(index) rejects."""
+    ds = load(data, hub)
+    where = f"{data} [{hub.split}] row"
+    if hub.streaming:
+        for row, record in enumerate(ds):
+            yield f"{where} {row}", record if wanted is None or wanted(row) else None
+        return
+    for start in range(0, len(ds), _ROWS_PER_READ):
+        rows = range(start, min(start + _ROWS_PER_READ, len(ds)))
+        keep = [wanted is None or wanted(i) for i in rows]
+        batch = ds[rows.start : rows.stop] if any(keep) else {}
+        for k, (i, kept) in enumerate(zip(rows, keep, strict=True)):
+            yield f"{where} {i}", {c: v[k] for c, v in batch.items()} if kept else None
