@@ -5,6 +5,7 @@ import importlib
 
 from gradspec.data.readers import Fields, InputError
 from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
+from gradspec.environment import environment
 from gradspec.linalg.metrics import METRICS
 from gradspec.runs.score_files import read_metadata, read_scores
 from gradspec.runs.scoring import align, score
@@ -15,7 +16,7 @@ _TRAINING = {
     "SFTMixTrainer": "sftmix", "DynamicsCallback": "dynamics", "SpectralMonitor": "monitor",
 }
 
-__all__ = ["METRICS", "BatchScores", "Fields", "InputError", "SpectralEngine", "align", "read_metadata",
+__all__ = ["METRICS", "BatchScores", "Fields", "InputError", "SpectralEngine", "align", "environment", "read_metadata",
            "read_scores", "score", *_TRAINING]
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from gradspec.data.readers import InputError, read_records
+from gradspec.data.readers import Hub, InputError, read_records
 from gradspec.runs.score_files import complete, module_columns, module_mean, write_parquet
 
 ALIGNMENT_COLUMNS = ("align_mean", "align_mean_gradient", "align_max")  # what "alignment" means, by preference
@@ -93,15 +93,20 @@ def choose(
     return pd.concat(chosen).sort_values("index") if chosen else ok.head(0)
 
 
-def write_selection(data: str | Path, chosen: pd.DataFrame, out: str | Path, columns: list[str]) -> int:
-    """Writes the chosen input records, in input order and the input's format, with the given score
-    columns added; returns how many were written."""
-    data, out = Path(data), Path(out)
-    if data.suffix != out.suffix:
-        raise ValueError(f"--out {out} must keep the input's format ({data.suffix or 'a datasets folder'})")
+OUTPUT_FORMATS = (".jsonl", ".json", ".parquet", "")  # "": a datasets folder (save_to_disk)
+
+
+def write_selection(data: str | Path, chosen: pd.DataFrame, out: str | Path, columns: list[str],
+                    hub: Hub = Hub()) -> int:
+    """Writes the chosen input records, in input order, with the given score columns added, in the
+    format out's name asks for (a name without a suffix: a datasets folder); returns how many."""
+    out = Path(out)
+    if out.suffix not in OUTPUT_FORMATS:
+        raise ValueError(f"--out {out}: write .jsonl, .json, .parquet, or a name without a suffix "
+                         "for a datasets folder")
     extra = chosen.set_index("index")[columns]
     records, seen = [], 0
-    for index, (_, record) in enumerate(read_records(data, wanted=extra.index.__contains__)):
+    for index, (_, record) in enumerate(read_records(data, wanted=extra.index.__contains__, hub=hub)):
         seen = index + 1
         if isinstance(record, InputError):
             raise record
@@ -111,9 +116,9 @@ def write_selection(data: str | Path, chosen: pd.DataFrame, out: str | Path, col
     if len(records) != len(extra):
         raise InputError(f"{data}: has {seen} records; the score file names rows beyond them (another input?)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    if data.is_dir() or out.suffix == ".parquet":
+    if out.suffix in (".parquet", ""):
         columns_of = {k: [r.get(k) for r in records] for k in dict.fromkeys(k for r in records for k in r)}
-        if data.is_dir():
+        if out.suffix == "":
             import datasets
 
             datasets.Dataset.from_dict(columns_of).save_to_disk(str(out))
@@ -122,11 +127,15 @@ def write_selection(data: str | Path, chosen: pd.DataFrame, out: str | Path, col
 
             write_parquet(pa.table(columns_of), out)
     elif out.suffix == ".jsonl":
-        out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+        out.write_text("".join(json.dumps(r, ensure_ascii=False, default=_plain) + "\n" for r in records),
+                       encoding="utf-8")
     else:
-        out.write_text(json.dumps(records, ensure_ascii=False, indent=1), encoding="utf-8")
+        out.write_text(json.dumps(records, ensure_ascii=False, indent=1, default=_plain), encoding="utf-8")
     return len(records)
 
 
 def _plain(value):
+    """numpy's scalars and arrays (from a Parquet or datasets input) as JSON takes them."""
+    if isinstance(value, np.ndarray):
+        return value.tolist()
     return value.item() if isinstance(value, np.generic) else value

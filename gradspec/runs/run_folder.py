@@ -76,6 +76,22 @@ class RunFolder:
         except FileNotFoundError:
             return None
 
+    def check(self, config: dict[str, Any], resume: bool, overwrite: bool, shared: bool) -> None:
+        """start's refusals, changing nothing: run before anything slow is loaded."""
+        if overwrite:
+            return
+        if self.out.exists():
+            raise FileExistsError(f"{self.out} exists; pass --overwrite or choose another --out")
+        old = self.manifest()
+        if old is None:
+            return
+        if not (resume or shared):
+            raise FileExistsError(
+                f"{self.path} holds an unfinished run ({len(self.done())} parts done); pass --resume to "
+                "continue it or --overwrite to start again"
+            )
+        self._same_config(old, config)
+
     def start(self, config: dict[str, Any], resume: bool, overwrite: bool, shared: bool) -> None:
         """Creates the folder for this config, or checks an existing one against it.
 
@@ -86,10 +102,8 @@ class RunFolder:
             shutil.rmtree(self.path, ignore_errors=True)
             self.out.unlink(missing_ok=True)
             self.errors_path.unlink(missing_ok=True)
-        if self.out.exists():
-            raise FileExistsError(f"{self.out} exists; pass --overwrite or choose another --out")
-        old = self.manifest()
-        if old is None:
+        self.check(config, resume, False, shared)
+        if self.manifest() is None:
             self.path.mkdir(parents=True, exist_ok=True)
             tmp = self.path / f"{_MANIFEST}.tmp{os.getpid()}"
             tmp.write_text(json.dumps(config, indent=1))
@@ -99,12 +113,9 @@ class RunFolder:
                 pass
             finally:
                 tmp.unlink()
-            old = self.manifest()
-        elif not (resume or shared):
-            raise FileExistsError(
-                f"{self.path} holds an unfinished run ({len(self.done())} parts done); pass --resume to "
-                "continue it or --overwrite to start again"
-            )
+            self._same_config(self.manifest(), config)
+
+    def _same_config(self, old: dict[str, Any], config: dict[str, Any]) -> None:
         differences = [f"{k}: {old.get(k)!r} in the run, {config.get(k)!r} now"
                        for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)]
         if differences:

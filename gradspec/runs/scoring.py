@@ -22,7 +22,8 @@ from tqdm import tqdm
 from gradspec.align.task import DEFAULT_AGGREGATES, check_aggregates
 from gradspec.analysis.classic_scores import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
-from gradspec.data.models import DEFAULT_MODEL, load_model
+from gradspec.data.hub import is_dataset_name
+from gradspec.data.models import DEFAULT_MODEL, check_device, check_model, load_model
 from gradspec.data.readers import HUMANEVAL_SIZE, Fields, Hub, InputError, Sample, count_records, data_samples
 from gradspec.data.templates import check_response_tokens, tokenize
 from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
@@ -247,6 +248,23 @@ class ScoreConfig:
             del info["spectra"]
         return info
 
+    def check(self) -> None:
+        """Every option that can be checked before the model loads: a clear error for each."""
+        positive = {"--max-length": self.max_length, "--chunk-rows": self.chunk_rows, "--rank": self.rank}
+        for flag, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{flag} must be at least 1, got {value}")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"--limit must be at least 1, got {self.limit} (leave it out to score everything)")
+        if self.project < 0:
+            raise ValueError(f"--k must be at least 1, got {self.project}")
+        if not self.spectra and self.task is None and not self.project:
+            raise ValueError("nothing to compute: spectra are off, and neither a task file nor a projection is given")
+        for flag, path in (("--data", self.data), ("--target", self.task)):
+            if path is not None and not Path(path).exists() and not is_dataset_name(path):
+                raise InputError(f"{flag} {path}: no such file or folder (nor a Hub dataset name: org/name)")
+        check_model(self.model)
+
     def records(self) -> int:
         """Rows the run covers: the input's, up to the limit (the limit, for a streamed split
         whose size its metadata does not give)."""
@@ -262,10 +280,15 @@ class ScoreConfig:
         return data_samples(self.data, self.fields, self.limit, wanted, on_error, self.hub)
 
 
+def _check(config: ScoreConfig, device: str, batch_tokens: int) -> None:
+    config.check()
+    check_device(device)
+    if batch_tokens < 1:
+        raise ValueError(f"--batch-tokens must be at least 1, got {batch_tokens}")
+
+
 def _engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: bool,
             batch_tokens: int = BATCH_TOKENS):
-    if not config.spectra and config.task is None and not config.project:
-        raise ValueError("nothing to compute: spectra are off, and neither a task file nor a projection is given")
     net, tokenizer = load_model(config.model, device, config.dtype, trust_remote_code)
     engine = SpectralEngine(net, config.modules, backend=backend, keep_spectra=config.save_spectra,
                             precision=config.precision, method=config.method, rank=config.rank, seed=config.seed,
@@ -294,6 +317,10 @@ def run(
     if ranks is not None and shard is not None:
         raise ValueError("--shard and torchrun both split the data; use one of them")
     mine = ranks or shard or Shard()
+    _check(config, device, batch_tokens)
+    if ranks is None or mine.index == 0:  # an --out in the way, before the model loads (rank 0 checks for torchrun)
+        RunFolder(out).check(config.describe(), resume, overwrite, shared=mine.count > 1 and ranks is None)
+    records = config.records()  # reads the input's size: a bad path, split or config shows here
     with Group() if ranks else nullcontext() as group:
         # A torchrun rank makes its own GPU current before anything touches CUDA (bind_device)
         engine, tokenizer = _engine(config, bind_device(device) if ranks else device, backend, trust_remote_code,
@@ -312,7 +339,7 @@ def run(
             if problem is not None:
                 raise problem
             folder.start(info, resume=True, overwrite=False, shared=True)
-        records, done = config.records(), folder.done()
+        done = folder.done()
 
         def wanted(index: int) -> bool:
             chunk = index // config.chunk_rows
@@ -371,6 +398,7 @@ def score(
     if out is not None:
         run(config, out, resume=resume, overwrite=overwrite, on_error=on_error, **settings)
         return read_scores(out)[0]
+    _check(config, device, batch_tokens)
     engine, tokenizer = _engine(config, device, backend, trust_remote_code, batch_tokens)
     rows: list[dict[str, Any]] = []
     score_samples(config.samples(on_error=on_error), engine, tokenizer, lambda _, chunk: rows.extend(chunk),

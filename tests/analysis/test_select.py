@@ -84,25 +84,27 @@ def _read(path):
 
 
 @pytest.mark.parametrize("name", ["d.json", "d.jsonl", "d.parquet", "ds"])
-def test_select_round_trips_the_input_format(tmp_path, tiny_model_dir, name, capsys):
-    if name == "ds":
-        pytest.importorskip("datasets")
-    data, scores, out = tmp_path / name, tmp_path / "s.parquet", tmp_path / ("chosen" + (tmp_path / name).suffix)
+def test_select_writes_the_format_the_output_asks_for(tmp_path, tiny_model_dir, name, capsys):
+    """From every input format to every output format (a name without a suffix: a datasets folder)."""
+    pytest.importorskip("datasets")
+    data, scores = tmp_path / name, tmp_path / "s.parquet"
     _write(data, ROWS)
     assert main(["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(scores), "--quiet"]) == 0
-    capsys.readouterr()
-    assert main(["select", "--scores", str(scores), "--out", str(out), "--by", "effective_rank", "--count", "3"]) == 0
-    printed = capsys.readouterr().out
-    assert "wrote 3 of 6 rows to " + str(out) + " (only complete rows compete; left out: none)" in printed
-    chosen = _read(out)
     df = pd.read_parquet(scores)
     er = criterion_values(df, "effective_rank")
     want = sorted(df.loc[er.sort_values(ascending=False).index[:3], "index"].tolist())
-    assert [r["reward"] for r in chosen] == [float(i) for i in want]  # input order, input fields kept
-    for r in chosen:
-        original = ROWS[int(r["reward"])]
-        assert {k: r[k] for k in original} == original
-        assert r["effective_rank"] == pytest.approx(er[int(r["reward"])]) and "gradspec_score" in r
+    for out in (tmp_path / "chosen.json", tmp_path / "chosen.jsonl", tmp_path / "chosen.parquet", tmp_path / "chosen"):
+        capsys.readouterr()
+        assert main(["select", "--scores", str(scores), "--out", str(out), "--by", "effective_rank",
+                     "--count", "3"]) == 0
+        printed = capsys.readouterr().out
+        assert "wrote 3 of 6 rows to " + str(out) + " (only complete rows compete; left out: none)" in printed
+        chosen = _read(out)
+        assert [r["reward"] for r in chosen] == [float(i) for i in want]  # input order, input fields kept
+        for r in chosen:
+            original = ROWS[int(r["reward"])]
+            assert {k: r[k] for k in original} == original
+            assert r["effective_rank"] == pytest.approx(er[int(r["reward"])]) and "gradspec_score" in r
 
 
 def test_select_errors_are_clear(tmp_path, tiny_model_dir, capsys):
@@ -110,9 +112,10 @@ def test_select_errors_are_clear(tmp_path, tiny_model_dir, capsys):
     _write(data, ROWS)
     main(["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(scores), "--quiet"])
     capsys.readouterr()
-    assert main(["select", "--scores", str(scores), "--out", str(tmp_path / "o.json"), "--by", "loss",
+    assert main(["select", "--scores", str(scores), "--out", str(tmp_path / "o.csv"), "--by", "loss",
                  "--count", "1"]) == 2
-    assert "must keep the input's format" in capsys.readouterr().err
+    assert "--out " + str(tmp_path / "o.csv") + ": write .jsonl, .json, .parquet, or a name without a suffix" \
+        in capsys.readouterr().err
     assert main(["select", "--scores", str(scores), "--out", str(tmp_path / "o.jsonl"), "--by", "rank",
                  "--count", "1"]) == 2
     assert "unknown criterion" in capsys.readouterr().err

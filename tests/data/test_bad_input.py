@@ -102,7 +102,8 @@ def test_unknown_model_and_modules(tmp_path, tiny_model_dir, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps(GOOD))
     assert _score(tmp_path / "nowhere", data, tmp_path / "a.parquet") == 2
-    assert f"cannot load model '{tmp_path / 'nowhere'}'" in capsys.readouterr().err
+    assert f"--model {tmp_path / 'nowhere'}: no such folder, and not a Hub model id (org/name) either" \
+        in capsys.readouterr().err
     assert _score(tiny_model_dir, data, tmp_path / "b.parquet", "--modules", "*.lora_A") == 2
     assert "no module matches" in capsys.readouterr().err
     assert not (tmp_path / "b.parquet.parts").exists()  # nothing is started for a model that cannot be scored

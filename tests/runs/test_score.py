@@ -88,7 +88,7 @@ def test_cli_score_and_errors(tmp_path, tiny_model_dir, capsys):
     assert main([*other, "--modules", "*.nope", "--quiet"]) == 2
     assert "no module matches" in capsys.readouterr().err
     assert main(["score", "--model", str(tmp_path / "missing"), "--out", str(tmp_path / "u.parquet")]) == 2
-    assert "cannot load model" in capsys.readouterr().err
+    assert "no such folder, and not a Hub model id" in capsys.readouterr().err
 
 
 def test_token_batches_respect_budget_and_padding():

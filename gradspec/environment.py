@@ -1,0 +1,49 @@
+"""What this machine gives gradspec, for bug reports (`gradspec env`): which paths can run (the C++
+extension and the LAPACK it is bound to, Triton, CuPy, CUDA devices), the threads, the versions."""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+import torch
+
+PACKAGES = ("gradspec", "torch", "transformers", "numpy", "scipy", "triton", "cupy-cuda12x", "cupy-cuda11x",
+            "datasets", "peft", "pyarrow", "accelerate", "gguf")
+
+
+def _version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """The paths, devices, threads and versions, as plain values."""
+    import scipy.linalg  # noqa: F401  (loads SciPy's BLAS, so threadpoolctl can see it)
+    from threadpoolctl import threadpool_info
+
+    from gradspec.kernels import triton
+    from gradspec.linalg import extension
+
+    devices = [{"index": i, "name": torch.cuda.get_device_name(i),
+                "compute_capability": "{}.{}".format(*torch.cuda.get_device_capability(i)),
+                "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
+               for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    return {
+        "cpp_extension": {"built": extension.BUILT, "lapack": extension.LAPACK},
+        "triton": {"importable": triton is not None, "interpreter": os.environ.get("TRITON_INTERPRET") == "1"},
+        "cupy": _version("cupy-cuda12x") or _version("cupy-cuda11x"),
+        "cuda": {"torch_built_with": torch.version.cuda, "available": torch.cuda.is_available(), "devices": devices},
+        "threads": {"cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
+                    "torch_intra_op": torch.get_num_threads(), "torch_inter_op": torch.get_num_interop_threads(),
+                    "extension": extension.default_threads(),
+                    "blas": [{"library": b["internal_api"], "version": b.get("version"),
+                              "threads": b["num_threads"]} for b in threadpool_info()]},
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": {p: v for p in PACKAGES if (v := _version(p)) is not None},
+    }

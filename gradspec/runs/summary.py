@@ -1,0 +1,41 @@
+"""What a finished run says at its end: its rows by status, per module type the means of the main
+metrics, where the file is, and the commands that read it next."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import pandas as pd
+
+from gradspec.layers.targets import PRESETS
+from gradspec.runs.score_files import complete, read_metadata, read_scores
+
+MAIN_METRICS = ("nuclear_norm", "effective_rank", "spectral_norm", "align_mean", "align_mean_gradient", "align_max")
+
+
+def module_means(out: str | Path) -> pd.DataFrame:
+    """module type x main metric: the mean over complete rows and layers (NaN values skipped)."""
+    wide, long = read_scores(out)
+    scored = wide.loc[complete(wide["status"]), "index"]
+    long = long[long["index"].isin(scored) & long["metric"].isin(MAIN_METRICS)]
+    table = long.groupby(["module", "metric"])["value"].mean().unstack("metric")
+    order = [r for r in PRESETS["all"] if r in table.index] + [r for r in table.index if r not in PRESETS["all"]]
+    return table.reindex(index=order, columns=[m for m in MAIN_METRICS if m in table.columns])
+
+
+def run_summary(out: str | Path, statuses: Counter[str]) -> str:
+    """The lines printed at the end of a run whose output file is written."""
+    counts = ", ".join(f"{n} {status}" for status, n in statuses.most_common())
+    lines = [f"wrote {sum(statuses.values())} rows to {out}: {counts}"]
+    means = module_means(out)
+    if not means.empty:
+        lines += ["means over complete rows and layers, per module type:",
+                  means.rename_axis(index=None, columns=None).to_string(float_format=lambda v: f"{v:.4g}")]
+    lines += ["next:", f"  gradspec report mine={out} other=<another score file> --out report   # compare two sets"]
+    data = read_metadata(out).get("data")
+    if data and data != "humaneval":  # select writes rows of the scored input
+        by = "alignment" if {"align_mean", "align_mean_gradient"} & set(means.columns) else "effective_rank"
+        chosen = f"best{Path(data).suffix}" if Path(data).is_file() else "best.parquet"
+        lines.append(f"  gradspec select --scores {out} --by {by} --fraction 0.1 --out {chosen}   # keep the top 10%")
+    return "\n".join(lines)

@@ -1,0 +1,31 @@
+import json
+from types import SimpleNamespace
+
+import torch
+
+from gradspec.cli import main
+from gradspec.linalg import extension
+
+
+def test_env_says_what_this_machine_has(capsys):
+    assert main(["env", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["cpp_extension"]["built"] == extension.BUILT
+    assert info["versions"]["torch"] == torch.__version__ and info["versions"]["gradspec"]
+    assert info["threads"]["torch_intra_op"] == torch.get_num_threads()
+    assert len(info["cuda"]["devices"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    assert main(["env"]) == 0
+    text = capsys.readouterr().out
+    assert f"threads.torch_intra_op: {torch.get_num_threads()}" in text and "cpp_extension.built: " in text
+
+
+def test_env_lists_cuda_devices_with_their_compute_capability(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=141 * 2**30))
+    assert main(["env"]) == 0
+    text = capsys.readouterr().out
+    assert "cuda.devices.0.name: NVIDIA H200" in text and "cuda.devices.0.compute_capability: 9.0" in text
+    assert "cuda.devices.0.memory_gib: 141.0" in text

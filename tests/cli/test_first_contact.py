@@ -1,0 +1,88 @@
+"""What a newcomer sees on the first mistakes: one line that says what is wrong and what to do,
+before anything slow (the model, the data) loads."""
+
+import json
+
+import pytest
+import torch
+
+from gradspec.cli import main
+from gradspec.runs import scoring
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Loading the model is an error here: every check must come first."""
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(scoring, "load_model", load_model)
+
+
+def _error(capsys, *argv):
+    assert main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gradspec: error: ") and "\n" not in err, err
+    return err.removeprefix("gradspec: error: ")
+
+
+def test_cuda_on_a_cpu_only_torch(monkeypatch, capsys, tmp_path, nothing_loads):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    err = _error(capsys, "score", "--device", "cuda", "--out", str(tmp_path / "s.parquet"))
+    assert err == (f"--device cuda: this torch ({torch.__version__}) is a CPU-only build; install a CUDA build of "
+                   "torch (https://pytorch.org/get-started/locally/) or use --device cpu")
+
+
+def test_cuda_without_a_visible_device(monkeypatch, capsys, tmp_path, nothing_loads):
+    monkeypatch.setattr(torch.version, "cuda", "12.6")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    err = _error(capsys, "score", "--device", "cuda:0", "--out", str(tmp_path / "s.parquet"))
+    assert err == ("--device cuda:0: torch sees no CUDA device (no driver, or CUDA_VISIBLE_DEVICES=''); "
+                   "check nvidia-smi or use --device cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    err = _error(capsys, "score", "--device", "cuda:3", "--out", str(tmp_path / "s.parquet"))
+    assert err == "--device cuda:3: only 1 CUDA device(s) visible (cuda:0 to cuda:0)"
+    assert _error(capsys, "score", "--device", "gpu", "--out", str(tmp_path / "s.parquet")) == \
+        "--device 'gpu': expected cpu, cuda or cuda:N"
+
+
+def test_a_model_that_is_neither_a_folder_nor_a_hub_id(capsys, tmp_path, nothing_loads):
+    out = str(tmp_path / "s.parquet")
+    assert _error(capsys, "score", "--model", "/nonexistent", "--out", out) == \
+        "--model /nonexistent: no such folder, and not a Hub model id (org/name) either"
+    (tmp_path / "weights.bin").write_bytes(b"")
+    assert _error(capsys, "score", "--model", str(tmp_path / "weights.bin"), "--out", out) == \
+        (f"--model {tmp_path / 'weights.bin'}: a file; pass the folder that holds its config.json and weights "
+         "(save_pretrained's), or a Hub model id (org/name)")
+    (tmp_path / "empty").mkdir()
+    assert _error(capsys, "score", "--model", str(tmp_path / "empty"), "--out", out) == \
+        (f"--model {tmp_path / 'empty'}: no config.json (nor a PEFT adapter_config.json) in this folder; pass a "
+         "folder written by save_pretrained, or a Hub model id (org/name)")
+
+
+def test_an_existing_out_is_refused_before_loading(capsys, tmp_path, nothing_loads):
+    out = tmp_path / "s.parquet"
+    out.write_bytes(b"old")
+    assert _error(capsys, "score", "--out", str(out)) == f"{out} exists; pass --overwrite or choose another --out"
+    parts = tmp_path / "t.parquet.parts"
+    parts.mkdir()
+    (parts / "manifest.json").write_text(json.dumps({"data": "humaneval"}))
+    assert _error(capsys, "score", "--out", str(tmp_path / "t.parquet")) == \
+        f"{parts} holds an unfinished run (0 parts done); pass --resume to continue it or --overwrite to start again"
+    assert out.read_bytes() == b"old"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--max-length", "0"], "--max-length must be at least 1, got 0"),
+    (["--chunk-rows", "0"], "--chunk-rows must be at least 1, got 0"),
+    (["--limit", "0"], "--limit must be at least 1, got 0 (leave it out to score everything)"),
+    (["--batch-tokens", "-5"], "--batch-tokens must be at least 1, got -5"),
+    (["--method", "lowrank", "--rank", "0"], "--rank must be at least 1, got 0"),
+    (["--data", "missing.jsonl"], "--data missing.jsonl: no such file or folder (nor a Hub dataset name: org/name)"),
+])
+def test_impossible_options_before_loading(capsys, tmp_path, nothing_loads, flags, message):
+    assert _error(capsys, "score", "--out", str(tmp_path / "s.parquet"), *flags) == message

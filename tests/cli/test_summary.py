@@ -1,0 +1,34 @@
+import json
+
+import pandas as pd
+
+from gradspec.cli import main
+from gradspec.runs.summary import module_means
+
+ROWS = [{"instruction": f"Task {i}: repeat {w}", "output": f"{w} " * (i + 2)} for i, w in enumerate(["a", "b", "c"])]
+
+
+def test_score_ends_with_a_summary_and_the_next_commands(tmp_path, tiny_model_dir, capsys):
+    data, out = tmp_path / "d.jsonl", tmp_path / "s.parquet"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS) + json.dumps({"instruction": "q", "output": ""}))
+    assert main(["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote 4 rows to {out}: 3 ok, 1 empty_response" in printed
+    means = module_means(out)
+    assert list(means.index) == ["q", "k", "v", "o"]
+    assert list(means.columns) == ["nuclear_norm", "effective_rank", "spectral_norm"]
+    df = pd.read_parquet(out)
+    ok = df[df["status"] == "ok"]
+    er_q = ok[[c for c in df.columns if c.endswith("q_proj/effective_rank")]].to_numpy().mean()
+    assert abs(means.loc["q", "effective_rank"] - er_q) < 1e-9  # mean over complete rows and layers
+    assert f"{means.loc['q', 'effective_rank']:.4g}" in printed
+    assert f"gradspec report mine={out} other=<another score file> --out report" in printed
+    assert f"gradspec select --scores {out} --by effective_rank --fraction 0.1 --out best.jsonl" in printed
+
+
+def test_a_shard_says_how_to_merge(tmp_path, tiny_model_dir, capsys):
+    data, out = tmp_path / "d.jsonl", tmp_path / "s.parquet"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert main(["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--quiet",
+                 "--shard", "0/2", "--chunk-rows", "1"]) == 0
+    assert f"when all are done: gradspec merge --out {out}" in capsys.readouterr().out
