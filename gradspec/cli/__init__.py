@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from gradspec.cli import align, diagnose, dynamics, env, merge, project, report, score, select, train
+from gradspec.cli.config_file import config_values
 from gradspec.data.readers import InputError
 
 COMMANDS = {"score": score, "align": align, "project": project, "select": select, "report": report, "merge": merge,
@@ -20,6 +21,10 @@ def main(argv: list[str] | None = None) -> int:
         command.add_parser(sub)
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "config", None):  # the file's options as defaults; the flags given win
+            command_parser = sub.choices[args.command]
+            command_parser.set_defaults(**config_values(args.config, command_parser, args.command))
+            args = parser.parse_args(argv)
         return COMMANDS[args.command].run(args)
     except (InputError, ValueError, OSError, RuntimeError) as e:
         print(f"gradspec: error: {e}", file=sys.stderr)

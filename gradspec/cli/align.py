@@ -10,8 +10,8 @@ from gradspec.cli import score
 
 def add_parser(sub) -> None:
     p = sub.add_parser("align", help="exact cosines of each sample's gradient with a task's -> Parquet")
-    p.add_argument("--target", required=True,
-                   help="examples of the task to align with (same formats and fields as --data)")
+    p.add_argument("--target", help="examples of the task to align with (same formats and fields as --data); "
+                                    "required")
     p.add_argument("--aggregate", default=",".join(DEFAULT_AGGREGATES),
                    help=f"comma-separated, of {', '.join(AGGREGATES)}: the cosine with the task's mean gradient, "
                         "the mean and the max of the cosines with each example's (max keeps one gradient per "
@@ -23,6 +23,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.target:
+        raise ValueError("align needs --target: a file of examples of the task (on the command line or in --config)")
     if args.store is None:
         return score.run(args, task=args.target, aggregate=args.aggregate, spectra=args.spectra)
     from gradspec.runs.store_query import query_store

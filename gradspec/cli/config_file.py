@@ -1,0 +1,106 @@
+"""`--config FILE`: a command's options from a YAML or JSON file (keys are the flags' names, with or
+without the dashes), or a run's own record: a run folder's manifest.json or a score file (whose
+metadata holds the same) replays that run. Flags given on the command line override the file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from gradspec.runs.scoring import ScoreConfig
+
+
+def run_options(config: ScoreConfig) -> dict[str, Any]:
+    """A run's config as the options of the command that starts it."""
+    options = {
+        "data": config.data, "model": config.model, "template": config.template, "modules": config.modules,
+        "max_length": config.max_length, "dtype": config.dtype, "method": config.method, "rank": config.rank,
+        "seed": config.seed, "classic": config.classic, "save_spectra": config.save_spectra, "limit": config.limit,
+        "chunk_rows": config.chunk_rows, "precision": config.precision,
+        "instruction_field": config.fields.instruction, "input_field": config.fields.input,
+        "output_field": config.fields.output, "messages_field": config.fields.messages,
+        "conversations_field": config.fields.conversations,
+        "split": config.hub.split, "config_name": config.hub.name, "streaming": config.hub.streaming,
+    }
+    if config.task is not None:  # an align run
+        options.update(target=config.task, aggregate=config.aggregate, spectra=config.spectra)
+    if config.project:  # a project run
+        options.update(k=config.project, spectra=config.spectra)
+    return options
+
+
+def _read(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ValueError(f"--config {path}: no such file")
+    if path.suffix == ".parquet":
+        from gradspec.runs.score_files import read_metadata
+
+        raw = read_metadata(path)
+        if not raw:
+            raise ValueError(f"--config {path}: a Parquet file without gradspec's metadata (not a score file)")
+        return raw
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--config {path}:{e.lineno}: malformed JSON: {e.msg}") from None
+    else:
+        import yaml
+
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+            raise ValueError(f"--config {where}: malformed YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"--config {path}: expected a mapping of option names to values, got {type(raw).__name__}")
+    return raw
+
+
+def config_values(path: str | Path, parser: argparse.ArgumentParser, command: str) -> dict[str, Any]:
+    """The file's options as parser defaults, each checked as its flag would be."""
+    path = Path(path)
+    raw = _read(path)
+    is_run = "version" in raw and isinstance(raw.get("fields"), dict)  # describe's output: a manifest or a score file
+    if is_run:
+        raw = run_options(ScoreConfig.from_manifest(raw))
+    by_dest = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
+    by_flag = {o.lstrip("-").replace("-", "_"): a for a in by_dest.values() for o in a.option_strings}
+    values = {}
+    for key, value in raw.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        action = by_dest.get(name) or by_flag.get(name)
+        if action is None:
+            hint = " (this run's record is another command's: replay it with that one)" if is_run else ""
+            raise ValueError(f"--config {path}: {key!r} is not an option of gradspec {command}{hint}")
+        as_flag = name not in by_dest  # e.g. no_merge: true, for the dest merge
+        values[action.dest] = _value(action, value, f"--config {path}: {key}", as_flag)
+    return values
+
+
+def _value(action: argparse.Action, value: Any, where: str, as_flag: bool) -> Any:
+    if action.nargs == 0:  # a switch: its dest's value, or named by its flag, whether it is given
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: expected true or false, got {value!r}")
+        return (action.const if value else action.default) if as_flag else value
+    if value is None:
+        return None
+    if isinstance(value, (dict, list, bool)):
+        raise ValueError(f"{where}: expected a single value, got {value!r}")
+    if action.type is not None:
+        try:
+            value = action.type(str(value))
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"{where}: {e}") from None
+        except ValueError:
+            raise ValueError(f"{where}: expected {getattr(action.type, '__name__', 'another value')}, "
+                             f"got {value!r}") from None
+    else:
+        value = str(value)
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+    return value
