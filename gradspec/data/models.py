@@ -10,6 +10,7 @@ llama.cpp, which gradspec does not need). transformers dequantises the GGUF once
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 from pathlib import Path
@@ -104,6 +105,8 @@ def load_model(
     check_model(name_or_path)
     check_device(device)
     path = str(default_model_path()) if name_or_path is None else str(Path(name_or_path).expanduser())
+    if (Path(path) / "adapter_config.json").exists():
+        return _load_adapter(Path(path), device, dtype, trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(
@@ -115,3 +118,23 @@ def load_model(
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device), tokenizer
+
+
+def _load_adapter(path: Path, device: str, dtype: str, trust_remote_code: bool):
+    """A PEFT adapter folder: its base model (adapter_config.json's base_model_name_or_path) with the
+    adapter on it; the adapter folder's tokenizer where it has one, else the base model's."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise ValueError(f"--model {path} is a PEFT adapter: loading it needs pip install peft") from None
+    base_name = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base_name:
+        raise ValueError(f"{path / 'adapter_config.json'}: no base_model_name_or_path: which model does it adapt?")
+    base, tokenizer = load_model(base_name, device, dtype, trust_remote_code)
+    if (path / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+    return PeftModel.from_pretrained(base, str(path)).to(device), tokenizer

@@ -25,6 +25,7 @@ from gradspec.align.task import DEFAULT_AGGREGATES, TaskGradients, collect_task
 from gradspec.engine.capture import BatchCapture, LowRankSketch
 from gradspec.engine.loss import check_head_shortcut, response_losses
 from gradspec.kernels import token_mask
+from gradspec.layers.lora import unwrap
 from gradspec.layers.targets import Part, Target, select_targets
 from gradspec.linalg import stages
 from gradspec.linalg.lowrank import LOWRANK_METRICS
@@ -68,7 +69,7 @@ class SpectralEngine:
         adds each sample's gradient under a seeded k x k Kronecker projection per part (a store's rows)."""
         if method not in ("exact", "lowrank"):
             raise ValueError(f"method must be 'exact' or 'lowrank', got {method!r}")
-        self.model = model
+        self.model = unwrap(model)  # a PEFT model: the model it adapts (the same modules)
         self.targets: list[Target] = select_targets(model, modules)
         self.parts: list[Part] = [p for t in self.targets for p in t.parts]
         self.policy = Policy(precision, backend, dict(force or {}))

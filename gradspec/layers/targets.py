@@ -14,11 +14,12 @@ from dataclasses import dataclass
 from torch import nn
 
 from gradspec.layers.fused import split_sizes
+from gradspec.layers.lora import LORA_ROLES, adapted, unwrap
 from gradspec.layers.registry import shape_of
 
 ATTENTION_ROLES = ("q", "k", "v", "o")
 MLP_ROLES = ("gate", "up", "down")
-PRESETS = {"attn": ATTENTION_ROLES, "mlp": MLP_ROLES, "all": ATTENTION_ROLES + MLP_ROLES}
+PRESETS = {"attn": ATTENTION_ROLES, "mlp": MLP_ROLES, "all": ATTENTION_ROLES + MLP_ROLES, "lora": LORA_ROLES}
 
 # Leaf module name -> the roles of its output features, in order.
 _ROLES_BY_LEAF = {
@@ -59,6 +60,9 @@ def layer_index(name: str) -> int:
 
 
 def _roles(name: str) -> tuple[str, ...]:
+    name, lora = adapted(name)
+    if lora is not None:
+        return (lora,)
     parent, _, leaf = name.rpartition(".")
     if leaf == "c_proj":  # GPT-2 uses one name for the attention output and the MLP output
         return ("o",) if parent.endswith("attn") else ("down",)
@@ -70,7 +74,9 @@ def _selected(part_name: str, role: str, patterns: tuple[str, ...]) -> bool:
 
 
 def select_targets(model: nn.Module, modules: str | list[str] = "attn") -> list[Target]:
-    """Targets for a preset ('attn', 'mlp', 'all'), role names ('q,k') or name globs ('*.3.*q_proj')."""
+    """Targets for a preset ('attn', 'mlp', 'all', 'lora'), role names ('q,k') or name globs ('*.3.*q_proj');
+    a PEFT model's are those of the model it adapts (gradspec.layers.lora)."""
+    model = unwrap(model)
     specs = modules.split(",") if isinstance(modules, str) else list(modules)
     patterns: tuple[str, ...] = ()
     for spec in (s.strip() for s in specs if s.strip()):
@@ -84,8 +90,9 @@ def select_targets(model: nn.Module, modules: str | list[str] = "attn") -> list[
         d_in, d_out, transposed = shape
         sizes = split_sizes(model, roles, d_out) if len(roles) > 1 else (d_out,)
         parts, start = [], 0
+        scored_as = adapted(name)[0]
         for role, size in zip(roles, sizes, strict=True):
-            part_name = f"{name}.{role}" if len(roles) > 1 else name
+            part_name = f"{scored_as}.{role}" if len(roles) > 1 else scored_as
             candidates.append(part_name)
             if _selected(part_name, role, patterns):
                 parts.append(Part(part_name, role, start, size, d_in))
