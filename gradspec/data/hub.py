@@ -13,7 +13,7 @@ from typing import Any
 
 from gradspec.data.errors import InputError
 
-_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # the Hub's repository ids
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # the Hub's repository ids (datasets and models)
 _FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".arrow")
 _ROWS_PER_READ = 1024
 
@@ -29,7 +29,7 @@ class Hub:
 
 def is_dataset_name(data: str) -> bool:
     """Whether data, which is not a local path, reads as a Hub dataset name."""
-    return not Path(data).exists() and bool(_NAME.match(data)) and not data.endswith(_FILE_SUFFIXES)
+    return not Path(data).exists() and bool(HUB_ID.match(data)) and not data.endswith(_FILE_SUFFIXES)
 
 
 def _saved(path: Path) -> bool:

