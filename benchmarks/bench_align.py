@@ -19,6 +19,7 @@ import time
 
 import pytest
 from bench_score import floor
+from conftest import interleaved_rounds
 
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, token_batches
 from gradspec.data.models import load_model
@@ -65,14 +66,7 @@ def test_align_vs_score_and_floor(setup):
     rows.update({name: (lambda e=e: [e.score(*b) for b in pool]) for name, e in engines.items()})
     for row in ("floor", "score", "align"):
         rows[row]()  # warm-up, not timed
-    times: dict[str, list[float]] = {row: [] for row in rows}
-    names = list(rows)
-    for r in range(ROUNDS):
-        for row in names[r % len(names):] + names[: r % len(names)]:
-            start = time.perf_counter()
-            rows[row]()
-            times[row].append(time.perf_counter() - start)
-        print(f"\nround {r + 1}/{ROUNDS}: " + ", ".join(f"{row} {t[r]:.2f} s" for row, t in times.items()))
+    times = interleaved_rounds(rows, ROUNDS)
     med = {row: statistics.median(t) for row, t in times.items()}
     task_tokens = sum(int(b[1].sum()) for b in task)
     print(f"\npool: 16 samples ({sum(int(b[1].sum()) for b in pool)} tokens); task: 20 examples ({task_tokens} "

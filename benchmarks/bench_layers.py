@@ -11,12 +11,12 @@ each round starting at another row; medians and ratios are printed. Run with
 """
 
 import statistics
-import time
 
 import pytest
 import torch
 from bench_align import _batches
 from bench_score import floor
+from conftest import interleaved_rounds
 
 from gradspec.data.models import load_model
 from gradspec.data.readers import humaneval_samples
@@ -47,14 +47,7 @@ def test_last_layers_vs_all(setup):
         rows[f"engine, {name}"] = lambda e=engines[name]: [e.score(*b) for b in batches]
     for row in rows.values():
         row()  # warm-up, not timed
-    times: dict[str, list[float]] = {row: [] for row in rows}
-    names = list(rows)
-    for r in range(ROUNDS):
-        for row in names[r % len(names):] + names[: r % len(names)]:
-            start = time.perf_counter()
-            rows[row]()
-            times[row].append(time.perf_counter() - start)
-        print(f"\nround {r + 1}/{ROUNDS}: " + ", ".join(f"{row} {t[r]:.2f} s" for row, t in times.items()))
+    times = interleaved_rounds(rows, ROUNDS)
     med = {row: statistics.median(t) for row, t in times.items()}
     base = med["engine, all 30 layers"]
     print(f"\n16 samples ({sum(int(b[1].sum()) for b in batches)} tokens), median of {ROUNDS} rounds")

@@ -23,11 +23,11 @@ meaningful within one run (the machine is noisy); about 20 minutes on 2 cores.
 """
 
 import statistics
-import time
 from collections.abc import Callable
 
 import pytest
 import torch
+from conftest import interleaved_rounds
 
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, token_batches
 from gradspec.data.models import load_model
@@ -92,14 +92,7 @@ def test_score_vs_floor_and_reference(setup):
         rows = rows_for(model, tok, engine, name, items)
         for warm in ("floor, padded batches", "floor, one sample per pass", "gradspec engine"):
             rows[warm]()  # allocator, the extension's thread pool: not timed
-        times: dict[str, list[float]] = {row: [] for row in rows}
-        names = list(rows)
-        for r in range(ROUNDS):
-            for row in names[r % len(names):] + names[: r % len(names)]:  # each round starts at another row
-                start = time.perf_counter()
-                rows[row]()
-                times[row].append(time.perf_counter() - start)
-            print(f"\n{name}, round {r + 1}/{ROUNDS}: " + ", ".join(f"{row} {t[r]:.2f} s" for row, t in times.items()))
+        times = interleaved_rounds(rows, ROUNDS, f"{name}, ")
         tokens = [i.tokens.num_tokens for i in items]
         med = {row: statistics.median(t) for row, t in times.items()}
         best_floor = min(med["floor, padded batches"], med["floor, one sample per pass"])
