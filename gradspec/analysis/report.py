@@ -20,6 +20,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 from scipy import stats  # noqa: E402
 
+from gradspec.data.errors import InputError  # noqa: E402
 from gradspec.runs.score_files import complete, read_metadata, read_scores  # noqa: E402
 
 CURVE_METRICS = ("nuclear_norm", "effective_rank")
@@ -35,6 +36,12 @@ def load_group(label: str, path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame
     takes out the bound set by length."""
     wide, long = read_scores(path)
     ok = wide.loc[complete(wide["status"]), "index"]
+    if not (long["metric"] == "effective_rank").any():
+        raise InputError(f"{label}={path}: no spectral metrics (a store from gradspec project, or align without "
+                         "--spectra); report compares score files")
+    if ok.empty:
+        counts = ", ".join(f"{n} {s}" for s, n in wide["status"].value_counts().items())
+        raise InputError(f"{label}={path}: no row was scored ({counts})")
     long = long[long["index"].isin(ok)]
     dims = {p["name"]: min(p.get("d_in", np.inf), p.get("d_out", np.inf)) for p in read_metadata(path).get("parts", [])}
     er = long[long["metric"] == "effective_rank"].copy()
@@ -156,8 +163,10 @@ def _plot_heatmap(corr: pd.DataFrame, title: str, path: Path) -> None:
 def write_report(groups: dict[str, str | Path], out: str | Path) -> Path:
     """Figures and report.md for labelled score files ({"high": path, "low": path, ...})."""
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; report writes a folder")
+    loaded = {label: load_group(label, path) for label, path in groups.items()}  # every input checked first
     out.mkdir(parents=True, exist_ok=True)
-    loaded = {label: load_group(label, path) for label, path in groups.items()}
     longs = {label: long for label, (_, long) in loaded.items()}
     samples = {label: per_sample(long) for label, long in longs.items()}
     lines = ["# gradspec report", "", "Groups: " + ", ".join(f"**{g}** ({len(loaded[g][0])} scored rows, `{p}`)"

@@ -75,6 +75,12 @@ def choose(
     """
     if (fraction is None) == (count is None):
         raise ValueError("give exactly one of --fraction and --count")
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ValueError(f"--fraction must be in (0, 1], got {fraction}")
+    if count is not None and count < 1:
+        raise ValueError(f"--count must be at least 1, got {count}")
+    if length_buckets < 0:
+        raise ValueError(f"--length-buckets must be 0 (none) or more, got {length_buckets}")
     ok = scores[complete(scores["status"])].copy()
     for name, _ in criteria(by):
         if name not in ok.columns:
@@ -90,7 +96,12 @@ def choose(
     for g in groups:
         k = min(len(g), int(round(share * len(g))))
         chosen.append(g.sort_values("gradspec_score", ascending=not top, kind="stable").head(k))
-    return pd.concat(chosen).sort_values("index") if chosen else ok.head(0)
+    chosen_rows = pd.concat(chosen).sort_values("index") if chosen else ok.head(0)
+    if chosen_rows.empty:
+        size = f"--fraction {fraction}" if fraction is not None else f"--count {count}"
+        split = f" over {length_buckets} length buckets" if length_buckets else ""
+        raise ValueError(f"{size} of {len(ok)} complete rows{split} selects none; ask for more (or fewer buckets)")
+    return chosen_rows
 
 
 OUTPUT_FORMATS = (".jsonl", ".json", ".parquet", "")  # "": a datasets folder (save_to_disk)

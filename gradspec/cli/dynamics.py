@@ -21,10 +21,19 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gradspec.data.errors import InputError, check_at_least, check_share
+    from gradspec.data.models import check_device, check_model
     from gradspec.data.readers import read_samples
     from gradspec.training.dynamics import LEARNED_ACCURACY, from_checkpoints, summarise, write_dynamics
 
+    check_at_least({"--limit": args.limit, "--max-length": args.max_length})
+    check_share({"--learned-accuracy": args.learned_accuracy})
+    check_device(args.device)
+    for checkpoint in args.checkpoints:
+        check_model(checkpoint)
     samples = list(read_samples(args.data, limit=args.limit))
+    if not samples:
+        raise InputError(f"{args.data}: no rows")
     measured = from_checkpoints(args.checkpoints, samples, args.template, args.max_length, args.device)
     threshold = LEARNED_ACCURACY if args.learned_accuracy is None else args.learned_accuracy
     write_dynamics(summarise(measured, threshold), args.out, args.checkpoints, threshold)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from gradspec.cli import score
+from gradspec.data.errors import check_at_least
 
 
 def add_parser(sub) -> None:
@@ -16,6 +17,5 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.k < 1:
-        raise ValueError(f"--k must be >= 1, got {args.k}")
+    check_at_least({"--k": args.k})
     return score.run(args, spectra=args.spectra, project=args.k)

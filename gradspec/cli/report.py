@@ -19,6 +19,8 @@ def run(args: argparse.Namespace) -> int:
         label, sep, path = spec.partition("=")
         if not sep or not label or not path:
             raise ValueError(f"{spec!r}: expected LABEL=SCORES, e.g. high=high.parquet")
+        if label in groups:
+            raise ValueError(f"label {label!r} is given twice; give each score file its own label")
         groups[label] = path
     print(f"wrote {write_report(groups, args.out)}")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def add_parser(sub) -> None:
@@ -16,6 +17,7 @@ def add_parser(sub) -> None:
                         "align), or weighted z-scores "
                         "('effective_rank:1,nuclear_norm:-1')")
     p.add_argument("--bottom", action="store_true", help="keep the lowest scores (default: the highest)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--fraction", type=float)
     size.add_argument("--count", type=int)
@@ -31,6 +33,10 @@ def run(args: argparse.Namespace) -> int:
     data = args.data or meta.get("data")
     if not data or data == "humaneval":
         raise ValueError(f"{args.scores} does not name a data file to select from; pass --data")
+    if Path(args.out).exists() and Path(args.out).resolve() == Path(data).resolve():
+        raise ValueError(f"--out {args.out} is the scored input itself; choose another path")
+    if Path(args.out).exists() and not args.overwrite:
+        raise FileExistsError(f"{args.out} exists; pass --overwrite or choose another --out")
     scores = read_scores(args.scores)[0]
     chosen = choose(scores, args.by, top=not args.bottom, fraction=args.fraction, count=args.count,
                     length_buckets=args.length_buckets)

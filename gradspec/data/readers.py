@@ -206,7 +206,8 @@ def to_sample(index: int, where: str, record: dict, fields: Fields = Fields()) -
         raise InputError(
             f"{where}: expected Alpaca fields {fields.instruction!r}, {fields.output!r} "
             f"(optional {fields.input!r}), a chat field {fields.messages!r} or a ShareGPT field "
-            f"{fields.conversations!r}; found {sorted(record)}"
+            f"{fields.conversations!r}; found {sorted(record)}: name yours with --instruction-field, "
+            "--output-field, --messages-field or --conversations-field"
         )
     carried = {k: v for k, v in record.items() if k not in text_fields and _is_scalar(v)}
     return Sample(index, messages, carried)

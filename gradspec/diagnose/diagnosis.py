@@ -36,15 +36,19 @@ import torch
 from rapidfuzz.distance import LCSseq
 
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
-from gradspec.data.models import load_model
+from gradspec.data.errors import check_at_least, check_share
+from gradspec.data.models import check_device, check_model, load_model
 from gradspec.data.readers import Sample, read_samples
 from gradspec.data.templates import Tokenized, check_response_tokens, tokenize
 from gradspec.diagnose.report import write_diagnosis
 from gradspec.engine.loss import IGNORE_INDEX, next_token_positions
-from gradspec.runs.score_files import module_mean, read_scores
+from gradspec.runs.score_files import module_mean, read_metadata, read_scores
 from gradspec.training.dynamics import from_checkpoints, measure, measure_tokens, read_dynamics, summarise
 
 CAUSES = ("inconsistent_data", "forgetting", "pretraining_conflict", "missing_knowledge", "under_training")
+
+
+CRITERIA = ("reproduction", "likelihood")
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,16 @@ class Thresholds:
     rare_count: int = 2  # a response token seen at most this often in all responses is rare
     falling_loss: float = 0.05  # relative drop of perplexity from the last checkpoint to the final model
     seed: int = 0
+
+    def check(self) -> None:
+        """Each threshold in its range, or an error naming its flag."""
+        check_at_least({"--distractors": self.distractors, "--repetitions": self.repetitions, "--pool": self.pool})
+        check_at_least({"--rare-count": self.rare_count}, 0)
+        check_share({f"--{name.replace('_', '-')}": getattr(self, name) for name in (
+            "reproduced_rouge", "learned_accuracy", "near_duplicate", "divergent_rouge", "conflict_confidence",
+            "conflict_share", "missing_probability")})
+        if self.criterion not in CRITERIA:
+            raise ValueError(f"--criterion must be one of {', '.join(CRITERIA)}, got {self.criterion!r}")
 
 
 def rouge_l(candidate: list[int], reference: list[int]) -> float:
@@ -208,8 +222,7 @@ def detect(tuned, base, tokenizer, samples: list[Sample], template: str = "plain
     the response and of the prompt, and the nearest other prompt with its response's ROUGE-L
     against this one. A sample with no response token to judge keeps its status and gets no
     signals and no verdict (`unlearned` is NA); most samples without one stop the run."""
-    if thresholds.criterion not in ("reproduction", "likelihood"):
-        raise ValueError(f"criterion must be 'reproduction' or 'likelihood', got {thresholds.criterion!r}")
+    thresholds.check()
     items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples]
     check_response_tokens(Counter(i.tokens.status for i in items))
     judged = [i for i in items if i.tokens.scorable]
@@ -312,6 +325,17 @@ def diagnose(base: str, model: str, data: str | Path, out: str | Path, checkpoin
              thresholds: Thresholds = Thresholds()) -> Path:
     """Detects and explains the unlearned samples of `model` (fine-tuned from `base` on `data`);
     writes diagnosis.parquet and report.md under out and returns the report's path."""
+    thresholds.check()  # every argument that can be checked, before the models load
+    check_at_least({"--limit": limit, "--max-length": max_length})
+    check_device(device)
+    for name in (base, model, *(checkpoints or [])):
+        check_model(name)
+    if dynamics is not None:
+        read_dynamics(dynamics)
+    if scores is not None:
+        read_metadata(scores)
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"--out {out} is a file; diagnose writes a folder")
     tuned, tokenizer = load_model(model, device)
     base_model, _ = load_model(base, device)
     samples = list(read_samples(data, limit=limit))

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from gradspec.data.errors import InputError
 from gradspec.data.templates import SCORED
 from gradspec.layers.targets import Part, layer_index
 from gradspec.linalg.metrics import METRICS, metrics_dict
@@ -89,9 +90,27 @@ def write_parquet(table: pa.Table | pd.DataFrame, path: str | Path, metadata: di
     atomic_write(path, lambda f: pq.write_table(table, f))
 
 
+def _schema(path: str | Path) -> pa.Schema:
+    """A score file's schema, or an error that says what the path is instead."""
+    path = Path(path)
+    what = "pass a score file (the --out of gradspec score, align or project)"
+    if path.is_dir():
+        hint = " (an unfinished run? gradspec merge --out the run's --out)" if path.name.endswith(".parts") else ""
+        raise InputError(f"{path}: a folder, not a Parquet file{hint}; {what}")
+    if not path.exists():
+        raise InputError(f"{path}: no such file; {what}")
+    try:
+        schema = pq.read_schema(path)
+    except pa.ArrowInvalid:
+        raise InputError(f"{path}: not a Parquet file; {what}") from None
+    if "status" not in schema.names:
+        raise InputError(f"{path}: no 'status' column, so not a gradspec score file; {what}")
+    return schema
+
+
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """What a score file says of its run: model, data, template, modules, parts, metrics, ..."""
-    return json.loads((pq.read_schema(path).metadata or {}).get(METADATA_KEY, b"{}"))
+    return json.loads((_schema(path).metadata or {}).get(METADATA_KEY, b"{}"))
 
 
 def read_scores(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -23,6 +24,7 @@ from tqdm import tqdm
 from gradspec.align.task import DEFAULT_AGGREGATES, check_aggregates
 from gradspec.analysis.classic_scores import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
+from gradspec.data.errors import check_at_least
 from gradspec.data.hub import is_dataset_name
 from gradspec.data.models import DEFAULT_MODEL, check_device, check_model, load_model
 from gradspec.data.readers import HUMANEVAL_SIZE, Fields, Hub, InputError, Sample, count_records, data_samples
@@ -263,14 +265,9 @@ class ScoreConfig:
 
     def check(self) -> None:
         """Every option that can be checked before the model loads: a clear error for each."""
-        positive = {"--max-length": self.max_length, "--chunk-rows": self.chunk_rows, "--rank": self.rank}
-        for flag, value in positive.items():
-            if value < 1:
-                raise ValueError(f"{flag} must be at least 1, got {value}")
-        if self.limit is not None and self.limit < 1:
-            raise ValueError(f"--limit must be at least 1, got {self.limit} (leave it out to score everything)")
-        if self.project < 0:
-            raise ValueError(f"--k must be at least 1, got {self.project}")
+        check_at_least({"--max-length": self.max_length, "--chunk-rows": self.chunk_rows, "--rank": self.rank,
+                        "--limit": self.limit})
+        check_at_least({"--k": self.project}, 0)
         if not self.spectra and self.task is None and not self.project:
             raise ValueError("nothing to compute: spectra are off, and neither a task file nor a projection is given")
         for flag, path in (("--data", self.data), ("--target", self.task)):
@@ -296,8 +293,7 @@ class ScoreConfig:
 def _check(config: ScoreConfig, device: str, batch_tokens: int) -> None:
     config.check()
     check_device(device)
-    if batch_tokens < 1:
-        raise ValueError(f"--batch-tokens must be at least 1, got {batch_tokens}")
+    check_at_least({"--batch-tokens": batch_tokens})
 
 
 def _engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: bool,
@@ -331,14 +327,24 @@ def run(
         raise ValueError("--shard and torchrun both split the data; use one of them")
     mine = ranks or shard or Shard()
     _check(config, device, batch_tokens)
+    if resume and overwrite:
+        raise ValueError("--resume continues a run, --overwrite starts it again: pass one of them")
+    if Path(out).suffix != ".parquet" or Path(out).is_dir():
+        raise ValueError(f"--out {out}: name a .parquet file to write")
     if ranks is None or mine.index == 0:  # an --out in the way, before the model loads (rank 0 checks for torchrun)
         RunFolder(out).check(config.describe(), resume, overwrite, shared=mine.count > 1 and ranks is None)
     records = config.records()  # reads the input's size: a bad path, split or config shows here
+    if records == 0:
+        raise InputError(f"{config.data}: no rows to score")
+    if on_error == "fail":  # the first row's layout, before the model loads
+        next(iter(config.samples(lambda i: i == 0)), None)
     with Group() if ranks else nullcontext() as group:
         # A torchrun rank makes its own GPU current before anything touches CUDA (bind_device)
         engine, tokenizer = _engine(config, bind_device(device) if ranks else device, backend, trust_remote_code,
                                     batch_tokens)
         folder, info = RunFolder(out), config.describe()
+        alone = group is None and mine.count == 1
+        created = alone and (overwrite or folder.manifest() is None)  # this process makes the run folder
         if group is None:
             folder.start(info, resume, overwrite, shared=mine.count > 1)
         else:  # rank 0 prepares the folder; the others check it, or stop with rank 0's error
@@ -365,12 +371,17 @@ def run(
             metadata["projection"] = engine.projection.describe()
         if engine.task is not None:
             metadata["task_examples"] = {"kept": int(engine.task.kept.sum()), "rows": count_records(config.task)}
-        statuses = score_samples(
-            config.samples(wanted, on_error), engine, tokenizer,
-            lambda chunk, rows: folder.write_part(chunk, rows, {**metadata, **engine.policy.describe()}),
-            config.chunk_rows, config.template,
-            config.max_length, batch_tokens, progress and (ranks is None or mine.index == 0), total,
-        )
+        try:
+            statuses = score_samples(
+                config.samples(wanted, on_error), engine, tokenizer,
+                lambda chunk, rows: folder.write_part(chunk, rows, {**metadata, **engine.policy.describe()}),
+                config.chunk_rows, config.template,
+                config.max_length, batch_tokens, progress and (ranks is None or mine.index == 0), total,
+            )
+        except BaseException:
+            if created and not folder.done():  # stopped before any part: leave no run to --resume
+                shutil.rmtree(folder.path, ignore_errors=True)
+            raise
         if group is not None:
             group.wait()
         if merge and mine.index == 0 and (group is not None or mine.count == 1):

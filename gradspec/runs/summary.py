@@ -28,14 +28,23 @@ def run_summary(out: str | Path, statuses: Counter[str]) -> str:
     """The lines printed at the end of a run whose output file is written."""
     counts = ", ".join(f"{n} {status}" for status, n in statuses.most_common())
     lines = [f"wrote {sum(statuses.values())} rows to {out}: {counts}"]
+    wide = read_scores(out)[0]
+    complete_rows = int(complete(wide["status"]).sum())
+    if complete_rows == 0:
+        return "\n".join([*lines, "no row was scored: the statuses above say why (README: Inputs)"])
     means = module_means(out)
     if not means.empty:
         lines += ["means over complete rows and layers, per module type:",
                   means.rename_axis(index=None, columns=None).to_string(float_format=lambda v: f"{v:.4g}")]
+    meta = read_metadata(out)
+    if "projection" in meta:  # a store: what it is for
+        query = f"  gradspec align --store {out} --target <task examples> --out aligned.parquet"
+        return "\n".join([*lines, "next:", query])
     lines += ["next:", f"  gradspec report mine={out} other=<another score file> --out report   # compare two sets"]
-    data = read_metadata(out).get("data")
-    if data and data != "humaneval":  # select writes rows of the scored input
-        by = "alignment" if {"align_mean", "align_mean_gradient"} & set(means.columns) else "effective_rank"
+    data = meta.get("data")
+    by = "alignment" if {"align_mean", "align_mean_gradient"} & set(means.columns) else "effective_rank"
+    if data and data != "humaneval" and (by == "alignment" or "effective_rank" in means.columns):
         chosen = f"best{Path(data).suffix}" if Path(data).is_file() else "best.parquet"
-        lines.append(f"  gradspec select --scores {out} --by {by} --fraction 0.1 --out {chosen}   # keep the top 10%")
+        lines.append(f"  gradspec select --scores {out} --by {by} --count {max(1, complete_rows // 10)} "
+                     f"--out {chosen}   # keep the top 10%")
     return "\n".join(lines)

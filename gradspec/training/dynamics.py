@@ -24,11 +24,13 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from transformers import TrainerCallback
 
 from gradspec.data.batching import BATCH_TOKENS, Item, item_losses
+from gradspec.data.errors import InputError
 from gradspec.data.readers import Sample
 from gradspec.data.templates import check_response_tokens, tokenize
 from gradspec.runs.score_files import METADATA_KEY, write_parquet
@@ -102,8 +104,17 @@ def write_dynamics(table: pd.DataFrame, path: str | Path, checkpoints: list[str]
 
 def read_dynamics(path: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
     """(the table, its checkpoints and threshold)."""
-    table = pq.read_table(path)
-    return table.to_pandas(), json.loads(table.schema.metadata[METADATA_KEY])
+    what = "pass a dynamics file (from gradspec dynamics or gradspec train)"
+    if not Path(path).is_file():
+        raise InputError(f"{path}: no such file; {what}")
+    try:
+        table = pq.read_table(path)
+    except pa.ArrowInvalid:
+        raise InputError(f"{path}: not a Parquet file; {what}") from None
+    meta = json.loads((table.schema.metadata or {}).get(METADATA_KEY, b"{}"))
+    if "checkpoints" not in meta:
+        raise InputError(f"{path}: not a dynamics file; {what}")
+    return table.to_pandas(), meta
 
 
 def from_checkpoints(checkpoints: list[str], samples: list[Sample], template: str = "plain",

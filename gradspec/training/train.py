@@ -8,6 +8,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from gradspec.data.errors import check_at_least
+from gradspec.data.models import check_device, check_model
 from gradspec.data.readers import Fields, Sample, data_samples
 from gradspec.data.templates import NO_RESPONSE, check_response_tokens, tokenize
 
@@ -41,6 +43,31 @@ class TrainConfig:
     fields: Fields = Fields()
 
 
+def check(config: TrainConfig) -> None:
+    """Every option that can be checked before the model loads."""
+    if config.loss not in LOSSES:
+        raise ValueError(f"--loss must be one of {LOSSES}, got {config.loss!r}")
+    check_at_least({"--batch-size": config.batch_size, "--max-length": config.max_length, "--limit": config.limit,
+                    "--monitor-every": config.monitor_every})
+    if config.max_steps != -1:
+        check_at_least({"--max-steps": config.max_steps})
+    elif config.epochs <= 0:
+        raise ValueError(f"--epochs must be above 0, got {config.epochs}")
+    for flag, value in (("--learning-rate", config.learning_rate), ("--alpha", config.alpha)):
+        if value is not None and value <= 0:
+            raise ValueError(f"{flag} must be above 0, got {value}")
+    check_at_least({"--prompt-weight": config.prompt_weight, "--response-weight": config.response_weight,
+                    "--mu": config.mu}, 0)
+    if Path(config.out).exists() and not Path(config.out).is_dir():
+        raise ValueError(f"--out {config.out} is a file; train writes a folder")
+    check_device(config.device)
+    check_model(config.model)
+    if config.reference_dynamics is not None:
+        from gradspec.training.dynamics import read_dynamics
+
+        read_dynamics(config.reference_dynamics)
+
+
 def train(config: TrainConfig) -> Path:
     """Runs the fine-tuning; returns the output folder (model, dynamics.parquet, monitor.parquet)."""
     from transformers import Trainer, TrainingArguments
@@ -51,8 +78,7 @@ def train(config: TrainConfig) -> Path:
     from gradspec.training.sftmix import SFTMixTrainer, confidence_halves
     from gradspec.training.wit import WITCollator, WITLoss, use_wit_loss
 
-    if config.loss not in LOSSES:
-        raise ValueError(f"--loss must be one of {LOSSES}, got {config.loss!r}")
+    check(config)
     model, tokenizer = load_model(config.model, config.device)
     samples: list[Sample] = list(data_samples(config.data, config.fields, config.limit))
     _check_labels(samples, tokenizer, config.template, config.max_length)

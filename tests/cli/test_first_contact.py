@@ -79,7 +79,7 @@ def test_an_existing_out_is_refused_before_loading(capsys, tmp_path, nothing_loa
 @pytest.mark.parametrize(("flags", "message"), [
     (["--max-length", "0"], "--max-length must be at least 1, got 0"),
     (["--chunk-rows", "0"], "--chunk-rows must be at least 1, got 0"),
-    (["--limit", "0"], "--limit must be at least 1, got 0 (leave it out to score everything)"),
+    (["--limit", "0"], "--limit must be at least 1, got 0"),
     (["--batch-tokens", "-5"], "--batch-tokens must be at least 1, got -5"),
     (["--method", "lowrank", "--rank", "0"], "--rank must be at least 1, got 0"),
     (["--data", "missing.jsonl"], "--data missing.jsonl: no such file or folder (nor a Hub dataset name: org/name)"),

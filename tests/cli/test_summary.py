@@ -23,7 +23,7 @@ def test_score_ends_with_a_summary_and_the_next_commands(tmp_path, tiny_model_di
     assert abs(means.loc["q", "effective_rank"] - er_q) < 1e-9  # mean over complete rows and layers
     assert f"{means.loc['q', 'effective_rank']:.4g}" in printed
     assert f"gradspec report mine={out} other=<another score file> --out report" in printed
-    assert f"gradspec select --scores {out} --by effective_rank --fraction 0.1 --out best.jsonl" in printed
+    assert f"gradspec select --scores {out} --by effective_rank --count 1 --out best.jsonl" in printed
 
 
 def test_a_shard_says_how_to_merge(tmp_path, tiny_model_dir, capsys):

@@ -1,0 +1,156 @@
+"""Every command's error paths, as a new user meets them: one line that says what is wrong and what
+to do, and nothing already there (an input, a finished file) lost."""
+
+import json
+
+import pytest
+
+from gradspec.cli import main
+
+ROWS = [{"instruction": f"Task {i}: repeat {w}", "output": f"{w} " * (i + 2)} for i, w in enumerate("abcd")]
+
+
+def _error(capsys, *argv):
+    capsys.readouterr()
+    assert main([str(a) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("gradspec: error: ") and "\n" not in err, err
+    return err.removeprefix("gradspec: error: ")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_model_dir):
+    """A scored JSONL of four rows, a store, and an align file without spectra."""
+    root = tmp_path_factory.mktemp("errors")
+    data = root / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    common = ["--model", str(tiny_model_dir), "--data", str(data), "--quiet"]
+    assert main(["score", *common, "--out", str(root / "s.parquet")]) == 0
+    assert main(["project", *common, "--k", "2", "--out", str(root / "store.parquet")]) == 0
+    assert main(["align", *common, "--target", str(data), "--out", str(root / "a.parquet")]) == 0
+    return root
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--fraction", "1.5"], "--fraction must be in (0, 1], got 1.5"),
+    (["--count", "0"], "--count must be at least 1, got 0"),
+    (["--count", "1", "--length-buckets", "-1"], "--length-buckets must be 0 (none) or more, got -1"),
+    (["--fraction", "0.1"], "--fraction 0.1 of 4 complete rows selects none; ask for more (or fewer buckets)"),
+    (["--count", "1", "--length-buckets", "4", "--by", "loss"],
+     "--count 1 of 4 complete rows over 4 length buckets selects none; ask for more (or fewer buckets)"),
+])
+def test_select_sizes(run, capsys, flags, message):
+    by = [] if "--by" in flags else ["--by", "effective_rank"]
+    assert _error(capsys, "select", "--scores", run / "s.parquet", "--out", run / "o.jsonl", *by, *flags) == message
+
+
+def test_select_never_overwrites_its_input_or_an_existing_file(run, capsys):
+    before = (run / "d.jsonl").read_text()
+    assert _error(capsys, "select", "--scores", run / "s.parquet", "--out", run / "d.jsonl", "--by", "loss",
+                  "--count", "1", "--overwrite") == \
+        f"--out {run / 'd.jsonl'} is the scored input itself; choose another path"
+    assert (run / "d.jsonl").read_text() == before
+    (run / "old.jsonl").write_text("keep\n")
+    assert _error(capsys, "select", "--scores", run / "s.parquet", "--out", run / "old.jsonl", "--by", "loss",
+                  "--count", "1") == f"{run / 'old.jsonl'} exists; pass --overwrite or choose another --out"
+    assert (run / "old.jsonl").read_text() == "keep\n"
+
+
+@pytest.mark.parametrize("command", ["select", "report"])
+def test_a_score_file_that_is_not_one(run, capsys, tmp_path, command):
+    what = "pass a score file (the --out of gradspec score, align or project)"
+    (tmp_path / "folder").mkdir()
+    cases = {tmp_path / "missing.parquet": "no such file", run / "d.jsonl": "not a Parquet file",
+             tmp_path / "folder": "a folder, not a Parquet file"}
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "other.parquet")
+    cases[tmp_path / "other.parquet"] = "no 'status' column, so not a gradspec score file"
+    for path, problem in cases.items():
+        argv = (["select", "--scores", path, "--data", run / "d.jsonl", "--out", tmp_path / "o.jsonl", "--by", "loss",
+                 "--count", "1"] if command == "select" else ["report", f"a={run / 's.parquet'}", f"b={path}",
+                                                              "--out", tmp_path / "r"])
+        assert _error(capsys, *argv) == f"{path}: {problem}; {what}"
+    assert not (tmp_path / "r").exists()  # report checks every input before it makes its folder
+
+
+def test_report_needs_spectra_and_distinct_labels(run, capsys, tmp_path):
+    for name in ("store.parquet", "a.parquet"):
+        assert _error(capsys, "report", f"a={run / 's.parquet'}", f"b={run / name}", "--out", tmp_path / "r") == \
+            (f"b={run / name}: no spectral metrics (a store from gradspec project, or align without --spectra); "
+             "report compares score files")
+    assert _error(capsys, "report", f"a={run / 's.parquet'}", f"a={run / 's.parquet'}") == \
+        "label 'a' is given twice; give each score file its own label"
+    (tmp_path / "r.md").write_text("")
+    assert _error(capsys, "report", f"a={run / 's.parquet'}", "--out", tmp_path / "r.md") == \
+        f"--out {tmp_path / 'r.md'} is a file; report writes a folder"
+
+
+def test_score_out_resume_and_empty_input(run, capsys, tmp_path, tiny_model_dir):
+    model = ["--model", tiny_model_dir, "--quiet"]
+    assert _error(capsys, "score", *model, "--out", tmp_path / "s.parquet", "--resume", "--overwrite") == \
+        "--resume continues a run, --overwrite starts it again: pass one of them"
+    assert _error(capsys, "score", *model, "--out", tmp_path / "s.csv") == f"--out {tmp_path / 's.csv'}: name a " \
+        ".parquet file to write"
+    (tmp_path / "empty.jsonl").write_text("")
+    assert _error(capsys, "score", *model, "--data", tmp_path / "empty.jsonl", "--out", tmp_path / "e.parquet") == \
+        f"{tmp_path / 'empty.jsonl'}: no rows to score"
+    (tmp_path / "cols.jsonl").write_text(json.dumps({"prompt": "p", "answer": "a"}) + "\n")
+    err = _error(capsys, "score", *model, "--data", tmp_path / "cols.jsonl", "--out", tmp_path / "c.parquet")
+    assert err.endswith("found ['answer', 'prompt']: name yours with --instruction-field, --output-field, "
+                        "--messages-field or --conversations-field")
+    assert not (tmp_path / "c.parquet.parts").exists()  # stopped before any part: nothing left to --resume
+    assert main(["score", *map(str, model), "--data", str(tmp_path / "cols.jsonl"), "--out",
+                 str(tmp_path / "c.parquet"), "--instruction-field", "prompt", "--output-field", "answer"]) == 0
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--learning-rate", "-1"], "--learning-rate must be above 0, got -1.0"),
+    (["--epochs", "0"], "--epochs must be above 0, got 0.0"),
+    (["--max-steps", "0"], "--max-steps must be at least 1, got 0"),
+    (["--monitor-every", "0"], "--monitor-every must be at least 1, got 0"),
+    (["--limit", "0"], "--limit must be at least 1, got 0"),
+    (["--loss", "sftmix", "--alpha", "0"], "--alpha must be above 0, got 0.0"),
+])
+def test_train_options(capsys, tmp_path, flags, message):
+    assert _error(capsys, "train", "--out", tmp_path / "t", *flags) == message
+
+
+def test_train_and_diagnose_write_folders(capsys, tmp_path, run, tiny_model_dir):
+    (tmp_path / "f").write_text("")
+    assert _error(capsys, "train", "--out", tmp_path / "f") == \
+        f"--out {tmp_path / 'f'} is a file; train writes a folder"
+    assert _error(capsys, "diagnose", "--base", tiny_model_dir, "--model", tiny_model_dir, "--data", run / "d.jsonl",
+                  "--out", tmp_path / "f") == f"--out {tmp_path / 'f'} is a file; diagnose writes a folder"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--distractors", "0"], "--distractors must be at least 1, got 0"),
+    (["--reproduced-rouge", "2"], "--reproduced-rouge must be between 0 and 1, got 2.0"),
+    (["--criterion", "foo"], "--criterion must be one of reproduction, likelihood, got 'foo'"),
+    (["--limit", "0"], "--limit must be at least 1, got 0"),
+])
+def test_diagnose_options(capsys, tmp_path, run, tiny_model_dir, flags, message):
+    assert _error(capsys, "diagnose", "--base", tiny_model_dir, "--model", tiny_model_dir, "--data", run / "d.jsonl",
+                  "--out", tmp_path / "d", *flags) == message
+
+
+@pytest.mark.parametrize("command", ["diagnose", "train"])
+def test_a_dynamics_file_that_is_not_one(capsys, tmp_path, run, tiny_model_dir, command):
+    what = "pass a dynamics file (from gradspec dynamics or gradspec train)"
+    for path, problem in ((tmp_path / "missing.parquet", "no such file"), (run / "s.parquet", "not a dynamics file")):
+        argv = (["diagnose", "--base", tiny_model_dir, "--model", tiny_model_dir, "--data", run / "d.jsonl",
+                 "--dynamics", path, "--out", tmp_path / "d"] if command == "diagnose" else
+                ["train", "--model", tiny_model_dir, "--data", run / "d.jsonl", "--loss", "sftmix",
+                 "--reference-dynamics", path, "--out", tmp_path / "t"])
+        assert _error(capsys, *argv) == f"{path}: {problem}; {what}"
+
+
+def test_dynamics_options(capsys, tmp_path, run, tiny_model_dir):
+    base = ["dynamics", "--checkpoints", tiny_model_dir, "--data", run / "d.jsonl", "--out", tmp_path / "dy.parquet"]
+    assert _error(capsys, *base, "--limit", "0") == "--limit must be at least 1, got 0"
+    assert _error(capsys, *base, "--learned-accuracy", "1.5") == "--learned-accuracy must be between 0 and 1, got 1.5"
+    (tmp_path / "empty.jsonl").write_text("")
+    assert _error(capsys, *base[:3], "--data", tmp_path / "empty.jsonl") == f"{tmp_path / 'empty.jsonl'}: no rows"
