@@ -78,9 +78,8 @@ def select_targets(model: nn.Module, modules: str | list[str] = "attn") -> list[
     a PEFT model's are those of the model it adapts (gradspec.layers.lora)."""
     model = unwrap(model)
     specs = modules.split(",") if isinstance(modules, str) else list(modules)
-    patterns: tuple[str, ...] = ()
-    for spec in (s.strip() for s in specs if s.strip()):
-        patterns += PRESETS.get(spec, (spec,))
+    groups = {spec: PRESETS.get(spec, (spec,)) for spec in (s.strip() for s in specs if s.strip())}
+    patterns: tuple[str, ...] = tuple(p for group in groups.values() for p in group)
     targets, candidates = [], []
     for name, module in model.named_modules():
         shape = shape_of(module)
@@ -99,10 +98,13 @@ def select_targets(model: nn.Module, modules: str | list[str] = "attn") -> list[
             start += size
         if parts:
             targets.append(Target(name, module, d_in, tuple(parts), transposed))
-    if not targets:
+    scored = [p for t in targets for p in t.parts]
+    unmatched = [spec for spec, group in groups.items() if not any(_selected(p.name, p.role, group) for p in scored)]
+    if not targets or unmatched:
         linear = [n for n, m in model.named_modules() if shape_of(m) is not None]
+        what = f"--modules {','.join(specs)!r}" if not targets else f"{', '.join(map(repr, unmatched))} of --modules"
         raise ValueError(
-            f"no module matches --modules {','.join(specs)!r}. Scorable parts: {candidates[:12]}"
+            f"no module matches {what}. Scorable parts: {candidates[:12]}"
             f"{' ...' if len(candidates) > 12 else ''}; linear modules: {linear[:12]}"
             f"{' ...' if len(linear) > 12 else ''}"
         )

@@ -270,6 +270,9 @@ class ScoreConfig:
         check_at_least({"--k": self.project}, 0)
         if not self.spectra and self.task is None and not self.project:
             raise ValueError("nothing to compute: spectra are off, and neither a task file nor a projection is given")
+        if self.hub != Hub() and self.data is not None and Path(self.data).is_file():
+            raise ValueError(f"--split, --config-name and --streaming apply to data read through datasets (a Hub "
+                             f"name or a folder); {self.data} is a file")
         for flag, path in (("--data", self.data), ("--target", self.task)):
             if path is not None and not Path(path).exists() and not is_dataset_name(path):
                 raise InputError(f"{flag} {path}: no such file or folder (nor a Hub dataset name: org/name)")

@@ -86,3 +86,11 @@ def test_an_existing_out_is_refused_before_loading(capsys, tmp_path, nothing_loa
 ])
 def test_impossible_options_before_loading(capsys, tmp_path, nothing_loads, flags, message):
     assert _error(capsys, "score", "--out", str(tmp_path / "s.parquet"), *flags) == message
+
+
+def test_hub_options_on_a_local_file(capsys, tmp_path, nothing_loads):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"instruction": "q", "output": "a"}) + "\n")
+    assert _error(capsys, "score", "--data", str(data), "--split", "test", "--out", str(tmp_path / "s.parquet")) == \
+        (f"--split, --config-name and --streaming apply to data read through datasets (a Hub name or a folder); "
+         f"{data} is a file")

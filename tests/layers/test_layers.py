@@ -56,3 +56,11 @@ def test_a_new_layer_kind_is_one_registered_function(monkeypatch):
     monkeypatch.setattr(registry, "LAYER_KINDS", [*registry.LAYER_KINDS, bilinearish])
     (target,) = select_targets(model, "*.0.*q_proj")
     assert target.name == "model.layers.0.self_attn.q_proj" and (target.d_in, target.parts[0].d_out) == (64, 64)
+
+
+def test_every_module_pattern_must_match_something():
+    """A typo among good patterns is not dropped silently; a preset counts as matched by any of its roles."""
+    model = tiny_model("gpt2")
+    assert select_targets(model, "mlp")  # GPT-2 has up and down, no gate
+    with pytest.raises(ValueError, match=r"no module matches 'zz', '\*\.7\.\*' of --modules\. Scorable parts"):
+        select_targets(model, "q,zz,*.7.*")
