@@ -22,6 +22,10 @@ class KroneckerProjection:
     def __init__(self, parts: list[Part], k_in: int, k_out: int, seed: int = 0) -> None:
         if k_in < 1 or k_out < 1:
             raise ValueError(f"projection sizes must be >= 1, got k_in={k_in}, k_out={k_out}")
+        smallest = min(min(p.d_in, p.d_out) for p in parts)
+        if max(k_in, k_out) > smallest:
+            raise ValueError(f"--k {max(k_in, k_out)} is more than the smallest scored module's size ({smallest}): "
+                             f"a projection larger than the gradient itself; use --k {smallest} or less")
         self.parts, self.k_in, self.k_out, self.seed = list(parts), k_in, k_out, seed
         self._position = {p.name: i for i, p in enumerate(self.parts)}
         self._matrices: dict[tuple[str, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from gradspec.runs.run_folder import RunFolder
 from gradspec.runs.scoring import ScoreConfig
@@ -14,12 +15,15 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out.endswith(".parts"):
+        raise ValueError(f"--out {args.out}: pass the --out the run was given ({args.out.removesuffix('.parts')}), "
+                         "not its .parts folder")
     folder = RunFolder(args.out)
     manifest = folder.manifest()
     if manifest is None:
+        if Path(args.out).is_file():
+            raise ValueError(f"{args.out} is already a merged file: nothing to merge")
         raise ValueError(f"{folder.path}: no run to merge (no manifest.json)")
-    data = manifest["data"]
-    config = ScoreConfig(data=None if data == "humaneval" else data, limit=manifest["limit"])
-    rows = folder.merge(config.records(), manifest["chunk_rows"])
+    rows = folder.merge(ScoreConfig.from_manifest(manifest).records(), manifest["chunk_rows"])
     print(f"wrote {rows} rows to {args.out}")
     return 0

@@ -154,3 +154,19 @@ def test_dynamics_options(capsys, tmp_path, run, tiny_model_dir):
     assert _error(capsys, *base, "--learned-accuracy", "1.5") == "--learned-accuracy must be between 0 and 1, got 1.5"
     (tmp_path / "empty.jsonl").write_text("")
     assert _error(capsys, *base[:3], "--data", tmp_path / "empty.jsonl") == f"{tmp_path / 'empty.jsonl'}: no rows"
+
+
+def test_merge_says_what_to_pass(capsys, run):
+    out = run / "s.parquet"
+    assert _error(capsys, "merge", "--out", f"{out}.parts") == \
+        f"--out {out}.parts: pass the --out the run was given ({out}), not its .parts folder"
+    assert _error(capsys, "merge", "--out", out) == f"{out} is already a merged file: nothing to merge"
+
+
+def test_a_projection_larger_than_the_gradient(capsys, run, tiny_model_dir):
+    """The module sizes come with the model: the one message that follows its loading."""
+    assert main(["project", "--model", str(tiny_model_dir), "--data", str(run / "d.jsonl"), "--k", "100000",
+                 "--out", str(run / "big.parquet")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "gradspec: error: --k 100000 is more than the smallest scored module's size (32): a projection larger than "
+        "the gradient itself; use --k 32 or less")
