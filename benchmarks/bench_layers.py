@@ -5,7 +5,8 @@ The engine starts the backward's graph at the scored modules' outputs (``start_g
 from the loss down to the lowest scored module and stops there. Rows, on the same padded batches
 (HumanEval 0-15, token_batches, 4,096 tokens): the floor (bench_score's: forward and input-gradient
 backward with the engine's loss, no captures) and ``SpectralEngine.score``, for each layer set.
-The last layers' metrics must equal those of the run over all layers. Every row gets ROUNDS rounds,
+The last layers' metrics must equal those of the run over all layers. One more row runs the
+last 2 layers as the engine did before, with the backward down to the embeddings. Every row gets ROUNDS rounds,
 each round starting at another row; medians and ratios are printed. Run with
 ``pytest benchmarks/bench_layers.py -s``.
 """
@@ -45,6 +46,15 @@ def test_last_layers_vs_all(setup):
     for name, modules in subsets.items():
         rows[f"floor, {name}"] = lambda m=modules: floor(model, batches, m)
         rows[f"engine, {name}"] = lambda e=engines[name]: [e.score(*b) for b in batches]
+
+    def to_the_embeddings() -> None:  # as before start_graph: the embeddings' output required grad
+        hook = model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.requires_grad_(True))
+        try:
+            [engines["last 2 layers"].score(*b) for b in batches]
+        finally:
+            hook.remove()
+
+    rows["engine, last 2 layers, backward to the embeddings (before)"] = to_the_embeddings
     for row in rows.values():
         row()  # warm-up, not timed
     times = interleaved_rounds(rows, ROUNDS)
@@ -52,6 +62,6 @@ def test_last_layers_vs_all(setup):
     base = med["engine, all 30 layers"]
     print(f"\n16 samples ({sum(int(b[1].sum()) for b in batches)} tokens), median of {ROUNDS} rounds")
     for row, m in med.items():
-        print(f"  {row:28s} {m:7.2f} s  {m / base:5.2f}x engine on all layers  "
+        print(f"  {row:58s} {m:7.2f} s  {m / base:5.2f}x engine on all layers  "
               f"{m / med['floor, all 30 layers']:5.2f}x the floor on all layers  "
               f"(rounds: {', '.join(f'{t:.2f}' for t in times[row])})")

@@ -7,7 +7,7 @@ Pool: 600 instruction samples (WizardLM, OpenHermes, Magpie: the reward and IFD 
 low), 100 gsm8k R1 traces and 100 HumanEval problems, 200 more instruction samples from the
 difficulty subsets: 1,000 in all. max_length 256, plain template, q/k/v/o.
 
-    .venv/bin/python docs/align_training.py [OUT]     # about 45 minutes on 2 CPU cores
+    .venv/bin/python docs/align_training.py [OUT]     # 94 minutes on 2 CPU cores (shared with other jobs)
 """
 
 from __future__ import annotations
