@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     check_share({"--learned-accuracy": args.learned_accuracy})
     check_device(args.device)
     for checkpoint in args.checkpoints:
-        check_model(checkpoint)
+        check_model(checkpoint, "--checkpoints")
     samples = list(read_samples(args.data, limit=args.limit))
     if not samples:
         raise InputError(f"{args.data}: no rows")

@@ -91,7 +91,7 @@ def run(args: argparse.Namespace, task: str | None = None, aggregate: str = "", 
         Fields(args.instruction_field, args.input_field, args.output_field, args.messages_field,
                args.conversations_field),
         args.limit, args.chunk_rows, args.precision, task,
-        ",".join(check_aggregates(aggregate)) if aggregate else ScoreConfig.aggregate, spectra, project,
+        ",".join(check_aggregates(aggregate)) if task else ScoreConfig.aggregate, spectra, project,
         Hub(args.split, args.config_name, args.streaming),
     )
     statuses = run_scoring(

@@ -25,21 +25,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CUDA_WHEELS = "https://pytorch.org/get-started/locally/"
 
 
-def check_model(name_or_path: str | None) -> None:
-    """A --model that can be neither a model folder nor a Hub model id, refused before anything loads."""
+def check_model(name_or_path: str | None, flag: str = "--model") -> None:
+    """A model (given by flag) that can be neither a model folder nor a Hub model id, refused before anything loads."""
     if name_or_path is None:
         return
     path = Path(name_or_path).expanduser()
     if path.is_file():
-        raise ValueError(f"--model {name_or_path}: a file; pass the folder that holds its config.json and weights "
+        raise ValueError(f"{flag} {name_or_path}: a file; pass the folder that holds its config.json and weights "
                          "(save_pretrained's), or a Hub model id (org/name)")
     if path.is_dir():
         if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
-            raise ValueError(f"--model {name_or_path}: no config.json (nor a PEFT adapter_config.json) in this "
+            raise ValueError(f"{flag} {name_or_path}: no config.json (nor a PEFT adapter_config.json) in this "
                              "folder; pass a folder written by save_pretrained, or a Hub model id (org/name)")
         return
     if not HUB_ID.match(name_or_path):
-        raise ValueError(f"--model {name_or_path}: no such folder, and not a Hub model id (org/name) either")
+        raise ValueError(f"{flag} {name_or_path}: no such folder, and not a Hub model id (org/name) either")
 
 
 def check_device(device: str) -> torch.device:

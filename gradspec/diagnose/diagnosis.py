@@ -328,8 +328,10 @@ def diagnose(base: str, model: str, data: str | Path, out: str | Path, checkpoin
     thresholds.check()  # every argument that can be checked, before the models load
     check_at_least({"--limit": limit, "--max-length": max_length})
     check_device(device)
-    for name in (base, model, *(checkpoints or [])):
-        check_model(name)
+    if dynamics is not None and checkpoints:
+        raise ValueError("give --dynamics or --checkpoints, not both")
+    for name, flag in ((base, "--base"), (model, "--model"), *((c, "--checkpoints") for c in checkpoints or [])):
+        check_model(name, flag)
     if dynamics is not None:
         read_dynamics(dynamics)
     if scores is not None:

@@ -81,6 +81,9 @@ class RunFolder:
         if overwrite:
             return
         if self.out.exists():
+            if resume:
+                raise FileExistsError(f"{self.out} is already complete: nothing to resume (--overwrite scores it "
+                                      "again)")
             raise FileExistsError(f"{self.out} exists; pass --overwrite or choose another --out")
         old = self.manifest()
         if old is None:
@@ -119,7 +122,8 @@ class RunFolder:
         differences = [f"{k}: {old.get(k)!r} in the run, {config.get(k)!r} now"
                        for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)]
         if differences:
-            raise ValueError(f"cannot continue the run in {self.path}, its config differs: " + "; ".join(differences))
+            raise ValueError(f"cannot continue the run in {self.path}, its config differs: " + "; ".join(differences)
+                             + "; pass --overwrite to start again with the new config")
 
     def write_part(self, chunk: int, rows: list[dict[str, Any]], metadata: dict[str, Any]) -> None:
         try:

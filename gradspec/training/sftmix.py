@@ -48,7 +48,8 @@ class PairedBatchSampler(Sampler[list[int]]):
 
     def __init__(self, confident: list[int], unconfident: list[int], pairs: int, seed: int = 0) -> None:
         if not confident or not unconfident or pairs < 1:
-            raise ValueError("SFTMix needs both halves non-empty and at least one pair per batch")
+            raise ValueError("SFTMix needs both halves non-empty and at least one pair per batch: train on at least "
+                             "2 samples with --batch-size 2 or more")
         self.confident, self.unconfident, self.pairs, self.seed = confident, unconfident, pairs, seed
         self.epoch = 0
 

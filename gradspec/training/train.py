@@ -58,6 +58,10 @@ def check(config: TrainConfig) -> None:
             raise ValueError(f"{flag} must be above 0, got {value}")
     check_at_least({"--prompt-weight": config.prompt_weight, "--response-weight": config.response_weight,
                     "--mu": config.mu}, 0)
+    given = [flag for flag, value in (("--alpha", config.alpha), ("--mu", config.mu),
+                                      ("--reference-dynamics", config.reference_dynamics)) if value is not None]
+    if given and config.loss != "sftmix":
+        raise ValueError(f"{', '.join(given)}: only for --loss sftmix, not {config.loss}")
     if Path(config.out).exists() and not Path(config.out).is_dir():
         raise ValueError(f"--out {config.out} is a file; train writes a folder")
     check_device(config.device)
@@ -85,7 +89,7 @@ def train(config: TrainConfig) -> Path:
     rows = [{"messages": s.messages} for s in samples]
     out = Path(config.out)
     args = TrainingArguments(
-        output_dir=str(out / "checkpoints"), per_device_train_batch_size=config.batch_size,
+        output_dir=str(out), per_device_train_batch_size=config.batch_size,
         num_train_epochs=config.epochs, max_steps=config.max_steps, learning_rate=config.learning_rate,
         remove_unused_columns=False, report_to=[], save_strategy="no", logging_steps=config.monitor_every,
         seed=config.seed, use_cpu=config.device == "cpu",

@@ -170,3 +170,29 @@ def test_a_projection_larger_than_the_gradient(capsys, run, tiny_model_dir):
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "gradspec: error: --k 100000 is more than the smallest scored module's size (32): a projection larger than "
         "the gradient itself; use --k 32 or less")
+
+
+def test_resume_and_replay_say_what_to_do(capsys, run, tiny_model_dir):
+    out = run / "s.parquet"
+    common = ["--model", tiny_model_dir, "--data", run / "d.jsonl", "--quiet"]
+    assert _error(capsys, "score", *common, "--out", out, "--resume") == \
+        f"{out} is already complete: nothing to resume (--overwrite scores it again)"
+    assert main(["score", *map(str, common), "--out", str(run / "p.parquet"), "--no-merge"]) == 0
+    err = _error(capsys, "score", *common, "--out", run / "p.parquet", "--resume", "--max-length", "64")
+    assert err.startswith(f"cannot continue the run in {run / 'p.parquet.parts'}, its config differs: max_length: "
+                          "2048 in the run, 64 now")
+    assert err.endswith("; pass --overwrite to start again with the new config")
+    assert _error(capsys, "align", *common, "--target", run / "d.jsonl", "--aggregate", "", "--out",
+                  run / "x.parquet") == \
+        "--aggregate takes one or more of mean_gradient, mean, max (comma-separated), got nothing"
+
+
+def test_options_of_another_mode_are_refused(capsys, tmp_path, run, tiny_model_dir):
+    assert _error(capsys, "train", "--alpha", "0.3", "--out", tmp_path / "t") == \
+        "--alpha: only for --loss sftmix, not ntp"
+    assert _error(capsys, "diagnose", "--base", tiny_model_dir, "--model", tiny_model_dir, "--data", run / "d.jsonl",
+                  "--dynamics", run / "dy.parquet", "--checkpoints", tiny_model_dir, "--out", tmp_path / "d") == \
+        "give --dynamics or --checkpoints, not both"
+    assert _error(capsys, "dynamics", "--checkpoints", run, "--data", run / "d.jsonl") == \
+        (f"--checkpoints {run}: no config.json (nor a PEFT adapter_config.json) in this folder; pass a folder "
+         "written by save_pretrained, or a Hub model id (org/name)")
