@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
@@ -33,6 +34,7 @@ from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
 from gradspec.runs.run_folder import CHUNK_ROWS, INPUT_ERROR, RunFolder, Shard
 from gradspec.runs.score_files import (
+    METADATA_KEY,
     PROJECTION,
     SPECTRA,
     carried_name,
@@ -276,6 +278,10 @@ class ScoreConfig:
         for flag, path in (("--data", self.data), ("--target", self.task)):
             if path is not None and not Path(path).exists() and not is_dataset_name(path):
                 raise InputError(f"{flag} {path}: no such file or folder (nor a Hub dataset name: org/name)")
+            if path is not None and Path(path).suffix == ".parquet" and Path(path).is_file() and \
+                    METADATA_KEY in (pq.read_schema(path).metadata or {}):
+                raise InputError(f"{flag} {path}: a file gradspec wrote (scores, a store), not training data; "
+                                 "pass the data it scored")
         check_model(self.model)
 
     def records(self) -> int:

@@ -196,3 +196,9 @@ def test_options_of_another_mode_are_refused(capsys, tmp_path, run, tiny_model_d
     assert _error(capsys, "dynamics", "--checkpoints", run, "--data", run / "d.jsonl") == \
         (f"--checkpoints {run}: no config.json (nor a PEFT adapter_config.json) in this folder; pass a folder "
          "written by save_pretrained, or a Hub model id (org/name)")
+
+
+def test_a_score_file_is_not_training_data(capsys, run, tiny_model_dir):
+    out = run / "s.parquet"
+    assert _error(capsys, "score", "--model", tiny_model_dir, "--data", out, "--out", run / "y.parquet") == \
+        f"--data {out}: a file gradspec wrote (scores, a store), not training data; pass the data it scored"
