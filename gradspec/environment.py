@@ -33,12 +33,13 @@ def environment() -> dict[str, Any]:
                 "compute_capability": "{}.{}".format(*torch.cuda.get_device_capability(i)),
                 "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
                for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None  # Linux only
     return {
         "cpp_extension": {"built": extension.BUILT, "lapack": extension.LAPACK},
         "triton": {"importable": triton is not None, "interpreter": os.environ.get("TRITON_INTERPRET") == "1"},
         "cupy": _version("cupy-cuda12x") or _version("cupy-cuda11x"),
         "cuda": {"torch_built_with": torch.version.cuda, "available": torch.cuda.is_available(), "devices": devices},
-        "threads": {"cpus": os.cpu_count(), "usable_cpus": len(os.sched_getaffinity(0)),
+        "threads": {"cpus": os.cpu_count(), "usable_cpus": usable,
                     "torch_intra_op": torch.get_num_threads(), "torch_inter_op": torch.get_num_interop_threads(),
                     "extension": extension.default_threads(),
                     "blas": [{"library": b["internal_api"], "version": b.get("version"),

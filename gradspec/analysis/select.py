@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from gradspec.data.errors import check_at_least
 from gradspec.data.readers import Hub, InputError, read_records
 from gradspec.runs.score_files import complete, module_columns, module_mean, write_parquet
 
@@ -77,8 +78,7 @@ def choose(
         raise ValueError("give exactly one of --fraction and --count")
     if fraction is not None and not 0 < fraction <= 1:
         raise ValueError(f"--fraction must be in (0, 1], got {fraction}")
-    if count is not None and count < 1:
-        raise ValueError(f"--count must be at least 1, got {count}")
+    check_at_least({"--count": count})
     if length_buckets < 0:
         raise ValueError(f"--length-buckets must be 0 (none) or more, got {length_buckets}")
     ok = scores[complete(scores["status"])].copy()

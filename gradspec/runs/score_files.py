@@ -90,19 +90,25 @@ def write_parquet(table: pa.Table | pd.DataFrame, path: str | Path, metadata: di
     atomic_write(path, lambda f: pq.write_table(table, f))
 
 
-def _schema(path: str | Path) -> pa.Schema:
-    """A score file's schema, or an error that says what the path is instead."""
+def parquet_schema(path: str | Path, what: str) -> pa.Schema:
+    """The schema of a Parquet file gradspec wrote, or an error that says what the path is instead
+    and what to pass (what)."""
     path = Path(path)
-    what = "pass a score file (the --out of gradspec score, align or project)"
     if path.is_dir():
         hint = " (an unfinished run? gradspec merge --out the run's --out)" if path.name.endswith(".parts") else ""
         raise InputError(f"{path}: a folder, not a Parquet file{hint}; {what}")
     if not path.exists():
         raise InputError(f"{path}: no such file; {what}")
     try:
-        schema = pq.read_schema(path)
+        return pq.read_schema(path)
     except pa.ArrowInvalid:
         raise InputError(f"{path}: not a Parquet file; {what}") from None
+
+
+def _schema(path: str | Path) -> pa.Schema:
+    """A score file's schema, or an error that says what the path is instead."""
+    what = "pass a score file (the --out of gradspec score, align or project)"
+    schema = parquet_schema(path, what)
     if "status" not in schema.names:
         raise InputError(f"{path}: no 'status' column, so not a gradspec score file; {what}")
     return schema

@@ -16,7 +16,10 @@ MAIN_METRICS = ("nuclear_norm", "effective_rank", "spectral_norm", "align_mean",
 
 def module_means(out: str | Path) -> pd.DataFrame:
     """module type x main metric: the mean over complete rows and layers (NaN values skipped)."""
-    wide, long = read_scores(out)
+    return _means(*read_scores(out))
+
+
+def _means(wide: pd.DataFrame, long: pd.DataFrame) -> pd.DataFrame:
     scored = wide.loc[complete(wide["status"]), "index"]
     long = long[long["index"].isin(scored) & long["metric"].isin(MAIN_METRICS)]
     table = long.groupby(["module", "metric"])["value"].mean().unstack("metric")
@@ -28,11 +31,11 @@ def run_summary(out: str | Path, statuses: Counter[str]) -> str:
     """The lines printed at the end of a run whose output file is written."""
     counts = ", ".join(f"{n} {status}" for status, n in statuses.most_common())
     lines = [f"wrote {sum(statuses.values())} rows to {out}: {counts}"]
-    wide = read_scores(out)[0]
+    wide, long = read_scores(out)
     complete_rows = int(complete(wide["status"]).sum())
     if complete_rows == 0:
         return "\n".join([*lines, "no row was scored: the statuses above say why (README: Inputs)"])
-    means = module_means(out)
+    means = _means(wide, long)
     if not means.empty:
         lines += ["means over complete rows and layers, per module type:",
                   means.rename_axis(index=None, columns=None).to_string(float_format=lambda v: f"{v:.4g}")]

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from transformers import TrainerCallback
@@ -33,7 +32,7 @@ from gradspec.data.batching import BATCH_TOKENS, Item, item_losses
 from gradspec.data.errors import InputError
 from gradspec.data.readers import Sample
 from gradspec.data.templates import check_response_tokens, tokenize
-from gradspec.runs.score_files import METADATA_KEY, write_parquet
+from gradspec.runs.score_files import METADATA_KEY, parquet_schema, write_parquet
 
 LEARNED_ACCURACY = 0.9
 MEASURES = ("mean_token_prob", "perplexity", "token_accuracy")
@@ -105,16 +104,10 @@ def write_dynamics(table: pd.DataFrame, path: str | Path, checkpoints: list[str]
 def read_dynamics(path: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
     """(the table, its checkpoints and threshold)."""
     what = "pass a dynamics file (from gradspec dynamics or gradspec train)"
-    if not Path(path).is_file():
-        raise InputError(f"{path}: no such file; {what}")
-    try:
-        table = pq.read_table(path)
-    except pa.ArrowInvalid:
-        raise InputError(f"{path}: not a Parquet file; {what}") from None
-    meta = json.loads((table.schema.metadata or {}).get(METADATA_KEY, b"{}"))
+    meta = json.loads((parquet_schema(path, what).metadata or {}).get(METADATA_KEY, b"{}"))
     if "checkpoints" not in meta:
         raise InputError(f"{path}: not a dynamics file; {what}")
-    return table.to_pandas(), meta
+    return pq.read_table(path).to_pandas(), meta
 
 
 def from_checkpoints(checkpoints: list[str], samples: list[Sample], template: str = "plain",
