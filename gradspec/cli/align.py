@@ -6,6 +6,7 @@ import argparse
 
 from gradspec.align.task import AGGREGATES, DEFAULT_AGGREGATES
 from gradspec.cli import score
+from gradspec.cli.given import refuse_unused
 
 
 def add_parser(sub) -> None:
@@ -29,11 +30,10 @@ def run(args: argparse.Namespace) -> int:
         return score.run(args, task=args.target, aggregate=args.aggregate, spectra=args.spectra)
     from gradspec.runs.store_query import query_store
 
-    given = [flag for flag, value in (("--data", args.data), ("--model", args.model), ("--spectra", args.spectra),
-                                      ("--resume", args.resume), ("--shard", args.shard), ("--limit", args.limit))
-             if value]
-    if given:
-        raise ValueError(f"--store takes the pool, model and settings from the store; drop {', '.join(given)}")
+    kept = {"target", "aggregate", "store", "out", "overwrite", "device", "batch_tokens", "trust_remote_code",
+            "quiet", "config"}
+    refuse_unused(args, tuple(dest for dest in getattr(args, "given", {}) if dest not in kept), False,
+                  "with --store, which holds the pool, the model and their settings")
     statuses = query_store(args.store, args.target, args.out, args.aggregate, device=args.device,
                            batch_tokens=args.batch_tokens, overwrite=args.overwrite,
                            trust_remote_code=args.trust_remote_code)

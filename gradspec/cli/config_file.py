@@ -78,7 +78,9 @@ def config_values(path: str | Path, parser: argparse.ArgumentParser, command: st
             hint = " (this run's record is another command's: replay it with that one)" if is_run else ""
             raise ValueError(f"--config {path}: {key!r} is not an option of gradspec {command}{hint}")
         as_flag = name not in by_dest  # e.g. no_merge: true, for the dest merge
-        values[action.dest] = _value(action, value, f"--config {path}: {key}", as_flag)
+        value = _value(action, value, f"--config {path}: {key}", as_flag)
+        if not (is_run and value == action.default):  # a run's record gives only what differs from the defaults
+            values[action.dest] = value
     return values
 
 

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from gradspec.align.task import check_aggregates
+from gradspec.cli.given import refuse_unused
 from gradspec.data.batching import BATCH_TOKENS
 from gradspec.data.models import DTYPES
 from gradspec.data.readers import ON_ERROR, Fields, Hub
@@ -83,8 +84,18 @@ def add_run_arguments(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def refuse_unused_options(args: argparse.Namespace, spectra: bool, project: int) -> None:
+    """The options a run of these settings would ignore, named."""
+    refuse_unused(args, ("save_spectra", "method", "backend"), spectra,
+                  "without the spectral metrics (add --spectra)")
+    lowrank = spectra and args.method == "lowrank"
+    refuse_unused(args, ("rank",), lowrank, "without --method lowrank")
+    refuse_unused(args, ("seed",), lowrank or project > 0, "without --method lowrank")
+
+
 def run(args: argparse.Namespace, task: str | None = None, aggregate: str = "", spectra: bool = True,
         project: int = 0) -> int:
+    refuse_unused_options(args, spectra, project)
     config = ScoreConfig(
         args.data, args.model, args.template, args.modules, args.max_length, args.dtype, args.method, args.rank,
         args.seed, args.classic, args.save_spectra,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from gradspec.cli.given import refuse_unused
 from gradspec.data.templates import TEMPLATES
 from gradspec.training.train import LOSSES, TrainConfig
 
@@ -40,7 +41,8 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from gradspec.training.train import train
 
-    options = {k: v for k, v in vars(args).items() if k != "command"}
+    refuse_unused(args, ("prompt_weight", "response_weight"), args.loss == "wit", "without --loss wit")
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "given")}
     out = train(TrainConfig(**options))
     print(f"wrote {out / 'model'}, {out / 'dynamics.parquet'} and {out / 'monitor.parquet'}")
     return 0

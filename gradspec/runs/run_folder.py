@@ -25,6 +25,7 @@ from gradspec.runs.score_files import METADATA_KEY, atomic_write, write_parquet
 CHUNK_ROWS = 1024  # input rows per part: the most a kill can cost per process
 INPUT_ERROR = "input_error"
 _MANIFEST = "manifest.json"
+_SHARDS = "shards"  # the manifest's record of how many --shard processes split the run
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,9 @@ class RunFolder:
         except FileNotFoundError:
             return None
 
-    def check(self, config: dict[str, Any], resume: bool, overwrite: bool, shared: bool) -> None:
-        """start's refusals, changing nothing: run before anything slow is loaded."""
+    def check(self, config: dict[str, Any], resume: bool, overwrite: bool, shards: int = 1) -> None:
+        """start's refusals, changing nothing: run before anything slow is loaded. shards: how many
+        independent processes (--shard i/N) share the folder; 1 for one process or torchrun."""
         if overwrite:
             return
         if self.out.exists():
@@ -88,28 +90,33 @@ class RunFolder:
         old = self.manifest()
         if old is None:
             return
-        if not (resume or shared):
+        if not resume and shards == 1:
             raise FileExistsError(
                 f"{self.path} holds an unfinished run ({len(self.done())} parts done); pass --resume to "
                 "continue it or --overwrite to start again"
             )
+        if not resume and old.get(_SHARDS, shards) != shards:  # a split the run's other shards do not share
+            raise FileExistsError(
+                f"{self.path} holds a run split into {old[_SHARDS]} shards, and this is one of {shards}: pass "
+                f"--shard i/{old[_SHARDS]} as its other shards did, or --resume to finish its chunks with any split"
+            )
         self._same_config(old, config)
 
-    def start(self, config: dict[str, Any], resume: bool, overwrite: bool, shared: bool) -> None:
+    def start(self, config: dict[str, Any], resume: bool, overwrite: bool, shards: int = 1) -> None:
         """Creates the folder for this config, or checks an existing one against it.
 
         An existing folder is continued with resume, replaced with overwrite, and joined without
-        either by a shard of a sharded run (shared); a different config is always refused.
+        either by a shard of a run split the same way (shards); a different config is always refused.
         """
         if overwrite:
             shutil.rmtree(self.path, ignore_errors=True)
             self.out.unlink(missing_ok=True)
             self.errors_path.unlink(missing_ok=True)
-        self.check(config, resume, False, shared)
+        self.check(config, resume, False, shards)
         if self.manifest() is None:
             self.path.mkdir(parents=True, exist_ok=True)
             tmp = self.path / f"{_MANIFEST}.tmp{os.getpid()}"
-            tmp.write_text(json.dumps(config, indent=1))
+            tmp.write_text(json.dumps({**config, _SHARDS: shards}, indent=1))
             try:
                 os.link(tmp, self.path / _MANIFEST)  # fails if another shard got there first
             except FileExistsError:
@@ -120,7 +127,7 @@ class RunFolder:
 
     def _same_config(self, old: dict[str, Any], config: dict[str, Any]) -> None:
         differences = [f"{k}: {old.get(k)!r} in the run, {config.get(k)!r} now"
-                       for k in sorted(set(old) | set(config)) if old.get(k) != config.get(k)]
+                       for k in sorted((set(old) | set(config)) - {_SHARDS}) if old.get(k) != config.get(k)]
         if differences:
             raise ValueError(f"cannot continue the run in {self.path}, its config differs: " + "; ".join(differences)
                              + "; pass --overwrite to start again with the new config")

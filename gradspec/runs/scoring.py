@@ -341,7 +341,7 @@ def run(
     if Path(out).suffix != ".parquet" or Path(out).is_dir():
         raise ValueError(f"--out {out}: name a .parquet file to write")
     if ranks is None or mine.index == 0:  # an --out in the way, before the model loads (rank 0 checks for torchrun)
-        RunFolder(out).check(config.describe(), resume, overwrite, shared=mine.count > 1 and ranks is None)
+        RunFolder(out).check(config.describe(), resume, overwrite, shards=1 if ranks else mine.count)
     records = config.records()  # reads the input's size: a bad path, split or config shows here
     if records == 0:
         raise InputError(f"{config.data}: no rows to score")
@@ -355,18 +355,18 @@ def run(
         alone = group is None and mine.count == 1
         created = alone and (overwrite or folder.manifest() is None)  # this process makes the run folder
         if group is None:
-            folder.start(info, resume, overwrite, shared=mine.count > 1)
+            folder.start(info, resume, overwrite, shards=mine.count)
         else:  # rank 0 prepares the folder; the others check it, or stop with rank 0's error
             problem = None
             if group.rank == 0:
                 try:
-                    folder.start(info, resume, overwrite, shared=False)
+                    folder.start(info, resume, overwrite)
                 except (FileExistsError, ValueError) as e:
                     problem = e
             problem = group.share(problem)
             if problem is not None:
                 raise problem
-            folder.start(info, resume=True, overwrite=False, shared=True)
+            folder.start(info, resume=True, overwrite=False)
         done = folder.done()
 
         def wanted(index: int) -> bool:

@@ -202,3 +202,21 @@ def test_a_score_file_is_not_training_data(capsys, run, tiny_model_dir):
     out = run / "s.parquet"
     assert _error(capsys, "score", "--model", tiny_model_dir, "--data", out, "--out", run / "y.parquet") == \
         f"--data {out}: a file gradspec wrote (scores, a store), not training data; pass the data it scored"
+
+
+def test_options_without_effect_are_refused_even_at_their_defaults(capsys, tmp_path, run, tiny_model_dir):
+    common = ["--model", tiny_model_dir, "--data", run / "d.jsonl", "--out", tmp_path / "x.parquet"]
+    assert _error(capsys, "score", *common, "--rank", "64") == "--rank has no effect without --method lowrank; drop it"
+    assert _error(capsys, "score", *common, "--seed", "0") == "--seed has no effect without --method lowrank; drop it"
+    (tmp_path / "c.yaml").write_text("rank: 64\n")  # a config file's option is given too
+    assert _error(capsys, "score", *common, "--config", tmp_path / "c.yaml") == \
+        "--rank has no effect without --method lowrank; drop it"
+    assert _error(capsys, "align", *common, "--target", run / "d.jsonl", "--backend", "cpp", "--save-spectra") == \
+        "--save-spectra, --backend have no effect without the spectral metrics (add --spectra); drop them"
+    assert _error(capsys, "align", "--store", run / "store.parquet", "--target", run / "d.jsonl", "--modules", "attn",
+                  "--template", "plain", "--out", tmp_path / "a.parquet") == \
+        "--template, --modules have no effect with --store, which holds the pool, the model and their settings; " \
+        "drop them"
+    assert _error(capsys, "train", "--prompt-weight", "1", "--out", tmp_path / "t") == \
+        "--prompt-weight has no effect without --loss wit; drop it"
+    assert not (tmp_path / "x.parquet.parts").exists() and not (tmp_path / "t").exists()

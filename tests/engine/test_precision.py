@@ -105,7 +105,7 @@ def test_merged_parts_carry_every_path_any_part_took(tmp_path):
     from gradspec.runs.score_files import read_metadata
 
     folder = RunFolder(tmp_path / "run.parquet")
-    folder.start({"model": "m"}, resume=False, overwrite=False, shared=False)
+    folder.start({"model": "m"}, resume=False, overwrite=False)
     for chunk, paths in enumerate([{"core": ["cpp"]}, {"core": ["torch"], "gram": ["cupy"]}]):
         folder.write_part(chunk, [{"index": chunk, "status": "ok"}], {"precision": "fp64", "paths": paths})
     folder.merge(records=2, chunk_rows=1)

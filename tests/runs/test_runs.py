@@ -122,6 +122,14 @@ def test_unfinished_run_needs_resume_and_the_same_config(tmp_path, tiny_model_di
     assert "config differs: max_length: 2048 in the run, 64 now; modules: 'attn' in the run, 'mlp' now" in err
     assert main(["merge", "--out", str(out)]) == 2
     assert "5 chunks not scored yet (1, 3, 5, 7, 9)" in capsys.readouterr().err
+    assert main(_args(tiny_model_dir, data, out, "--shard", "1/3")) == 2  # would score chunks 1, 4, 7: a mix
+    assert "holds a run split into 2 shards, and this is one of 3: pass --shard i/2 as its other shards did, or " \
+           "--resume" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(_args(tiny_model_dir, data, out, "--shard", "-1/2"))
+    assert "--shard '-1/2': expected i/N with 0 <= i < N, e.g. 0/8" in capsys.readouterr().err
+    assert main(_args(tiny_model_dir, data, out, "--shard", "1/2")) == 0  # the other half: now complete
+    assert main(["merge", "--out", str(out)]) == 0
 
 
 def test_shards_then_merge_equal_one_run(tmp_path, tiny_model_dir, data, reference, capsys):
