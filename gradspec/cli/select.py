@@ -26,6 +26,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gradspec.analysis.select import choose, criteria, write_selection
+    from gradspec.data.errors import InputError
     from gradspec.data.readers import Hub
     from gradspec.runs.score_files import complete, read_metadata, read_scores
 
@@ -33,6 +34,10 @@ def run(args: argparse.Namespace) -> int:
     data = args.data or meta.get("data")
     if not data or data == "humaneval":
         raise ValueError(f"{args.scores} does not name a data file to select from; pass --data")
+    scored = meta.get("data_bytes")  # a file's size when it was scored: another file, or an edit, shows here
+    if scored is not None and Path(data).is_file() and Path(data).stat().st_size != scored:
+        raise InputError(f"{data}: {Path(data).stat().st_size} bytes, but the input {args.scores} scored had {scored}: "
+                         "not that input, or changed since; pass the file that was scored, or score this one")
     if Path(args.out).exists() and Path(args.out).resolve() == Path(data).resolve():
         raise ValueError(f"--out {args.out} is the scored input itself; choose another path")
     if Path(args.out).exists() and not args.overwrite:

@@ -32,11 +32,12 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 import torch
 from rapidfuzz.distance import LCSseq
 
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
-from gradspec.data.errors import check_at_least, check_share
+from gradspec.data.errors import InputError, check_at_least, check_share
 from gradspec.data.models import check_device, check_model, load_model
 from gradspec.data.readers import Sample, read_samples
 from gradspec.data.templates import Tokenized, check_response_tokens, tokenize
@@ -319,6 +320,14 @@ def with_spectra(table: pd.DataFrame, scores: str | Path) -> pd.DataFrame:
     return table.join(extra, on="index")
 
 
+def _check_covers(indices: pd.Series, samples: list[Sample], what: str) -> None:
+    """Every sample diagnosed has its row in the file: evidence missing for some is not read as 'none'."""
+    missing = sorted({s.index for s in samples} - set(indices.tolist()))
+    if missing:
+        raise InputError(f"{what} has no rows for {len(missing)} of the {len(samples)} samples to diagnose (the "
+                         f"first: index {missing[0]}); pass the file made from this data, or a --limit it covers")
+
+
 def diagnose(base: str, model: str, data: str | Path, out: str | Path, checkpoints: list[str] | None = None,
              dynamics: str | Path | None = None, scores: str | Path | None = None, template: str = "plain",
              max_length: int = 2048, limit: int | None = None, device: str = "cpu",
@@ -332,15 +341,16 @@ def diagnose(base: str, model: str, data: str | Path, out: str | Path, checkpoin
         raise ValueError("give --dynamics or --checkpoints, not both")
     for name, flag in ((base, "--base"), (model, "--model"), *((c, "--checkpoints") for c in checkpoints or [])):
         check_model(name, flag)
-    if dynamics is not None:
-        read_dynamics(dynamics)
-    if scores is not None:
-        read_metadata(scores)
     if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"--out {out} is a file; diagnose writes a folder")
+    samples = list(read_samples(data, limit=limit))
+    if dynamics is not None:
+        _check_covers(read_dynamics(dynamics)[0]["index"], samples, f"--dynamics {dynamics}")
+    if scores is not None:
+        read_metadata(scores)
+        _check_covers(pq.read_table(scores, columns=["index"])["index"].to_pandas(), samples, f"--scores {scores}")
     tuned, tokenizer = load_model(model, device)
     base_model, _ = load_model(base, device)
-    samples = list(read_samples(data, limit=limit))
     table = detect(tuned, base_model, tokenizer, samples, template, max_length, thresholds)
     history = None
     if dynamics is not None:

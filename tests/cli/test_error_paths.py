@@ -220,3 +220,30 @@ def test_options_without_effect_are_refused_even_at_their_defaults(capsys, tmp_p
     assert _error(capsys, "train", "--prompt-weight", "1", "--out", tmp_path / "t") == \
         "--prompt-weight has no effect without --loss wit; drop it"
     assert not (tmp_path / "x.parquet.parts").exists() and not (tmp_path / "t").exists()
+
+
+def test_select_refuses_another_input_of_the_same_length(capsys, tmp_path, run):
+    other = tmp_path / "other.jsonl"  # as many rows as the scored input: rows alone would not tell them apart
+    other.write_text("".join(json.dumps({"instruction": f"Other {i}", "output": "x"}) + "\n" for i in range(4)))
+    size, scored = other.stat().st_size, (run / "d.jsonl").stat().st_size
+    assert _error(capsys, "select", "--scores", run / "s.parquet", "--data", other, "--out", tmp_path / "o.jsonl",
+                  "--by", "loss", "--count", "1") == \
+        (f"{other}: {size} bytes, but the input {run / 's.parquet'} scored had {scored}: not that input, or changed "
+         "since; pass the file that was scored, or score this one")
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_diagnose_needs_evidence_for_every_sample(capsys, tmp_path, run, tiny_model_dir):
+    data = run / "d.jsonl"
+    assert main(["dynamics", "--checkpoints", str(tiny_model_dir), "--data", str(data), "--limit", "2",
+                 "--out", str(tmp_path / "dy.parquet")]) == 0
+    assert main(["score", "--model", str(tiny_model_dir), "--data", str(data), "--limit", "3", "--quiet",
+                 "--out", str(tmp_path / "s3.parquet")]) == 0
+    base = ["diagnose", "--base", tiny_model_dir, "--model", tiny_model_dir, "--data", data, "--out", tmp_path / "d"]
+    assert _error(capsys, *base, "--dynamics", tmp_path / "dy.parquet") == (
+        f"--dynamics {tmp_path / 'dy.parquet'} has no rows for 2 of the 4 samples to diagnose (the first: index 2); "
+        "pass the file made from this data, or a --limit it covers")
+    assert _error(capsys, *base, "--scores", tmp_path / "s3.parquet", "--limit", "4") == (
+        f"--scores {tmp_path / 's3.parquet'} has no rows for 1 of the 4 samples to diagnose (the first: index 3); "
+        "pass the file made from this data, or a --limit it covers")
+    assert not (tmp_path / "d").exists()
