@@ -5,17 +5,22 @@ configs), or a ``save_to_disk`` folder. A split is read in order; streamed, as i
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from gradspec.data.errors import InputError
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # the Hub's repository ids (datasets and models)
 _FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".arrow")
 _ROWS_PER_READ = 1024
+_PROXIES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 
 
 @dataclass(frozen=True)
@@ -36,8 +41,32 @@ def _saved(path: Path) -> bool:
     return (path / "dataset_dict.json").exists() or (path / "state.json").exists()
 
 
+_opened: dict[tuple[str, Hub], Any] | None = None  # inside loaded_once: the datasets loaded so far
+
+
+@contextmanager
+def loaded_once() -> Iterator[None]:
+    """Within it, each dataset is loaded once: a run reads its size, its first row and its rows,
+    and each load of a Hub name asks the Hub again. (Also a decorator.)"""
+    global _opened
+    outer = _opened
+    _opened = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _opened = outer
+
+
 def load(data: str, hub: Hub = Hub()) -> Any:
     """The split as a ``datasets.Dataset`` (an ``IterableDataset`` when streaming)."""
+    if _opened is None:
+        return _load(data, hub)
+    if (data, hub) not in _opened:
+        _opened[data, hub] = _load(data, hub)
+    return _opened[data, hub]
+
+
+def _load(data: str, hub: Hub) -> Any:
     try:
         import datasets
     except ImportError:
@@ -50,12 +79,45 @@ def load(data: str, hub: Hub = Hub()) -> Any:
                 raise InputError(f"{data}: no split {hub.split!r} (--split); splits: {list(ds)}")
             ds = ds[hub.split]
         return ds.to_iterable_dataset() if hub.streaming else ds
+    offline = not path.is_dir() and not _hub_reachable()
     try:
-        return datasets.load_dataset(data, hub.name, split=hub.split, streaming=hub.streaming)
+        with _offline() if offline else nullcontext():
+            return datasets.load_dataset(data, hub.name, split=hub.split, streaming=hub.streaming)
     except (ValueError, OSError) as e:  # unknown split or config, no such dataset, no network
         where = "folder" if path.is_dir() else "Hub dataset"
+        why = "; the Hub is not reachable from this machine: only datasets in the local cache load offline" * offline
         raise InputError(f"{data}: datasets.load_dataset cannot read this {where} "
-                         f"(split {hub.split!r}, config {hub.name!r}): {e}") from None
+                         f"(split {hub.split!r}, config {hub.name!r}): {e}{why}") from None
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hub's host takes a connection: without one, the Hub library retries for half a
+    minute before it fails. Behind a proxy (or when offline mode is already on) it is not probed."""
+    import huggingface_hub.constants as hub_constants
+
+    if hub_constants.HF_HUB_OFFLINE or any(os.environ.get(v) for v in _PROXIES):
+        return True
+    url = urlparse(hub_constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+@contextmanager
+def _offline() -> Iterator[None]:
+    """The Hub libraries' offline mode (HF_HUB_OFFLINE=1, read at their import) for one load: the
+    local cache is read, the network is not tried."""
+    import datasets.config
+    import huggingface_hub.constants as hub_constants
+
+    saved = datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
 
 
 def size(data: str, hub: Hub = Hub()) -> int:

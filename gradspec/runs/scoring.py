@@ -26,7 +26,7 @@ from gradspec.align.task import DEFAULT_AGGREGATES, check_aggregates
 from gradspec.analysis.classic_scores import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
 from gradspec.data.errors import check_at_least
-from gradspec.data.hub import is_dataset_name
+from gradspec.data.hub import is_dataset_name, loaded_once
 from gradspec.data.models import DEFAULT_MODEL, check_device, check_model, load_model
 from gradspec.data.readers import HUMANEVAL_SIZE, Fields, Hub, InputError, Sample, count_records, data_samples
 from gradspec.data.templates import check_response_tokens, tokenize
@@ -318,6 +318,7 @@ def _engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: b
     return engine, tokenizer
 
 
+@loaded_once()
 def run(
     config: ScoreConfig, out: str | Path, *, device: str = "cpu", backend: str = "auto",
     batch_tokens: int = BATCH_TOKENS, progress: bool = True, trust_remote_code: bool = False,

@@ -108,6 +108,54 @@ def test_a_name_the_hub_cannot_give_says_so(monkeypatch):
         count_records("nobody/nothing")
 
 
+def test_an_unreachable_hub_fails_at_once_and_leaves_offline_mode_as_found(monkeypatch):
+    """Without a connection the Hub library retries for half a minute; offline mode answers at once."""
+    import datasets
+    import huggingface_hub.constants as hub_constants
+
+    from gradspec.data import hub
+
+    for name in hub._PROXIES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+
+    def no_network(address, timeout=None):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(hub.socket, "create_connection", no_network)
+    real, offline_at_call = datasets.load_dataset, []
+
+    def load_dataset(*args, **kwargs):
+        offline_at_call.append((hub_constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    with pytest.raises(InputError, match="nobody/nothing: datasets.load_dataset cannot read this Hub dataset .*"
+                                         "the Hub is not reachable from this machine: only datasets in the local "
+                                         "cache load offline"):
+        count_records("nobody/nothing")
+    assert offline_at_call == [(True, True)]  # the network is not tried
+    assert hub_constants.HF_HUB_OFFLINE is False and datasets.config.HF_HUB_OFFLINE is False
+
+
+def test_a_run_loads_its_dataset_once(monkeypatch, tmp_path, tiny_model_dir):
+    """A run reads the size, the first row and the rows: one load_dataset (each asks the Hub)."""
+    import datasets
+
+    calls = []
+
+    def load_dataset(path, name=None, split=None, streaming=False):
+        calls.append(path)
+        return datasets.Dataset.from_list(_rows("hub", 3))
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    out = tmp_path / "s.parquet"
+    assert main(["score", "--model", str(tiny_model_dir), "--data", "someone/sft-set", "--out", str(out),
+                 "--quiet"]) == 0
+    assert calls == ["someone/sft-set"] and pd.read_parquet(out)["id"].tolist() == ["hub0", "hub1", "hub2"]
+
+
 def test_score_a_split_from_the_command_line(repo, tmp_path, tiny_model_dir):
     out = tmp_path / "s.parquet"
     assert main(["score", "--model", str(tiny_model_dir), "--data", str(repo), "--split", "test", "--out", str(out),
