@@ -105,7 +105,7 @@ def test_project_store_and_align_store(tmp_path, tiny_model_dir, capsys):
     torch.testing.assert_close(got, whole, equal_nan=True)
     assert torch.isnan(got[1]).all() and not torch.isnan(got[[0, 2, 3]]).any()
     assert main(["align", "--store", str(store), "--target", str(task), "--out", str(out), "--data", str(pool)]) == 2
-    assert "drop --data" in capsys.readouterr().err
+    assert "--data has no effect with --store" in capsys.readouterr().err
     plain = tmp_path / "plain.parquet"
     assert main(["score", "--data", str(pool), "--model", model_dir, "--out", str(plain), "--quiet",
                  "--max-length", "64"]) == 0
