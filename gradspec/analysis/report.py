@@ -160,17 +160,44 @@ def _plot_heatmap(corr: pd.DataFrame, title: str, path: Path) -> None:
     plt.close(fig)
 
 
-def write_report(groups: dict[str, str | Path], out: str | Path) -> Path:
+FEW_ROWS = 10  # below this many scored rows in a group, the report says its statistics mean little
+
+
+def _check_groups(groups: dict[str, str | Path], longs: dict[str, pd.DataFrame]) -> None:
+    """The same file twice, or files scored on different module types, cannot be compared."""
+    paths: dict[Path, str] = {}
+    for label, path in groups.items():
+        if Path(path).resolve() in paths:
+            raise ValueError(f"{label}={path} is the same file as {paths[Path(path).resolve()]}={path}; compare "
+                             "different score files")
+        paths[Path(path).resolve()] = label
+    order = {r: i for i, r in enumerate(ROLE_ORDER)}
+    roles = {label: sorted(set(long["module"]), key=lambda r: (order.get(r, len(order)), r))
+             for label, long in longs.items()}
+    if len({tuple(r) for r in roles.values()}) > 1:
+        scored = "; ".join(f"{label} scored {', '.join(r)}" for label, r in roles.items())
+        raise ValueError(f"{scored}: a report compares files scored on the same module types; score them with the "
+                         "same --modules")
+
+
+def write_report(groups: dict[str, str | Path], out: str | Path, overwrite: bool = False) -> Path:
     """Figures and report.md for labelled score files ({"high": path, "low": path, ...})."""
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; report writes a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"--out {out} is a folder that is not empty; pass --overwrite or choose another --out")
     loaded = {label: load_group(label, path) for label, path in groups.items()}  # every input checked first
-    out.mkdir(parents=True, exist_ok=True)
     longs = {label: long for label, (_, long) in loaded.items()}
+    _check_groups(groups, longs)
+    out.mkdir(parents=True, exist_ok=True)
     samples = {label: per_sample(long) for label, long in longs.items()}
     lines = ["# gradspec report", "", "Groups: " + ", ".join(f"**{g}** ({len(loaded[g][0])} scored rows, `{p}`)"
                                                          for g, p in groups.items()), ""]
+    few = [f"{g} ({len(loaded[g][0])})" for g in groups if len(loaded[g][0]) < FEW_ROWS]
+    if few:
+        lines += [f"**Few rows:** {', '.join(few)} scored rows; the tests and correlations below mean little "
+                  f"under {FEW_ROWS} rows a group (and need 2 a group to be computed at all).", ""]
     for metric in CURVE_METRICS:
         _plot_layer_curves(longs, metric, out / f"layers_{metric}.png")
         _plot_distributions(samples, metric, out / f"distribution_{metric}.png")
@@ -178,8 +205,8 @@ def write_report(groups: dict[str, str | Path], out: str | Path) -> Path:
                   f"![per sample](distribution_{metric}.png)", ""]
     table = summary_table(samples)
     lines += ["## Summary per module type (mean over layers)", "",
-              "Cohen's d > 0 means the first group is higher. `effective_rank_fraction` is the effective rank "
-              "over its ceiling min(T, d_in, d_out), a length-normalised variant.", "",
+              "Cohen's d > 0 means the first group is higher. " * (len(groups) > 1) + "`effective_rank_fraction` "
+              "is the effective rank over its ceiling min(T, d_in, d_out), a length-normalised variant.", "",
               table.to_markdown(index=False, floatfmt=".3g"), ""]
     wide_all = pd.concat([w for w, _ in loaded.values()], ignore_index=True)
     plain, partial = correlations(wide_all, pd.concat(samples.values()))

@@ -30,10 +30,18 @@ def criterion_values(scores: pd.DataFrame, name: str) -> pd.Series:
         if not found:
             raise ValueError("--by alignment needs a score file from `gradspec align` (columns align_*)")
         name = found[0]
+    if name in ("index", "status"):
+        raise ValueError(f"--by {name}: the row's {'position' if name == 'index' else 'flags'}, not a score; "
+                         "choose a metric or a numeric column")
     if name in scores.columns:
+        if not pd.api.types.is_numeric_dtype(scores[name]):
+            raise ValueError(f"--by {name}: not a numeric column; choose a metric or a numeric column")
         return scores[name].astype(float)
     if not module_columns(scores.columns, name):
         metrics = sorted({c.rsplit("/", 1)[1] for c in scores.columns if "/" in c})
+        if not metrics:
+            raise ValueError(f"--by {name}: the score file has no per-module metrics (a store from gradspec project, "
+                             "or align without --spectra); choose a column, or score with spectra")
         raise ValueError(f"unknown criterion {name!r}: not a column, and no module has it; metrics: {metrics}")
     return module_mean(scores, name)
 

@@ -9,6 +9,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("report", help="compare labelled score files: figures and a Markdown summary")
     p.add_argument("groups", nargs="+", metavar="LABEL=SCORES", help="e.g. high=high.parquet low=low.parquet")
     p.add_argument("--out", default="report", help="output folder (default: report)")
+    p.add_argument("--overwrite", action="store_true", help="write into an --out folder that is not empty")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,5 +23,5 @@ def run(args: argparse.Namespace) -> int:
         if label in groups:
             raise ValueError(f"label {label!r} is given twice; give each score file its own label")
         groups[label] = path
-    print(f"wrote {write_report(groups, args.out)}")
+    print(f"wrote {write_report(groups, args.out, args.overwrite)}")
     return 0

@@ -111,6 +111,10 @@ def _schema(path: str | Path) -> pa.Schema:
     schema = parquet_schema(path, what)
     if "status" not in schema.names:
         raise InputError(f"{path}: no 'status' column, so not a gradspec score file; {what}")
+    meta = json.loads((schema.metadata or {}).get(METADATA_KEY, b"{}"))
+    if "parts" not in meta:  # every scoring run records its modules
+        kind = "a dynamics file" if "checkpoints" in meta else "a Parquet file of another kind (a training monitor?)"
+        raise InputError(f"{path}: {kind}, not a score file; {what}")
     return schema
 
 

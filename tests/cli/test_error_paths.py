@@ -247,3 +247,48 @@ def test_diagnose_needs_evidence_for_every_sample(capsys, tmp_path, run, tiny_mo
         f"--scores {tmp_path / 's3.parquet'} has no rows for 1 of the 4 samples to diagnose (the first: index 3); "
         "pass the file made from this data, or a --limit it covers")
     assert not (tmp_path / "d").exists()
+
+
+def test_select_by_what_is_not_a_score(capsys, tmp_path, run):
+    base = ["select", "--scores", run / "s.parquet", "--out", tmp_path / "o.jsonl", "--count", "1", "--by"]
+    assert _error(capsys, *base, "index") == "--by index: the row's position, not a score; choose a metric or a " \
+                                             "numeric column"
+    assert _error(capsys, *base, "status") == "--by status: the row's flags, not a score; choose a metric or a " \
+                                              "numeric column"
+    assert _error(capsys, *base, "index:1,loss:1") == "--by index: the row's position, not a score; choose a metric " \
+                                                      "or a numeric column"
+    assert _error(capsys, "select", "--scores", run / "store.parquet", "--out", tmp_path / "o.jsonl", "--count", "1",
+                  "--by", "effective_rank") == \
+        ("--by effective_rank: the score file has no per-module metrics (a store from gradspec project, or align "
+         "without --spectra); choose a column, or score with spectra")
+
+
+def test_a_dynamics_file_is_not_a_score_file(capsys, tmp_path, run, tiny_model_dir):
+    dynamics = tmp_path / "dy.parquet"
+    assert main(["dynamics", "--checkpoints", str(tiny_model_dir), "--data", str(run / "d.jsonl"), "--out",
+                 str(dynamics)]) == 0
+    what = "pass a score file (the --out of gradspec score, align or project)"
+    assert _error(capsys, "select", "--scores", dynamics, "--data", run / "d.jsonl", "--out", tmp_path / "o.jsonl",
+                  "--by", "loss", "--count", "1") == f"{dynamics}: a dynamics file, not a score file; {what}"
+    assert _error(capsys, "diagnose", "--base", tiny_model_dir, "--model", tiny_model_dir, "--data", run / "d.jsonl",
+                  "--scores", dynamics, "--out", tmp_path / "d") == \
+        f"{dynamics}: a dynamics file, not a score file; {what}"
+
+
+def test_report_compares_like_with_like(capsys, tmp_path, run, tiny_model_dir):
+    mlp = tmp_path / "mlp.parquet"
+    assert main(["score", "--model", str(tiny_model_dir), "--data", str(run / "d.jsonl"), "--modules", "mlp",
+                 "--out", str(mlp), "--quiet"]) == 0
+    out = tmp_path / "r"
+    assert _error(capsys, "report", f"a={run / 's.parquet'}", f"b={mlp}", "--out", out) == \
+        ("a scored q, k, v, o; b scored gate, up, down: a report compares files scored on the same module types; "
+         "score them with the same --modules")
+    assert _error(capsys, "report", f"a={run / 's.parquet'}", f"b={run / 's.parquet'}", "--out", out) == \
+        f"b={run / 's.parquet'} is the same file as a={run / 's.parquet'}; compare different score files"
+    assert not out.exists()
+    assert main(["report", f"a={run / 's.parquet'}", "--out", str(out)]) == 0  # one group: described, not compared
+    text = (out / "report.md").read_text()
+    assert "Cohen's d" not in text and "**Few rows:** a (4) scored rows" in text
+    assert _error(capsys, "report", f"a={run / 's.parquet'}", "--out", out) == \
+        f"--out {out} is a folder that is not empty; pass --overwrite or choose another --out"
+    assert main(["report", f"a={run / 's.parquet'}", "--out", str(out), "--overwrite"]) == 0
