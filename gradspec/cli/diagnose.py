@@ -18,6 +18,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dynamics", help="a dynamics file instead of --checkpoints")
     p.add_argument("--scores", help="a gradspec score file of the data: spectra join the evidence")
     p.add_argument("--out", default="diagnosis", help="output folder (default: diagnosis)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier diagnosis in --out")
     p.add_argument("--template", choices=TEMPLATES, default="plain")
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--limit", type=int)
@@ -32,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
 
     thresholds = Thresholds(**{k: getattr(args, k) for k in vars(Thresholds())})
     report = diagnose(args.base, args.model, args.data, args.out, args.checkpoints, args.dynamics, args.scores,
-                      args.template, args.max_length, args.limit, args.device, thresholds)
+                      args.template, args.max_length, args.limit, args.device, thresholds,
+                      args.overwrite)
     print(f"wrote {report}")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from gradspec.data.templates import TEMPLATES
 
@@ -11,7 +12,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("dynamics", help="per-sample training dynamics from saved checkpoints")
     p.add_argument("--checkpoints", nargs="+", required=True, help="checkpoint folders, in training order")
     p.add_argument("--data", required=True, help="the training data, as for score")
-    p.add_argument("--out", default="dynamics.parquet")
+    p.add_argument("--out", default="dynamics.parquet", help="a .parquet file (default: dynamics.parquet)")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     p.add_argument("--template", choices=TEMPLATES, default="plain")
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--limit", type=int)
@@ -21,7 +23,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradspec.data.errors import InputError, check_at_least, check_share
+    from gradspec.data.errors import InputError, check_at_least, check_share, check_writable
     from gradspec.data.models import check_device, check_model
     from gradspec.data.readers import read_samples
     from gradspec.training.dynamics import LEARNED_ACCURACY, from_checkpoints, summarise, write_dynamics
@@ -29,6 +31,11 @@ def run(args: argparse.Namespace) -> int:
     check_at_least({"--limit": args.limit, "--max-length": args.max_length})
     check_share({"--learned-accuracy": args.learned_accuracy})
     check_device(args.device)
+    if Path(args.out).suffix != ".parquet" or Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out}: name a .parquet file to write")
+    if Path(args.out).exists() and not args.overwrite:
+        raise FileExistsError(f"{args.out} exists; pass --overwrite or choose another --out")
+    check_writable(args.out)
     for checkpoint in args.checkpoints:
         check_model(checkpoint, "--checkpoints")
     samples = list(read_samples(args.data, limit=args.limit))

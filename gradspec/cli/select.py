@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gradspec.analysis.select import choose, criteria, write_selection
-    from gradspec.data.errors import InputError
+    from gradspec.data.errors import InputError, check_writable
     from gradspec.data.readers import Hub
     from gradspec.runs.score_files import complete, read_metadata, read_scores
 
@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--out {args.out} is the scored input itself; choose another path")
     if Path(args.out).exists() and not args.overwrite:
         raise FileExistsError(f"{args.out} exists; pass --overwrite or choose another --out")
+    check_writable(args.out)
     scores = read_scores(args.scores)[0]
     chosen = choose(scores, args.by, top=not args.bottom, fraction=args.fraction, count=args.count,
                     length_buckets=args.length_buckets)

@@ -14,6 +14,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--data", help="training data, as for score (default: HumanEval)")
     p.add_argument("--out", default=TrainConfig.out, help="folder for model/, dynamics.parquet, monitor.parquet")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier run's files in --out")
     p.add_argument("--loss", choices=LOSSES, default=TrainConfig.loss)
     p.add_argument("--prompt-weight", type=float, default=TrainConfig.prompt_weight,
                    help="WIT's weight of prompt tokens")

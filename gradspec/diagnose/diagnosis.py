@@ -37,7 +37,7 @@ import torch
 from rapidfuzz.distance import LCSseq
 
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
-from gradspec.data.errors import InputError, check_at_least, check_share
+from gradspec.data.errors import InputError, check_at_least, check_covers, check_share, check_writable
 from gradspec.data.models import check_device, check_model, load_model
 from gradspec.data.readers import Sample, read_samples
 from gradspec.data.templates import Tokenized, check_response_tokens, tokenize
@@ -46,6 +46,7 @@ from gradspec.engine.loss import IGNORE_INDEX, next_token_positions
 from gradspec.runs.score_files import module_mean, read_metadata, read_scores
 from gradspec.training.dynamics import from_checkpoints, measure, measure_tokens, read_dynamics, summarise
 
+OUTPUTS = ("diagnosis.parquet", "report.md")  # what a diagnosis writes into --out
 CAUSES = ("inconsistent_data", "forgetting", "pretraining_conflict", "missing_knowledge", "under_training")
 
 
@@ -320,18 +321,10 @@ def with_spectra(table: pd.DataFrame, scores: str | Path) -> pd.DataFrame:
     return table.join(extra, on="index")
 
 
-def _check_covers(indices: pd.Series, samples: list[Sample], what: str) -> None:
-    """Every sample diagnosed has its row in the file: evidence missing for some is not read as 'none'."""
-    missing = sorted({s.index for s in samples} - set(indices.tolist()))
-    if missing:
-        raise InputError(f"{what} has no rows for {len(missing)} of the {len(samples)} samples to diagnose (the "
-                         f"first: index {missing[0]}); pass the file made from this data, or a --limit it covers")
-
-
 def diagnose(base: str, model: str, data: str | Path, out: str | Path, checkpoints: list[str] | None = None,
              dynamics: str | Path | None = None, scores: str | Path | None = None, template: str = "plain",
              max_length: int = 2048, limit: int | None = None, device: str = "cpu",
-             thresholds: Thresholds = Thresholds()) -> Path:
+             thresholds: Thresholds = Thresholds(), overwrite: bool = False) -> Path:
     """Detects and explains the unlearned samples of `model` (fine-tuned from `base` on `data`);
     writes diagnosis.parquet and report.md under out and returns the report's path."""
     thresholds.check()  # every argument that can be checked, before the models load
@@ -343,12 +336,19 @@ def diagnose(base: str, model: str, data: str | Path, out: str | Path, checkpoin
         check_model(name, flag)
     if Path(out).exists() and not Path(out).is_dir():
         raise ValueError(f"--out {out} is a file; diagnose writes a folder")
+    if any((Path(out) / name).exists() for name in OUTPUTS) and not overwrite:
+        raise FileExistsError(f"--out {out} holds an earlier diagnosis ({', '.join(OUTPUTS)}); pass --overwrite or "
+                              "choose another --out")
+    check_writable(out, as_folder=True)
     samples = list(read_samples(data, limit=limit))
+    if not samples:
+        raise InputError(f"{data}: no rows")
+    indices = [s.index for s in samples]
     if dynamics is not None:
-        _check_covers(read_dynamics(dynamics)[0]["index"], samples, f"--dynamics {dynamics}")
+        check_covers(read_dynamics(dynamics)[0]["index"], indices, f"--dynamics {dynamics}")
     if scores is not None:
         read_metadata(scores)
-        _check_covers(pq.read_table(scores, columns=["index"])["index"].to_pandas(), samples, f"--scores {scores}")
+        check_covers(pq.read_table(scores, columns=["index"])["index"].to_pylist(), indices, f"--scores {scores}")
     tuned, tokenizer = load_model(model, device)
     base_model, _ = load_model(base, device)
     table = detect(tuned, base_model, tokenizer, samples, template, max_length, thresholds)

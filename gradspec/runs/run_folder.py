@@ -76,6 +76,9 @@ class RunFolder:
             return json.loads((self.path / _MANIFEST).read_text())
         except FileNotFoundError:
             return None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{self.path / _MANIFEST}: not a run's manifest ({e.msg}, line {e.lineno}); the run "
+                             "folder is damaged: --overwrite starts the run again") from None
 
     def check(self, config: dict[str, Any], resume: bool, overwrite: bool, shards: int = 1) -> None:
         """start's refusals, changing nothing: run before anything slow is loaded. shards: how many
@@ -102,8 +105,9 @@ class RunFolder:
             )
         self._same_config(old, config)
 
-    def start(self, config: dict[str, Any], resume: bool, overwrite: bool, shards: int = 1) -> None:
-        """Creates the folder for this config, or checks an existing one against it.
+    def start(self, config: dict[str, Any], resume: bool, overwrite: bool, shards: int = 1) -> bool:
+        """Creates the folder for this config, or checks an existing one against it; returns whether
+        this call wrote the manifest.
 
         An existing folder is continued with resume, replaced with overwrite, and joined without
         either by a shard of a run split the same way (shards); a different config is always refused.
@@ -119,11 +123,12 @@ class RunFolder:
             tmp.write_text(json.dumps({**config, _SHARDS: shards}, indent=1))
             try:
                 os.link(tmp, self.path / _MANIFEST)  # fails if another shard got there first
+                return True
             except FileExistsError:
-                pass
+                self._same_config(self.manifest(), config)
             finally:
                 tmp.unlink()
-            self._same_config(self.manifest(), config)
+        return False
 
     def _same_config(self, old: dict[str, Any], config: dict[str, Any]) -> None:
         differences = [f"{k}: {old.get(k)!r} in the run, {config.get(k)!r} now"

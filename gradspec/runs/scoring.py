@@ -25,7 +25,7 @@ from tqdm import tqdm
 from gradspec.align.task import DEFAULT_AGGREGATES, check_aggregates
 from gradspec.analysis.classic_scores import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
-from gradspec.data.errors import check_at_least
+from gradspec.data.errors import check_at_least, check_writable
 from gradspec.data.hub import is_dataset_name, loaded_once
 from gradspec.data.models import DEFAULT_MODEL, check_device, check_model, load_model
 from gradspec.data.readers import HUMANEVAL_SIZE, Fields, Hub, InputError, Sample, count_records, data_samples
@@ -341,6 +341,7 @@ def run(
         raise ValueError("--resume continues a run, --overwrite starts it again: pass one of them")
     if Path(out).suffix != ".parquet" or Path(out).is_dir():
         raise ValueError(f"--out {out}: name a .parquet file to write")
+    check_writable(out)
     if ranks is None or mine.index == 0:  # an --out in the way, before the model loads (rank 0 checks for torchrun)
         RunFolder(out).check(config.describe(), resume, overwrite, shards=1 if ranks else mine.count)
     records = config.records()  # reads the input's size: a bad path, split or config shows here
@@ -353,10 +354,9 @@ def run(
         engine, tokenizer = _engine(config, bind_device(device) if ranks else device, backend, trust_remote_code,
                                     batch_tokens)
         folder, info = RunFolder(out), config.describe()
-        alone = group is None and mine.count == 1
-        created = alone and (overwrite or folder.manifest() is None)  # this process makes the run folder
+        created = False  # whether this process made the run folder (torchrun's rank 0 keeps it)
         if group is None:
-            folder.start(info, resume, overwrite, shards=mine.count)
+            created = folder.start(info, resume, overwrite, shards=mine.count)
         else:  # rank 0 prepares the folder; the others check it, or stop with rank 0's error
             problem = None
             if group.rank == 0:

@@ -4,11 +4,12 @@ sftmix), the live spectral monitor and the training dynamics; saves the model an
 from __future__ import annotations
 
 import logging
+import shutil
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from gradspec.data.errors import check_at_least
+from gradspec.data.errors import InputError, check_at_least, check_covers, check_writable
 from gradspec.data.models import check_device, check_model
 from gradspec.data.readers import Fields, Sample, data_samples
 from gradspec.data.templates import NO_RESPONSE, check_response_tokens, tokenize
@@ -16,6 +17,7 @@ from gradspec.data.templates import NO_RESPONSE, check_response_tokens, tokenize
 log = logging.getLogger("gradspec")
 
 LOSSES = ("ntp", "wit", "sftmix")
+OUTPUTS = ("model", "dynamics.parquet", "monitor.parquet")  # what a run writes into --out
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     fields: Fields = Fields()
+    overwrite: bool = False  # write into an --out that holds an earlier run's files
 
 
 def check(config: TrainConfig) -> None:
@@ -62,8 +65,16 @@ def check(config: TrainConfig) -> None:
                                       ("--reference-dynamics", config.reference_dynamics)) if value is not None]
     if given and config.loss != "sftmix":
         raise ValueError(f"{', '.join(given)}: only for --loss sftmix, not {config.loss}")
-    if Path(config.out).exists() and not Path(config.out).is_dir():
+    if config.loss == "sftmix" and config.batch_size % 2:
+        raise ValueError(f"--batch-size {config.batch_size}: SFTMix pairs a confident with an unconfident sample; "
+                         "give an even batch size")
+    out = Path(config.out)
+    if out.exists() and not out.is_dir():
         raise ValueError(f"--out {config.out} is a file; train writes a folder")
+    if any((out / name).exists() for name in OUTPUTS) and not config.overwrite:
+        raise FileExistsError(f"--out {config.out} holds an earlier run ({', '.join(OUTPUTS)}); pass --overwrite or "
+                              "choose another --out")
+    check_writable(out, as_folder=True)
     check_device(config.device)
     check_model(config.model)
     if config.reference_dynamics is not None:
@@ -83,8 +94,16 @@ def train(config: TrainConfig) -> Path:
     from gradspec.training.wit import WITCollator, WITLoss, use_wit_loss
 
     check(config)
-    model, tokenizer = load_model(config.model, config.device)
     samples: list[Sample] = list(data_samples(config.data, config.fields, config.limit))
+    if len(samples) < (2 if config.loss == "sftmix" else 1):
+        raise InputError(f"{config.data or 'humaneval'}: {len(samples)} rows; "
+                         + ("SFTMix pairs samples: it needs 2 or more" if samples else "nothing to train on"))
+    if config.reference_dynamics is not None:
+        from gradspec.training.dynamics import read_dynamics
+
+        check_covers(read_dynamics(config.reference_dynamics)[0]["index"], [s.index for s in samples],
+                     f"--reference-dynamics {config.reference_dynamics}")
+    model, tokenizer = load_model(config.model, config.device)
     _check_labels(samples, tokenizer, config.template, config.max_length)
     rows = [{"messages": s.messages} for s in samples]
     out = Path(config.out)
@@ -109,6 +128,12 @@ def train(config: TrainConfig) -> Path:
         if config.loss == "wit":
             use_wit_loss(model, WITLoss(config.prompt_weight, config.response_weight))
         trainer = Trainer(**common)
+    if config.overwrite:  # an earlier run's files, gone before this run writes its own
+        for path in (out / name for name in OUTPUTS):
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
     trainer.train()
     trainer.save_model(str(out / "model"))
     tokenizer.save_pretrained(str(out / "model"))

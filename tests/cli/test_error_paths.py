@@ -241,10 +241,10 @@ def test_diagnose_needs_evidence_for_every_sample(capsys, tmp_path, run, tiny_mo
                  "--out", str(tmp_path / "s3.parquet")]) == 0
     base = ["diagnose", "--base", tiny_model_dir, "--model", tiny_model_dir, "--data", data, "--out", tmp_path / "d"]
     assert _error(capsys, *base, "--dynamics", tmp_path / "dy.parquet") == (
-        f"--dynamics {tmp_path / 'dy.parquet'} has no rows for 2 of the 4 samples to diagnose (the first: index 2); "
+        f"--dynamics {tmp_path / 'dy.parquet'} has no rows for 2 of the 4 samples (the first: index 2); "
         "pass the file made from this data, or a --limit it covers")
     assert _error(capsys, *base, "--scores", tmp_path / "s3.parquet", "--limit", "4") == (
-        f"--scores {tmp_path / 's3.parquet'} has no rows for 1 of the 4 samples to diagnose (the first: index 3); "
+        f"--scores {tmp_path / 's3.parquet'} has no rows for 1 of the 4 samples (the first: index 3); "
         "pass the file made from this data, or a --limit it covers")
     assert not (tmp_path / "d").exists()
 
@@ -292,3 +292,75 @@ def test_report_compares_like_with_like(capsys, tmp_path, run, tiny_model_dir):
     assert _error(capsys, "report", f"a={run / 's.parquet'}", "--out", out) == \
         f"--out {out} is a folder that is not empty; pass --overwrite or choose another --out"
     assert main(["report", f"a={run / 's.parquet'}", "--out", str(out), "--overwrite"]) == 0
+
+
+def test_train_checks_its_data_and_settings_before_loading(capsys, tmp_path, run, tiny_model_dir):
+    base = ["train", "--model", tiny_model_dir, "--out", tmp_path / "t"]
+    (tmp_path / "empty.jsonl").write_text("")
+    assert _error(capsys, *base, "--data", tmp_path / "empty.jsonl") == \
+        f"{tmp_path / 'empty.jsonl'}: 0 rows; nothing to train on"
+    assert _error(capsys, *base, "--data", run / "d.jsonl", "--loss", "sftmix", "--limit", "1") == \
+        f"{run / 'd.jsonl'}: 1 rows; SFTMix pairs samples: it needs 2 or more"
+    assert _error(capsys, *base, "--data", run / "d.jsonl", "--loss", "sftmix", "--batch-size", "3") == \
+        "--batch-size 3: SFTMix pairs a confident with an unconfident sample; give an even batch size"
+    dynamics = tmp_path / "dy.parquet"
+    assert main(["dynamics", "--checkpoints", str(tiny_model_dir), "--data", str(run / "d.jsonl"), "--limit", "2",
+                 "--out", str(dynamics)]) == 0
+    assert _error(capsys, *base, "--data", run / "d.jsonl", "--loss", "sftmix", "--reference-dynamics", dynamics) == \
+        (f"--reference-dynamics {dynamics} has no rows for 2 of the 4 samples (the first: index 2); pass the file "
+         "made from this data, or a --limit it covers")
+    assert not (tmp_path / "t").exists()
+    (tmp_path / "t" / "model").mkdir(parents=True)  # an earlier run
+    assert _error(capsys, *base, "--data", run / "d.jsonl") == \
+        (f"--out {tmp_path / 't'} holds an earlier run (model, dynamics.parquet, monitor.parquet); pass --overwrite "
+         "or choose another --out")
+
+
+def test_dynamics_and_diagnose_keep_what_exists(capsys, tmp_path, run, tiny_model_dir):
+    dynamics = ["dynamics", "--checkpoints", tiny_model_dir, "--data", run / "d.jsonl"]
+    (tmp_path / "dy.parquet").write_bytes(b"old")
+    assert _error(capsys, *dynamics, "--out", tmp_path / "dy.parquet") == \
+        f"{tmp_path / 'dy.parquet'} exists; pass --overwrite or choose another --out"
+    assert (tmp_path / "dy.parquet").read_bytes() == b"old"
+    assert _error(capsys, *dynamics, "--out", tmp_path / "dy.csv") == \
+        f"--out {tmp_path / 'dy.csv'}: name a .parquet file to write"
+    diagnose = ["diagnose", "--base", tiny_model_dir, "--model", tiny_model_dir, "--out", tmp_path / "dg"]
+    (tmp_path / "empty.jsonl").write_text("")
+    assert _error(capsys, *diagnose, "--data", tmp_path / "empty.jsonl") == f"{tmp_path / 'empty.jsonl'}: no rows"
+    (tmp_path / "dg").mkdir()
+    (tmp_path / "dg" / "report.md").write_text("old")
+    assert _error(capsys, *diagnose, "--data", run / "d.jsonl") == \
+        (f"--out {tmp_path / 'dg'} holds an earlier diagnosis (diagnosis.parquet, report.md); pass --overwrite or "
+         "choose another --out")
+
+
+@pytest.mark.parametrize("command", ["score", "select", "report", "train", "dynamics", "diagnose"])
+def test_an_out_that_cannot_be_written(capsys, tmp_path, run, tiny_model_dir, command):
+    """Checked before any work: a file where a folder should be (a read-only folder, as root, is writable)."""
+    (tmp_path / "f").write_text("")
+    out = tmp_path / "f" / ("x.parquet" if command in ("score", "dynamics") else
+                            "x.jsonl" if command == "select" else "x")
+    argv = {
+        "score": ["score", "--model", tiny_model_dir, "--data", run / "d.jsonl"],
+        "select": ["select", "--scores", run / "s.parquet", "--by", "loss", "--count", "1"],
+        "report": ["report", f"a={run / 's.parquet'}"],
+        "train": ["train", "--model", tiny_model_dir, "--data", run / "d.jsonl"],
+        "dynamics": ["dynamics", "--checkpoints", tiny_model_dir, "--data", run / "d.jsonl"],
+        "diagnose": ["diagnose", "--base", tiny_model_dir, "--model", tiny_model_dir, "--data", run / "d.jsonl"],
+    }[command]
+    assert _error(capsys, *argv, "--out", out) == \
+        f"--out {out}: {tmp_path / 'f'} is a file, not a folder; choose another --out"
+
+
+def test_a_damaged_run_folder_and_a_failed_shard(capsys, tmp_path, run, tiny_model_dir):
+    out = tmp_path / "s.parquet"
+    (tmp_path / "s.parquet.parts").mkdir()
+    (tmp_path / "s.parquet.parts" / "manifest.json").write_text("junk")
+    assert _error(capsys, "merge", "--out", out) == \
+        (f"{tmp_path / 's.parquet.parts' / 'manifest.json'}: not a run's manifest (Expecting value, line 1); the run "
+         "folder is damaged: --overwrite starts the run again")
+    common = ["score", "--model", tiny_model_dir, "--data", run / "d.jsonl", "--out", tmp_path / "f.parquet",
+              "--shard", "0/2", "--quiet"]
+    assert main([str(a) for a in common] + ["--max-length", "1"]) == 2  # every row too long: fails before any part
+    assert not (tmp_path / "f.parquet.parts").exists()  # so the corrected command starts afresh
+    assert main([str(a) for a in common]) == 0

@@ -96,7 +96,8 @@ def test_hub_options_on_a_local_file(capsys, tmp_path, nothing_loads):
          f"{data} is a file")
 
 
-def test_a_hub_model_without_a_network_is_looked_for_in_the_cache_alone(monkeypatch, capsys, tmp_path):
+def test_a_hub_model_without_a_network_is_looked_for_in_the_cache_alone(monkeypatch, capsys, tmp_path,
+                                                                        nothing_loads):
     """Without a connection the Hub library retries for half a minute, then prints a paragraph."""
     import huggingface_hub.constants as hub_constants
 
@@ -111,6 +112,22 @@ def test_a_hub_model_without_a_network_is_looked_for_in_the_cache_alone(monkeypa
 
     monkeypatch.setattr(hub.socket, "create_connection", no_network)
     err = _error(capsys, "score", "--model", "nobody/no-model", "--limit", "1", "--out", str(tmp_path / "s.parquet"))
-    assert err.startswith("cannot load model 'nobody/no-model' (no such folder here; as a Hub model id): ")
-    assert err.endswith("; the Hub is not reachable from this machine: only models in the local cache load offline")
+    assert err == ("--model nobody/no-model: no such folder here; as a Hub model id it is not in the local cache, "
+                   "and the Hub is not reachable from this machine to fetch it")
     assert not (tmp_path / "s.parquet.parts").exists()
+
+
+def test_a_model_folder_that_cannot_load(capsys, tmp_path, tiny_model_dir):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"garbage")
+    err = _error(capsys, "score", "--model", str(broken), "--limit", "1", "--out", str(tmp_path / "s.parquet"))
+    assert err.startswith(f"cannot load model '{broken}' (folder): its weights: SafetensorError: ")
+    bare = tmp_path / "bare"  # a config without its tokenizer
+    bare.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", bare)
+    assert _error(capsys, "score", "--model", str(bare), "--out", str(tmp_path / "s.parquet")) == \
+        (f"--model {bare}: no tokenizer in this folder (tokenizer.json, tokenizer_config.json, ...); save the "
+         "tokenizer beside the model: tokenizer.save_pretrained(folder)")
