@@ -23,6 +23,9 @@ which counted the prompt's tokens, and the row is ``ok``. Otherwise the row is f
   or an assistant turn opens the conversation, or a tokenizer without offsets (counted spans)
   fails the prefix check: the span cannot be located.
 
+A row longer than max_length is scored on its first max_length tokens and flagged ``truncated``
+(beside any other flag: ``boundary_merge;truncated``).
+
 A row with no response token to score is flagged too (``empty_response``, ``no_response_tokens``,
 ``prompt_too_long``, ``label_span_mismatch``) and ``check_response_tokens`` stops a run in which
 most rows are.
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 from gradspec.engine.loss import IGNORE_INDEX
 
 TEMPLATES = ("plain", "chat")
-SCORED = ("ok", "empty_prompt", "boundary_merge")
+SCORED = ("ok", "empty_prompt", "boundary_merge", "truncated")
 # Statuses of a row with no response token to score, and what usually causes most rows to have one
 NO_RESPONSE = {
     "no_response_tokens": "check the tokenizer and --template",
@@ -58,7 +61,7 @@ class Tokenized:
 
     @property
     def scorable(self) -> bool:
-        return self.status in SCORED
+        return set(self.status.split(";")) <= set(SCORED)
 
     @property
     def num_tokens(self) -> int:
@@ -205,6 +208,8 @@ def tokenize(messages: list[dict[str, str]], tokenizer, template: str = "plain",
     if not located:
         labels = [IGNORE_INDEX] * len(ids)
     status = _status(messages, labels, labels[:max_length], located, holds)
+    if len(ids) > max_length and status in SCORED:  # scored on its first max_length tokens: say so
+        status = "truncated" if status == "ok" else f"{status};truncated"
     return Tokenized(ids[:max_length], labels[:max_length], status)
 
 

@@ -46,7 +46,9 @@ def test_right_truncation_and_flags(tokenizer):
     full = tokenize(ALPACA, tokenizer, "plain")
     start = full.labels.count(IGNORE_INDEX)
     t = tokenize(ALPACA, tokenizer, "plain", max_length=start + 2)
-    assert len(t.input_ids) == start + 2 and t.status == "ok" and t.num_response_tokens == 2
+    assert len(t.input_ids) == start + 2 and t.status == "truncated" and t.num_response_tokens == 2
+    assert t.scorable and full.status == "ok"
+    assert tokenize(ALPACA, tokenizer, "plain", max_length=len(full.input_ids)).status == "ok"  # fits exactly
     long_prompt = [{"role": "user", "content": "word " * 50}, ALPACA[1]]
     cut = tokenize(long_prompt, tokenizer, "plain", max_length=20)
     assert cut.status == "prompt_too_long" and cut.num_response_tokens == 0
