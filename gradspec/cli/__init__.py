@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from gradspec.cli import align, diagnose, dynamics, env, merge, project, report, score, select, train
 from gradspec.cli.config_file import config_values
@@ -25,25 +26,50 @@ def _joined(argv: list[str]) -> list[str]:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors in one line like every other error (not its usage block), with the help
+    to read, and the nearest option for one that does not exist."""
+
+    def error(self, message: str) -> NoReturn:
+        if message.startswith("unrecognized arguments: "):
+            from rapidfuzz import process
+            from rapidfuzz.distance import DamerauLevenshtein
+
+            options = [o for a in self._actions for o in a.option_strings]
+            for arg in message.removeprefix("unrecognized arguments: ").split():
+                near = process.extractOne(arg.partition("=")[0], options, scorer=DamerauLevenshtein.distance,
+                                          score_cutoff=2) if arg.startswith("--") else None
+                message += f" ({arg}: did you mean {near[0]}?)" if near else ""
+        self.exit(2, f"gradspec: error: {message}; see {self.prog} -h\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gradspec", description="Score SFT data by the singular-value spectra of per-sample layer-wise gradients.")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS.values():
         command.add_parser(sub)
     argv = _joined(sys.argv[1:] if argv is None else list(argv))
-    args = parser.parse_args(argv)
+    args = _parse(parser, sub, argv)
     try:
         command_parser, from_config = sub.choices[args.command], {}
         if getattr(args, "config", None):  # the file's options as defaults; the flags given win
             from_config = config_values(args.config, command_parser, args.command)
             command_parser.set_defaults(**from_config)
-            args = parser.parse_args(argv)
+            args = _parse(parser, sub, argv)
         args.given = given_options(command_parser, argv[argv.index(args.command) + 1:], set(from_config))
         return COMMANDS[args.command].run(args)
     except (InputError, ValueError, OSError, RuntimeError) as e:
         print(f"gradspec: error: {e}", file=sys.stderr)
         return 2
+
+
+def _parse(parser: argparse.ArgumentParser, sub, argv: list[str]) -> argparse.Namespace:
+    """The arguments; an unknown one is reported by its command's parser, which knows its options."""
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 if __name__ == "__main__":

@@ -131,3 +131,18 @@ def test_a_model_folder_that_cannot_load(capsys, tmp_path, tiny_model_dir):
     assert _error(capsys, "score", "--model", str(bare), "--out", str(tmp_path / "s.parquet")) == \
         (f"--model {bare}: no tokenizer in this folder (tokenizer.json, tokenizer_config.json, ...); save the "
          "tokenizer beside the model: tokenizer.save_pretrained(folder)")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["score", "--limit", "abc"], "argument --limit: invalid int value: 'abc'; see gradspec score -h"),
+    (["score", "--modle", "m"], "unrecognized arguments: --modle m (--modle: did you mean --model?); see gradspec "
+                                "score -h"),
+    (["select", "--scores", "s.parquet"], "the following arguments are required: --out, --by; see gradspec select -h"),
+    (["scor"], "argument command: invalid choice: 'scor' (choose from 'score', 'align', 'project', 'select', "
+               "'report', 'merge', 'train', 'dynamics', 'diagnose', 'env'); see gradspec -h"),
+])
+def test_argument_errors_are_one_line_too(capsys, nothing_loads, argv, message):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == f"gradspec: error: {message}\n"
