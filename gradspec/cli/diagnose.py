@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from gradspec.cli.score import add_field_arguments, fields_of
 from gradspec.data.templates import TEMPLATES
 
 
@@ -23,6 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--limit", type=int)
     p.add_argument("--device", default="cpu")
+    add_field_arguments(p)
     for name, default in vars(Thresholds()).items():
         p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
                        help=f"threshold (default {default}; see gradspec.diagnose.diagnosis)")
@@ -34,6 +36,6 @@ def run(args: argparse.Namespace) -> int:
     thresholds = Thresholds(**{k: getattr(args, k) for k in vars(Thresholds())})
     report = diagnose(args.base, args.model, args.data, args.out, args.checkpoints, args.dynamics, args.scores,
                       args.template, args.max_length, args.limit, args.device, thresholds,
-                      args.overwrite)
+                      args.overwrite, fields_of(args))
     print(f"wrote {report}")
     return 0

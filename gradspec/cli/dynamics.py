@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from gradspec.cli.score import add_field_arguments, fields_of
 from gradspec.data.templates import TEMPLATES
 
 
@@ -20,6 +21,7 @@ def add_parser(sub) -> None:
     p.add_argument("--learned-accuracy", type=float,
                    help="token accuracy from which a sample counts as learned (default 0.9)")
     p.add_argument("--device", default="cpu")
+    add_field_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     check_writable(args.out)
     for checkpoint in args.checkpoints:
         check_model(checkpoint, "--checkpoints")
-    samples = list(read_samples(args.data, limit=args.limit))
+    samples = list(read_samples(args.data, fields_of(args), limit=args.limit))
     if not samples:
         raise InputError(f"{args.data}: no rows")
     measured = from_checkpoints(args.checkpoints, samples, args.template, args.max_length, args.device)

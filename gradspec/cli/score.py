@@ -29,6 +29,20 @@ def add_parser(sub) -> None:
                       "scores.parquet")
 
 
+def add_field_arguments(p: argparse.ArgumentParser) -> None:
+    """The names of the input's fields, for every command that reads training data."""
+    p.add_argument("--instruction-field", default=Fields.instruction)
+    p.add_argument("--input-field", default=Fields.input)
+    p.add_argument("--output-field", default=Fields.output)
+    p.add_argument("--messages-field", default=Fields.messages)
+    p.add_argument("--conversations-field", default=Fields.conversations, help="ShareGPT's from/value turns")
+
+
+def fields_of(args: argparse.Namespace) -> Fields:
+    return Fields(args.instruction_field, args.input_field, args.output_field, args.messages_field,
+                  args.conversations_field)
+
+
 def add_run_arguments(p: argparse.ArgumentParser, out: str) -> None:
     """The options of a scoring run, shared by score, align and project."""
     p.add_argument("--config", metavar="FILE",
@@ -75,11 +89,7 @@ def add_run_arguments(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--seed", type=int, default=ScoreConfig.seed, help="seed of --method lowrank's random sketch")
     p.add_argument("--classic", action="store_true",
                    help="also perplexity, IFD, Superfiltering IFD, mean entropy, token accuracy, response length")
-    p.add_argument("--instruction-field", default="instruction")
-    p.add_argument("--input-field", default="input")
-    p.add_argument("--output-field", default="output")
-    p.add_argument("--messages-field", default="messages")
-    p.add_argument("--conversations-field", default="conversations", help="ShareGPT's from/value turns")
+    add_field_arguments(p)
     p.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -99,8 +109,7 @@ def run(args: argparse.Namespace, task: str | None = None, aggregate: str = "", 
     config = ScoreConfig(
         args.data, args.model, args.template, args.modules, args.max_length, args.dtype, args.method, args.rank,
         args.seed, args.classic, args.save_spectra,
-        Fields(args.instruction_field, args.input_field, args.output_field, args.messages_field,
-               args.conversations_field),
+        fields_of(args),
         args.limit, args.chunk_rows, args.precision, task,
         ",".join(check_aggregates(aggregate)) if task else ScoreConfig.aggregate, spectra, project,
         Hub(args.split, args.config_name, args.streaming),

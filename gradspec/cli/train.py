@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from gradspec.cli.given import refuse_unused
+from gradspec.cli.score import add_field_arguments, fields_of
 from gradspec.data.templates import TEMPLATES
 from gradspec.training.train import LOSSES, TrainConfig
 
@@ -37,13 +38,15 @@ def add_parser(sub) -> None:
     p.add_argument("--modules", default=TrainConfig.modules, help="modules the monitor scores (as for score)")
     p.add_argument("--seed", type=int, default=TrainConfig.seed)
     p.add_argument("--device", default=TrainConfig.device)
+    add_field_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from gradspec.training.train import train
 
     refuse_unused(args, ("prompt_weight", "response_weight"), args.loss == "wit", "without --loss wit")
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "given")}
-    out = train(TrainConfig(**options))
+    fields = fields_of(args)
+    options = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__}
+    out = train(TrainConfig(**options, fields=fields))
     print(f"wrote {out / 'model'}, {out / 'dynamics.parquet'} and {out / 'monitor.parquet'}")
     return 0

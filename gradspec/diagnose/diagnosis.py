@@ -39,7 +39,7 @@ from rapidfuzz.distance import LCSseq
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
 from gradspec.data.errors import InputError, check_at_least, check_covers, check_share, check_writable
 from gradspec.data.models import check_device, check_model, load_model
-from gradspec.data.readers import Sample, read_samples
+from gradspec.data.readers import Fields, Sample, read_samples
 from gradspec.data.templates import Tokenized, check_response_tokens, tokenize
 from gradspec.diagnose.report import write_diagnosis
 from gradspec.engine.loss import IGNORE_INDEX, next_token_positions
@@ -324,7 +324,7 @@ def with_spectra(table: pd.DataFrame, scores: str | Path) -> pd.DataFrame:
 def diagnose(base: str, model: str, data: str | Path, out: str | Path, checkpoints: list[str] | None = None,
              dynamics: str | Path | None = None, scores: str | Path | None = None, template: str = "plain",
              max_length: int = 2048, limit: int | None = None, device: str = "cpu",
-             thresholds: Thresholds = Thresholds(), overwrite: bool = False) -> Path:
+             thresholds: Thresholds = Thresholds(), overwrite: bool = False, fields: Fields = Fields()) -> Path:
     """Detects and explains the unlearned samples of `model` (fine-tuned from `base` on `data`);
     writes diagnosis.parquet and report.md under out and returns the report's path."""
     thresholds.check()  # every argument that can be checked, before the models load
@@ -340,7 +340,7 @@ def diagnose(base: str, model: str, data: str | Path, out: str | Path, checkpoin
         raise FileExistsError(f"--out {out} holds an earlier diagnosis ({', '.join(OUTPUTS)}); pass --overwrite or "
                               "choose another --out")
     check_writable(out, as_folder=True)
-    samples = list(read_samples(data, limit=limit))
+    samples = list(read_samples(data, fields, limit=limit))
     if not samples:
         raise InputError(f"{data}: no rows")
     indices = [s.index for s in samples]

@@ -364,3 +364,16 @@ def test_a_damaged_run_folder_and_a_failed_shard(capsys, tmp_path, run, tiny_mod
     assert main([str(a) for a in common] + ["--max-length", "1"]) == 2  # every row too long: fails before any part
     assert not (tmp_path / "f.parquet.parts").exists()  # so the corrected command starts afresh
     assert main([str(a) for a in common]) == 0
+
+
+@pytest.mark.parametrize("command", ["dynamics", "train", "diagnose"])
+def test_every_command_that_reads_data_takes_the_field_names(capsys, tmp_path, tiny_model_dir, command):
+    data = tmp_path / "cols.jsonl"  # the advice names --instruction-field and --output-field: each command has them
+    data.write_text("".join(json.dumps({"prompt": f"Say {w}", "answer": f"{w}."}) + "\n" for w in "abcd"))
+    argv = {"dynamics": ["dynamics", "--checkpoints", tiny_model_dir, "--out", tmp_path / "dy.parquet"],
+            "train": ["train", "--model", tiny_model_dir, "--out", tmp_path / "t", "--max-steps", "1"],
+            "diagnose": ["diagnose", "--base", tiny_model_dir, "--model", tiny_model_dir, "--out", tmp_path / "d",
+                         "--repetitions", "1"]}[command] + ["--data", data]
+    assert _error(capsys, *argv).endswith("found ['answer', 'prompt']: name yours with --instruction-field, "
+                                          "--output-field, --messages-field or --conversations-field")
+    assert main([str(a) for a in argv] + ["--instruction-field", "prompt", "--output-field", "answer"]) == 0
