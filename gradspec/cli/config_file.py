@@ -33,7 +33,8 @@ def run_options(config: ScoreConfig) -> dict[str, Any]:
 
 def _read(path: Path) -> dict[str, Any]:
     if not path.is_file():
-        raise ValueError(f"--config {path}: no such file")
+        raise ValueError(f"--config {path}: {'a folder' if path.is_dir() else 'no such file'}; pass a YAML or JSON "
+                         "file, a run's manifest.json or a score file")
     if path.suffix == ".parquet":
         from gradspec.runs.score_files import read_metadata
 

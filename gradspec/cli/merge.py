@@ -18,6 +18,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out.endswith(".parts"):
         raise ValueError(f"--out {args.out}: pass the --out the run was given ({args.out.removesuffix('.parts')}), "
                          "not its .parts folder")
+    if Path(args.out).suffix != ".parquet":
+        raise ValueError(f"--out {args.out}: pass the .parquet --out the run was given")
     folder = RunFolder(args.out)
     manifest = folder.manifest()
     if manifest is None:

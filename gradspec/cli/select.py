@@ -27,6 +27,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from gradspec.analysis.select import choose, criteria, write_selection
     from gradspec.data.errors import InputError, check_writable
+    from gradspec.data.hub import is_dataset_name
     from gradspec.data.readers import Hub
     from gradspec.runs.score_files import complete, read_metadata, read_scores
 
@@ -34,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     data = args.data or meta.get("data")
     if not data or data == "humaneval":
         raise ValueError(f"{args.scores} does not name a data file to select from; pass --data")
+    if not args.data and not Path(data).exists() and not is_dataset_name(data):
+        raise InputError(f"{data}, the input {args.scores} scored, is gone; pass --data with where it is now")
     scored = meta.get("data_bytes")  # a file's size when it was scored: another file, or an edit, shows here
     if scored is not None and Path(data).is_file() and Path(data).stat().st_size != scored:
         raise InputError(f"{data}: {Path(data).stat().st_size} bytes, but the input {args.scores} scored had {scored}: "

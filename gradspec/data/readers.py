@@ -102,7 +102,7 @@ def _read_jsonl(path: Path, wanted: Callable[[int], bool]) -> Iterator[tuple[str
                 yield where, None
                 continue
             try:
-                record = _require_object(json.loads(raw.decode("utf-8")), where)
+                record = _require_object(json.loads(raw.decode("utf-8-sig")), where)  # a BOM (Windows) is fine
             except UnicodeDecodeError as e:
                 record = InputError(f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})")
             except json.JSONDecodeError as e:
@@ -114,7 +114,7 @@ def _read_jsonl(path: Path, wanted: Callable[[int], bool]) -> Iterator[tuple[str
 
 def _read_json(path: Path) -> Iterator[tuple[str, Record]]:
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = json.loads(path.read_bytes().decode("utf-8-sig"))
     except UnicodeDecodeError as e:
         raise InputError(f"{path}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:

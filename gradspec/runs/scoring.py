@@ -28,7 +28,16 @@ from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, tok
 from gradspec.data.errors import check_at_least, check_writable
 from gradspec.data.hub import is_dataset_name, loaded_once
 from gradspec.data.models import DEFAULT_MODEL, check_device, check_model, load_model
-from gradspec.data.readers import HUMANEVAL_SIZE, Fields, Hub, InputError, Sample, count_records, data_samples
+from gradspec.data.readers import (
+    HUMANEVAL_SIZE,
+    Fields,
+    Hub,
+    InputError,
+    Sample,
+    count_records,
+    data_samples,
+    read_samples,
+)
 from gradspec.data.templates import check_response_tokens, tokenize
 from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
@@ -349,6 +358,10 @@ def run(
         raise InputError(f"{config.data}: no rows to score")
     if on_error == "fail":  # the first row's layout, before the model loads
         next(iter(config.samples(lambda i: i == 0)), None)
+    if config.task is not None:  # the task file likewise
+        if count_records(config.task) == 0:
+            raise InputError(f"--target {config.task}: no rows")
+        next(iter(read_samples(config.task, config.fields, wanted=lambda i: i == 0)), None)
     with Group() if ranks else nullcontext() as group:
         # A torchrun rank makes its own GPU current before anything touches CUDA (bind_device)
         engine, tokenizer = _engine(config, bind_device(device) if ranks else device, backend, trust_remote_code,

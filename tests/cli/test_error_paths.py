@@ -377,3 +377,14 @@ def test_every_command_that_reads_data_takes_the_field_names(capsys, tmp_path, t
     assert _error(capsys, *argv).endswith("found ['answer', 'prompt']: name yours with --instruction-field, "
                                           "--output-field, --messages-field or --conversations-field")
     assert main([str(a) for a in argv] + ["--instruction-field", "prompt", "--output-field", "answer"]) == 0
+
+
+def test_select_from_an_input_that_moved(capsys, tmp_path, tiny_model_dir):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    scores = tmp_path / "s.parquet"
+    assert main(["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(scores), "--quiet"]) == 0
+    data.rename(tmp_path / "moved.jsonl")
+    argv = ["select", "--scores", scores, "--out", tmp_path / "o.jsonl", "--by", "loss", "--count", "1"]
+    assert _error(capsys, *argv) == f"{data}, the input {scores} scored, is gone; pass --data with where it is now"
+    assert main([str(a) for a in argv] + ["--data", str(tmp_path / "moved.jsonl")]) == 0

@@ -146,3 +146,20 @@ def test_argument_errors_are_one_line_too(capsys, nothing_loads, argv, message):
         main(argv)
     assert stop.value.code == 2
     assert capsys.readouterr().err == f"gradspec: error: {message}\n"
+
+
+def test_a_bad_target_is_found_before_loading(capsys, tmp_path, nothing_loads):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"instruction": "Say a", "output": "a"}) + "\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "bad.jsonl").write_text("{nope\n")
+    base = ["align", "--data", str(data), "--out", str(tmp_path / "a.parquet"), "--target"]
+    assert _error(capsys, *base, str(tmp_path / "empty.jsonl")) == f"--target {tmp_path / 'empty.jsonl'}: no rows"
+    assert _error(capsys, *base, str(tmp_path / "bad.jsonl")).startswith(f"{tmp_path / 'bad.jsonl'}:1: malformed JSON")
+
+
+def test_small_mistakes_say_what_to_pass(capsys, tmp_path, nothing_loads):
+    assert _error(capsys, "merge", "--out", str(tmp_path / "d.jsonl")) == \
+        f"--out {tmp_path / 'd.jsonl'}: pass the .parquet --out the run was given"
+    assert _error(capsys, "score", "--config", str(tmp_path)) == \
+        f"--config {tmp_path}: a folder; pass a YAML or JSON file, a run's manifest.json or a score file"

@@ -151,3 +151,11 @@ def test_sharegpt_problems_name_the_row_and_turn(tmp_path):
         f"{tmp_path / 'b.jsonl'}:2: conversations[1] must have string 'role' and 'content' (or ShareGPT's "
         "'from' and 'value')",
         f"{tmp_path / 'b.jsonl'}:3: 'conversations' has no assistant turn to score"]
+
+
+def test_a_byte_order_mark_is_read_past(tmp_path):
+    """Windows editors start UTF-8 files with a BOM; json refuses it."""
+    (tmp_path / "d.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in ROWS).encode())
+    (tmp_path / "d.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(ROWS).encode())
+    for name in ("d.jsonl", "d.json"):
+        _check(list(read_samples(tmp_path / name)))
