@@ -285,8 +285,8 @@ def attribute(table: pd.DataFrame, dynamics: pd.DataFrame | None = None,
     dynamics: per-sample token_accuracy and perplexity lists over earlier checkpoints, oldest first."""
     t = thresholds
     table = table.copy()
-    table["learned_before"] = False
-    table["loss_falling"] = False
+    table["learned_before"] = None  # not assessed without checkpoints: never a measured "no"
+    table["loss_falling"] = None
     if dynamics is not None:
         d = dynamics.set_index("index").reindex(table["index"])
         table["learned_before"] = [any(a >= t.learned_accuracy for a in acc) if isinstance(acc, list | np.ndarray)
@@ -296,7 +296,7 @@ def attribute(table: pd.DataFrame, dynamics: pd.DataFrame | None = None,
                                  for p, now in zip(d["perplexity"], final, strict=True)]
     inconsistent = (table["nearest_prompt_similarity"] >= t.near_duplicate) & (
         table["nearest_response_rouge_l"] < t.divergent_rouge)
-    forgot = table["learned_before"] & (table["token_accuracy"] < t.learned_accuracy)
+    forgot = (table["learned_before"] == True) & (table["token_accuracy"] < t.learned_accuracy)  # noqa: E712
     known = table["base_prompt_perplexity"]
     familiar = known <= (1 + t.familiar_margin) * known.quantile(0.25)
     conflict = familiar & (table["base_confident_disagreement"] >= t.conflict_share) & (

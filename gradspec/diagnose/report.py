@@ -87,8 +87,12 @@ def write_diagnosis(table: pd.DataFrame, samples: list[Sample], out: str | Path,
         "| cause | samples | share of unlearned | what helps |", "| --- | ---: | ---: | --- |",
     ]
     counts = unlearned["cause"].value_counts()
+    history = table["learned_before"].notna().any()  # checkpoints given: forgetting can be seen
     for cause, (title, _, helps) in EXPLAIN.items():
         n = int(counts.get(cause, 0))
+        if cause == "forgetting" and not history:
+            lines.append(f"| {title} | not assessed | | needs earlier checkpoints: --checkpoints or --dynamics |")
+            continue
         lines.append(f"| {title} | {n} | {n / max(len(unlearned), 1):.0%} | {helps} |")
     for cause, (title, meaning, helps) in EXPLAIN.items():
         rows = unlearned[unlearned["cause"] == cause]

@@ -49,6 +49,9 @@ def test_attribution_takes_the_first_matching_cause():
                              "perplexity": [[9.0]] * 6})
     causes = attribute(table, dynamics)["cause"].tolist()
     assert causes[:5] == list(CAUSES) and pd.isna(causes[5])
+    blind = attribute(table)  # no checkpoints: forgetting is not assessed, not found absent
+    assert blind["learned_before"].isna().all() and blind["loss_falling"].isna().all()
+    assert "forgetting" not in blind["cause"].tolist()
 
 
 def _char_tokenizer():
@@ -213,3 +216,4 @@ def test_a_sample_without_response_tokens_is_flagged_not_judged(tmp_path):
     report = write_diagnosis(table, samples, tmp_path / "d").read_text()
     assert f"{int(table['unlearned'].sum())} of 3 training samples" in report
     assert "1 more samples were not judged: they have no response token to score (1 `prompt_too_long`" in report
+    assert "| not assessed | | needs earlier checkpoints: --checkpoints or --dynamics |" in report
