@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     if args.store is None:
         return score.run(args, task=args.target, aggregate=args.aggregate, spectra=args.spectra)
     from gradspec.runs.store_query import query_store
+    from gradspec.runs.summary import written
 
     kept = {"target", "aggregate", "store", "out", "overwrite", "device", "batch_tokens", "trust_remote_code",
             "quiet", "config"}
@@ -37,5 +38,5 @@ def run(args: argparse.Namespace) -> int:
     statuses = query_store(args.store, args.target, args.out, args.aggregate, device=args.device,
                            batch_tokens=args.batch_tokens, overwrite=args.overwrite,
                            trust_remote_code=args.trust_remote_code)
-    print(f"wrote {sum(statuses.values())} rows to {args.out}: {dict(statuses)}")
+    print(written(statuses, args.out))
     return 0

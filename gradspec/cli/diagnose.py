@@ -27,7 +27,8 @@ def add_parser(sub) -> None:
     add_field_arguments(p)
     for name, default in vars(Thresholds()).items():
         p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
-                       help=f"threshold (default {default}; see gradspec.diagnose.diagnosis)")
+                       help=f"{'seed of the sampling' if name == 'seed' else 'threshold'} (default {default}; see "
+                            "gradspec.diagnose.diagnosis.Thresholds)")
 
 
 def run(args: argparse.Namespace) -> int:

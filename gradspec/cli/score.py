@@ -14,7 +14,7 @@ from gradspec.data.templates import TEMPLATES
 from gradspec.runs.run_folder import INPUT_ERROR, RunFolder, Shard
 from gradspec.runs.scoring import ScoreConfig
 from gradspec.runs.scoring import run as run_scoring
-from gradspec.runs.summary import run_summary
+from gradspec.runs.summary import run_summary, written
 
 
 def _shard(text: str) -> Shard:
@@ -65,7 +65,7 @@ def add_run_arguments(p: argparse.ArgumentParser, out: str) -> None:
                    help="leave the parts in <out>.parts/ (merge later with `gradspec merge`)")
     p.add_argument("--on-error", choices=ON_ERROR, default="fail",
                    help="a malformed input row stops the run (fail) or is skipped and listed in "
-                        "<out>.errors.jsonl (skip); numeric problems are always flagged, never fatal")
+                        "<out without .parquet>.errors.jsonl (skip); numeric problems are always flagged, never fatal")
     p.add_argument("--chunk-rows", type=int, default=ScoreConfig.chunk_rows,
                    help="input rows per part file: the most a killed run loses per process")
     p.add_argument("--template", choices=TEMPLATES, default=ScoreConfig.template)
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace, task: str | None = None, aggregate: str = "", 
     if Path(args.out).exists() and not folder.path.exists():  # this process wrote the whole file
         print(run_summary(args.out, statuses))
     else:
-        print(f"wrote {sum(statuses.values())} rows to {folder.path}: {dict(statuses)}; when all are done: "
+        print(f"{written(statuses, folder.path)}; when all are done: "
               f"gradspec merge --out {args.out}")
     if statuses.get(INPUT_ERROR) and folder.errors_path.exists():
         print(f"skipped rows and why: {folder.errors_path}")

@@ -104,9 +104,24 @@ def default_model_path() -> Path:
 
 
 def load_model(
-    name_or_path: str | None = None, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False
+    name_or_path: str | None = None, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False,
+    progress: bool = True,
 ):
-    """(model, tokenizer) from a local folder or hub cache name; None gives the default model."""
+    """(model, tokenizer) from a local folder or hub cache name; None gives the default model.
+    progress=False hides transformers' loading bars (and restores their setting after)."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        return _load_model(name_or_path, device, dtype, trust_remote_code)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
+def _load_model(name_or_path: str | None, device: str, dtype: str, trust_remote_code: bool):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:

@@ -315,8 +315,8 @@ def _check(config: ScoreConfig, device: str, batch_tokens: int) -> None:
 
 
 def _engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: bool,
-            batch_tokens: int = BATCH_TOKENS):
-    net, tokenizer = load_model(config.model, device, config.dtype, trust_remote_code)
+            batch_tokens: int = BATCH_TOKENS, progress: bool = True):
+    net, tokenizer = load_model(config.model, device, config.dtype, trust_remote_code, progress)
     engine = SpectralEngine(net, config.modules, backend=backend, keep_spectra=config.save_spectra,
                             precision=config.precision, method=config.method, rank=config.rank, seed=config.seed,
                             token_stats=config.classic, spectra=config.spectra, project=config.project)
@@ -365,7 +365,7 @@ def run(
     with Group() if ranks else nullcontext() as group:
         # A torchrun rank makes its own GPU current before anything touches CUDA (bind_device)
         engine, tokenizer = _engine(config, bind_device(device) if ranks else device, backend, trust_remote_code,
-                                    batch_tokens)
+                                    batch_tokens, progress)
         folder, info = RunFolder(out), config.describe()
         created = False  # whether this process made the run folder (torchrun's rank 0 keeps it)
         if group is None:
@@ -446,7 +446,7 @@ def score(
         run(config, out, resume=resume, overwrite=overwrite, on_error=on_error, **settings)
         return read_scores(out)[0]
     _check(config, device, batch_tokens)
-    engine, tokenizer = _engine(config, device, backend, trust_remote_code, batch_tokens)
+    engine, tokenizer = _engine(config, device, backend, trust_remote_code, batch_tokens, progress)
     rows: list[dict[str, Any]] = []
     score_samples(config.samples(on_error=on_error), engine, tokenizer, lambda _, chunk: rows.extend(chunk),
                   config.chunk_rows, template, max_length, batch_tokens, progress, config.records())

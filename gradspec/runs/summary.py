@@ -27,10 +27,15 @@ def _means(wide: pd.DataFrame, long: pd.DataFrame) -> pd.DataFrame:
     return table.reindex(index=order, columns=[m for m in MAIN_METRICS if m in table.columns])
 
 
+def written(statuses: Counter[str], where: str | Path) -> str:
+    """'wrote 10 rows to where: 9 ok, 1 truncated'."""
+    counts = ", ".join(f"{n} {status}" for status, n in statuses.most_common())
+    return f"wrote {sum(statuses.values())} rows to {where}: {counts}"
+
+
 def run_summary(out: str | Path, statuses: Counter[str]) -> str:
     """The lines printed at the end of a run whose output file is written."""
-    counts = ", ".join(f"{n} {status}" for status, n in statuses.most_common())
-    lines = [f"wrote {sum(statuses.values())} rows to {out}: {counts}"]
+    lines = [written(statuses, out)]
     wide, long = read_scores(out)
     complete_rows = int(complete(wide["status"]).sum())
     if complete_rows == 0:
@@ -48,6 +53,7 @@ def run_summary(out: str | Path, statuses: Counter[str]) -> str:
     by = "alignment" if {"align_mean", "align_mean_gradient"} & set(means.columns) else "effective_rank"
     if data and data != "humaneval" and (by == "alignment" or "effective_rank" in means.columns):
         chosen = f"best{Path(data).suffix}" if Path(data).is_file() else "best.parquet"
-        lines.append(f"  gradspec select --scores {out} --by {by} --count {max(1, complete_rows // 10)} "
-                     f"--out {chosen}   # keep the top 10%")
+        count = max(1, complete_rows // 10)
+        lines.append(f"  gradspec select --scores {out} --by {by} --count {count} --out {chosen}   # keep the top "
+                     f"{count} of {complete_rows} complete rows")
     return "\n".join(lines)

@@ -11,9 +11,12 @@ ROWS = [{"instruction": f"Task {i}: repeat {w}", "output": f"{w} " * (i + 2)} fo
 def test_score_ends_with_a_summary_and_the_next_commands(tmp_path, tiny_model_dir, capsys):
     data, out = tmp_path / "d.jsonl", tmp_path / "s.parquet"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS) + json.dumps({"instruction": "q", "output": ""}))
+    from transformers.utils import logging as hf_logging
+
     assert main(["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--quiet"]) == 0
-    printed = capsys.readouterr().out
+    printed, err = capsys.readouterr()
     assert f"wrote 4 rows to {out}: 3 ok, 1 empty_response" in printed
+    assert "Loading weights" not in err and hf_logging.is_progress_bar_enabled()  # hidden, then as found
     means = module_means(out)
     assert list(means.index) == ["q", "k", "v", "o"]
     assert list(means.columns) == ["nuclear_norm", "effective_rank", "spectral_norm"]
@@ -23,7 +26,8 @@ def test_score_ends_with_a_summary_and_the_next_commands(tmp_path, tiny_model_di
     assert abs(means.loc["q", "effective_rank"] - er_q) < 1e-9  # mean over complete rows and layers
     assert f"{means.loc['q', 'effective_rank']:.4g}" in printed
     assert f"gradspec report mine={out} other=<another score file> --out report" in printed
-    assert f"gradspec select --scores {out} --by effective_rank --count 1 --out best.jsonl" in printed
+    assert f"gradspec select --scores {out} --by effective_rank --count 1 --out best.jsonl   # keep the top 1 of 3 " \
+           "complete rows" in printed
 
 
 def test_a_shard_says_how_to_merge(tmp_path, tiny_model_dir, capsys):
