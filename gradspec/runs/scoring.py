@@ -401,9 +401,11 @@ def run(
                 config.chunk_rows, config.template,
                 config.max_length, batch_tokens, progress and (ranks is None or mine.index == 0), total,
             )
-        except BaseException:
+        except BaseException as e:
             if created and not folder.done():  # stopped before any part: leave no run to --resume
                 shutil.rmtree(folder.path, ignore_errors=True)
+            if isinstance(e, InputError):  # a malformed row past the first
+                raise InputError(f"{e}; --on-error skip scores the other rows and lists the bad ones") from None
             raise
         if group is not None:
             group.wait()
