@@ -80,7 +80,7 @@ def select_targets(model: nn.Module, modules: str | list[str] = "attn") -> list[
     specs = modules.split(",") if isinstance(modules, str) else list(modules)
     groups = {spec: PRESETS.get(spec, (spec,)) for spec in (s.strip() for s in specs if s.strip())}
     patterns: tuple[str, ...] = tuple(p for group in groups.values() for p in group)
-    targets, candidates = [], []
+    targets, candidates, found = [], [], []  # found: the roles this model's parts have, in order
     for name, module in model.named_modules():
         shape = shape_of(module)
         roles = _roles(name)
@@ -93,6 +93,7 @@ def select_targets(model: nn.Module, modules: str | list[str] = "attn") -> list[
         for role, size in zip(roles, sizes, strict=True):
             part_name = f"{scored_as}.{role}" if len(roles) > 1 else scored_as
             candidates.append(part_name)
+            found.append(role)
             if _selected(part_name, role, patterns):
                 parts.append(Part(part_name, role, start, size, d_in))
             start += size
@@ -101,11 +102,11 @@ def select_targets(model: nn.Module, modules: str | list[str] = "attn") -> list[
     scored = [p for t in targets for p in t.parts]
     unmatched = [spec for spec, group in groups.items() if not any(_selected(p.name, p.role, group) for p in scored)]
     if not targets or unmatched:
-        linear = [n for n, m in model.named_modules() if shape_of(m) is not None]
         what = f"--modules {','.join(specs)!r}" if not targets else f"{', '.join(map(repr, unmatched))} of --modules"
-        raise ValueError(
-            f"no module matches {what}. Scorable parts: {candidates[:12]}"
-            f"{' ...' if len(candidates) > 12 else ''}; linear modules: {linear[:12]}"
-            f"{' ...' if len(linear) > 12 else ''}"
-        )
+        if not candidates:
+            raise ValueError(f"no module matches {what}: this model has no layer of a kind gradspec scores "
+                             "(gradspec.layers.registry lists them)")
+        raise ValueError(f"no module matches {what}; pass a preset ({', '.join(PRESETS)}), a role of this model "
+                         f"({', '.join(dict.fromkeys(found))}) or a glob of its part names (e.g. {candidates[0]!r}; "
+                         f"{len(candidates)} in all)")
     return targets

@@ -1,5 +1,7 @@
 """Finding and splitting layers: one file per kind, registered; fused projections split by head counts."""
 
+import re
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -22,7 +24,10 @@ def test_fused_parts_are_named_and_split():
 
 
 def test_no_matching_modules_lists_what_exists():
-    with pytest.raises(ValueError, match=r"no module matches.*q_proj"):
+    message = ("no module matches --modules '*.nothing_here'; pass a preset (attn, mlp, all, lora), a role of this "
+               "model (q, k, v, o, gate, up, down) or a glob of its part names (e.g. "
+               "'model.layers.0.self_attn.q_proj'; 14 in all)")
+    with pytest.raises(ValueError, match=re.escape(message)):
         SpectralEngine(tiny_model("llama", vocab=VOCAB), "*.nothing_here")
 
 
@@ -62,5 +67,5 @@ def test_every_module_pattern_must_match_something():
     """A typo among good patterns is not dropped silently; a preset counts as matched by any of its roles."""
     model = tiny_model("gpt2")
     assert select_targets(model, "mlp")  # GPT-2 has up and down, no gate
-    with pytest.raises(ValueError, match=r"no module matches 'zz', '\*\.7\.\*' of --modules\. Scorable parts"):
+    with pytest.raises(ValueError, match=r"no module matches 'zz', '\*\.7\.\*' of --modules; pass a preset"):
         select_targets(model, "q,zz,*.7.*")
