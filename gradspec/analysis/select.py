@@ -50,11 +50,16 @@ def criteria(by: str) -> list[tuple[str, float]]:
     """'a' or 'a:w1,b:w2' -> [(name, weight)]."""
     out = []
     for term in (t.strip() for t in by.split(",") if t.strip()):
-        name, _, weight = term.partition(":")
+        name, colon, weight = (part.strip() for part in term.partition(":"))
+        if not name:
+            raise ValueError(f"--by {by!r}: {term!r} names no criterion")
         try:
-            out.append((name.strip(), float(weight) if weight else 1.0))
+            value = float(weight) if colon else 1.0
         except ValueError:
             raise ValueError(f"--by {by!r}: weight {weight!r} of {name!r} is not a number") from None
+        if not np.isfinite(value):
+            raise ValueError(f"--by {by!r}: weight {weight!r} of {name!r} is not a finite number")
+        out.append((name, value))
     if not out:
         raise ValueError("--by names no criterion")
     return out

@@ -1,4 +1,5 @@
 import json
+import re
 
 import numpy as np
 import pandas as pd
@@ -6,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gradspec.analysis.select import choose, combined_score, criterion_values
+from gradspec.analysis.select import choose, combined_score, criteria, criterion_values
 from gradspec.cli import main
 
 
@@ -119,3 +120,16 @@ def test_select_errors_are_clear(tmp_path, tiny_model_dir, capsys):
     assert main(["select", "--scores", str(scores), "--out", str(tmp_path / "o.jsonl"), "--by", "rank",
                  "--count", "1"]) == 2
     assert "unknown criterion" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("by", "message"), [
+    ("effective_rank:", "--by 'effective_rank:': weight '' of 'effective_rank' is not a number"),
+    ("effective_rank:x", "--by 'effective_rank:x': weight 'x' of 'effective_rank' is not a number"),
+    ("effective_rank:nan", "--by 'effective_rank:nan': weight 'nan' of 'effective_rank' is not a finite number"),
+    (":1", "--by ':1': ':1' names no criterion"),
+    (" , ", "--by names no criterion"),
+])
+def test_criteria_are_read_strictly(by, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        criteria(by)
+    assert criteria("effective_rank: 2, loss") == [("effective_rank", 2.0), ("loss", 1.0)]
