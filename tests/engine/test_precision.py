@@ -107,6 +107,6 @@ def test_merged_parts_carry_every_path_any_part_took(tmp_path):
     folder = RunFolder(tmp_path / "run.parquet")
     folder.start({"model": "m"}, resume=False, overwrite=False)
     for chunk, paths in enumerate([{"core": ["cpp"]}, {"core": ["torch"], "gram": ["cupy"]}]):
-        folder.write_part(chunk, [{"index": chunk, "status": "ok"}], {"precision": "fp64", "paths": paths})
+        folder.write_part(chunk, [{"index": chunk, "status": "ok"}], {"parts": [], "precision": "fp64", "paths": paths})
     folder.merge(records=2, chunk_rows=1)
     assert read_metadata(tmp_path / "run.parquet")["paths"] == {"core": ["cpp", "torch"], "gram": ["cupy"]}
