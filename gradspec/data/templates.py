@@ -45,7 +45,7 @@ SCORED = ("ok", "empty_prompt", "boundary_merge", "truncated")
 NO_RESPONSE = {
     "no_response_tokens": "check the tokenizer and --template",
     "label_span_mismatch": "check --template (the chat template rewrites earlier turns?) and the tokenizer",
-    "prompt_too_long": "the prompts fill --max-length",
+    "prompt_too_long": "the prompts fill --max-length: raise it",
     "empty_response": "the responses are blank: check the output or messages field",
 }
 
