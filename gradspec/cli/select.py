@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from gradspec.data.errors import InputError, check_writable
     from gradspec.data.hub import is_dataset_name
     from gradspec.data.readers import Hub
-    from gradspec.runs.score_files import complete, read_metadata, read_scores
+    from gradspec.runs.score_files import check_scored_input, complete, read_metadata, read_scores
 
     meta = read_metadata(args.scores)
     data = args.data or meta.get("data")
@@ -37,10 +37,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.scores} does not name a data file to select from; pass --data")
     if not args.data and not Path(data).exists() and not is_dataset_name(data):
         raise InputError(f"{data}, the input {args.scores} scored, is gone; pass --data with where it is now")
-    scored = meta.get("data_bytes")  # a file's size when it was scored: another file, or an edit, shows here
-    if scored is not None and Path(data).is_file() and Path(data).stat().st_size != scored:
-        raise InputError(f"{data}: {Path(data).stat().st_size} bytes, but the input {args.scores} scored had {scored}: "
-                         "not that input, or changed since; pass the file that was scored, or score this one")
+    check_scored_input(meta, data, args.scores)
     if Path(args.out).exists() and Path(args.out).resolve() == Path(data).resolve():
         raise ValueError(f"--out {args.out} is the scored input itself; choose another path")
     if Path(args.out).exists() and not args.overwrite:

@@ -43,7 +43,7 @@ from gradspec.data.readers import Fields, Sample, read_samples
 from gradspec.data.templates import Tokenized, check_response_tokens, tokenize
 from gradspec.diagnose.report import write_diagnosis
 from gradspec.engine.loss import IGNORE_INDEX, next_token_positions
-from gradspec.runs.score_files import module_mean, read_metadata, read_scores
+from gradspec.runs.score_files import check_scored_input, module_mean, read_metadata, read_scores
 from gradspec.training.dynamics import from_checkpoints, measure, measure_tokens, read_dynamics, summarise
 
 OUTPUTS = ("diagnosis.parquet", "report.md")  # what a diagnosis writes into --out
@@ -347,7 +347,7 @@ def diagnose(base: str, model: str, data: str | Path, out: str | Path, checkpoin
     if dynamics is not None:
         check_covers(read_dynamics(dynamics)[0]["index"], indices, f"--dynamics {dynamics}")
     if scores is not None:
-        read_metadata(scores)
+        check_scored_input(read_metadata(scores), data, scores)
         check_covers(pq.read_table(scores, columns=["index"])["index"].to_pylist(), indices, f"--scores {scores}")
     tuned, tokenizer = load_model(model, device)
     base_model, _ = load_model(base, device)

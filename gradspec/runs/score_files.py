@@ -123,6 +123,15 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     return json.loads((_schema(path).metadata or {}).get(METADATA_KEY, b"{}"))
 
 
+def check_scored_input(meta: dict[str, Any], data: str | Path, scores: str | Path) -> None:
+    """data is the file the score file (its metadata: meta) scored: a file of another size is
+    another input, or one changed since, whose rows the scores do not describe."""
+    scored = meta.get("data_bytes")
+    if scored is not None and Path(data).is_file() and Path(data).stat().st_size != scored:
+        raise InputError(f"{data}: {Path(data).stat().st_size} bytes, but the input {scores} scored had {scored}: "
+                         "not that input, or changed since; pass the file that was scored, or score this one")
+
+
 def read_scores(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(wide, long): the file as a DataFrame, and one row per (sample, layer, module, metric)."""
     meta = read_metadata(path)

@@ -243,6 +243,13 @@ def test_diagnose_needs_evidence_for_every_sample(capsys, tmp_path, run, tiny_mo
     assert _error(capsys, *base, "--dynamics", tmp_path / "dy.parquet") == (
         f"--dynamics {tmp_path / 'dy.parquet'} has no rows for 2 of the 4 samples (the first: index 2); "
         "pass the file made from this data, or a --limit it covers")
+    other = tmp_path / "other.jsonl"  # scored: a file of other rows
+    other.write_text("".join(json.dumps({"instruction": f"Other {i}", "output": "x"}) + "\n" for i in range(4)))
+    assert main(["score", "--model", str(tiny_model_dir), "--data", str(other), "--quiet",
+                 "--out", str(tmp_path / "other.parquet")]) == 0
+    assert _error(capsys, *base, "--scores", tmp_path / "other.parquet") == (
+        f"{data}: {data.stat().st_size} bytes, but the input {tmp_path / 'other.parquet'} scored had "
+        f"{other.stat().st_size}: not that input, or changed since; pass the file that was scored, or score this one")
     assert _error(capsys, *base, "--scores", tmp_path / "s3.parquet", "--limit", "4") == (
         f"--scores {tmp_path / 's3.parquet'} has no rows for 1 of the 4 samples (the first: index 3); "
         "pass the file made from this data, or a --limit it covers")
