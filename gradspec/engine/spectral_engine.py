@@ -149,6 +149,13 @@ class SpectralEngine:
         return loss.detach().double().cpu(), count.cpu(), finite.cpu(), stats
 
     def _forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
+        shapes = [tuple(getattr(t, "shape", ())) for t in (input_ids, attention_mask, labels)]
+        if len(shapes[0]) != 2 or shapes.count(shapes[0]) != 3 or not shapes[0][0]:
+            raise ValueError("a batch is input_ids, attention_mask and labels as tensors of one shape (N, T), N >= 1; "
+                             f"got {', '.join(map(str, shapes))}")
+        if not (self.spectra or self.task is not None or self.projection is not None):
+            raise ValueError("nothing to compute: spectra=False, and neither a task (set_task) nor a projection "
+                             "(project=k)")
         # The batch's one host synchronisation: its lengths, from which every split is decided.
         mask = attention_mask.cpu().bool()
         lengths = mask.sum(1)

@@ -169,3 +169,17 @@ def test_backward_stops_at_the_lowest_scored_module(kind):
     for name, values in last.metrics.items():
         assert torch.equal(values, everything.metrics[name]), name
     assert torch.equal(last.loss, everything.loss)
+
+
+def test_a_malformed_batch_is_refused_not_scored():
+    """Labels one column short would shift every label by a position: refused with the shapes."""
+    model = tiny_model("llama", vocab=VOCAB)
+    ids, mask, labels = padded_batch(random_sequences([6, 4], VOCAB))
+    engine = SpectralEngine(model, "q")
+    for batch in ((ids, mask, labels[:, :-1]), (ids[:0], mask[:0], labels[:0]), (ids[0], mask[0], labels[0]),
+                  (ids, mask[:1], labels)):
+        with pytest.raises(ValueError, match=r"a batch is input_ids, attention_mask and labels as tensors of one "
+                                             r"shape \(N, T\), N >= 1; got"):
+            engine.score(*batch)
+    with pytest.raises(ValueError, match=r"nothing to compute: spectra=False, and neither a task"):
+        SpectralEngine(model, "q", spectra=False).score(ids, mask, labels)
