@@ -54,6 +54,7 @@ from gradspec.engine.capture import BatchCapture
 from gradspec.kernels import token_mask
 from gradspec.layers.targets import select_targets
 from gradspec.linalg.metrics import METRICS
+from gradspec.linalg.policy import Policy
 from gradspec.runs.score_files import column, metric_columns
 from gradspec.training.wit import PROMPT_OFFSET, WITLoss
 
@@ -75,6 +76,11 @@ class SpectralMonitor(TrainerCallback):
 
     def __init__(self, every: int = 50, modules: str | list[str] = "attn", out: str | Path | None = None,
                  backend: str = "auto") -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"every: a whole number of steps, at least 1; got {every!r}")
+        if out is not None and (Path(out).suffix != ".parquet" or Path(out).is_dir()):
+            raise ValueError(f"out {out}: name a .parquet file to write")
+        Policy.of(backend)  # an unknown backend is named now, not at the first monitored step
         self.every, self.modules, self.backend = every, modules, backend
         self.out = None if out is None else Path(out)
         self.active = False

@@ -65,6 +65,8 @@ def check(config: TrainConfig) -> None:
                                       ("--reference-dynamics", config.reference_dynamics)) if value is not None]
     if given and config.loss != "sftmix":
         raise ValueError(f"{', '.join(given)}: only for --loss sftmix, not {config.loss}")
+    if config.loss == "wit" and config.prompt_weight == 0 and config.response_weight == 0:
+        raise ValueError("--prompt-weight and --response-weight are both 0: nothing to learn from")
     if config.loss == "sftmix" and config.batch_size % 2:
         raise ValueError(f"--batch-size {config.batch_size}: SFTMix pairs a confident with an unconfident sample; "
                          "give an even batch size")

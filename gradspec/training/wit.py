@@ -15,6 +15,7 @@ gradient-accumulation steps and devices), which is what keeps the loss exact und
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,12 +60,24 @@ def wit_loss(logits: torch.Tensor, labels: torch.Tensor, prompt_weight: float, r
     return (weights * nll).sum() / num_items
 
 
+def check_weights(prompt_weight: float, response_weight: float) -> None:
+    """WIT's weights are finite, at least 0, and not both 0 (a loss of nothing is 0/0)."""
+    for name, value in (("prompt_weight", prompt_weight), ("response_weight", response_weight)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    if prompt_weight == 0 and response_weight == 0:
+        raise ValueError("prompt_weight and response_weight are both 0: nothing to learn from")
+
+
 @dataclass
 class WITLoss:
     """``compute_loss_func`` for transformers' Trainer and TRL's SFTTrainer (with WITCollator)."""
 
     prompt_weight: float = 0.0
     response_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_weights(self.prompt_weight, self.response_weight)
 
     def __call__(self, outputs: Any, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None):
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
@@ -93,6 +106,9 @@ class WITCollator:
     max_length: int = 2048
     fields: Fields = Fields()
     response_weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_weights(self.prompt_weight, self.response_weight)
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         tokens = [tokenize(to_sample(i, f"batch row {i}", row, self.fields).messages, self.tokenizer,

@@ -1,3 +1,5 @@
+import re
+
 import pandas as pd
 import pytest
 import torch
@@ -159,3 +161,18 @@ def test_monitor_refuses_gradient_checkpointing_enabled_on_the_model(tokenizer, 
         _train(model, tokenizer, tmp_path, SpectralMonitor(every=1))
     with pytest.raises(ValueError, match="gradient checkpointing is on in TrainingArguments"):
         _train(tiny_model("llama"), tokenizer, tmp_path, SpectralMonitor(every=1), gradient_checkpointing=True)
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: SpectralMonitor(every=0), "every: a whole number of steps, at least 1; got 0"),
+    (lambda: SpectralMonitor(every="2"), "every: a whole number of steps, at least 1; got '2'"),
+    (lambda: SpectralMonitor(out="mon.jsonl"), "out mon.jsonl: name a .parquet file to write"),
+    (lambda: SpectralMonitor(backend="zz"), "backend must be 'auto', 'cpp' or 'torch', got 'zz'"),
+    (lambda: WITLoss(-1, 1), "prompt_weight must be a number >= 0, got -1"),
+    (lambda: WITLoss(0, 0), "prompt_weight and response_weight are both 0: nothing to learn from"),
+    (lambda: WITLoss("0.3"), "prompt_weight must be a number >= 0, got '0.3'"),
+])
+def test_bad_arguments_are_named_when_given(make, message):
+    """Not at the first monitored step or the first loss, in the middle of the user's training."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        make()
