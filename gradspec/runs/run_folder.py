@@ -20,7 +20,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gradspec.runs.score_files import METADATA_KEY, atomic_write, write_parquet
+from gradspec.runs.score_files import METADATA_KEY, atomic_write, schema_metadata, write_parquet
 
 CHUNK_ROWS = 1024  # input rows per part: the most a kill can cost per process
 INPUT_ERROR = "input_error"
@@ -179,7 +179,7 @@ class RunFolder:
 def _merged_metadata(parts: list[Path]) -> dict[str, Any]:
     """The run as the first part describes it, with the paths that any part's stages took (on a
     GPU they are measured per process, so they can differ between parts)."""
-    described = [json.loads((pq.read_schema(p).metadata or {}).get(METADATA_KEY, b"{}")) for p in parts]
+    described = [schema_metadata(pq.read_schema(p)) for p in parts]
     merged, paths = dict(described[0]), {}
     for d in described:
         for stage, names in d.get("paths", {}).items():

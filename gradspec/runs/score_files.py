@@ -105,22 +105,23 @@ def parquet_schema(path: str | Path, what: str) -> pa.Schema:
         raise InputError(f"{path}: not a Parquet file; {what}") from None
 
 
-def _schema(path: str | Path) -> pa.Schema:
-    """A score file's schema, or an error that says what the path is instead."""
+def schema_metadata(schema: pa.Schema) -> dict[str, Any]:
+    """What gradspec recorded in a Parquet file's schema (empty for a file it did not write)."""
+    return json.loads((schema.metadata or {}).get(METADATA_KEY, b"{}"))
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    """What a score file says of its run: model, data, template, modules, parts, metrics, ...; or an
+    error that says what the path is instead."""
     what = "pass a score file (the --out of gradspec score, align or project)"
     schema = parquet_schema(path, what)
     if "status" not in schema.names:
         raise InputError(f"{path}: no 'status' column, so not a gradspec score file; {what}")
-    meta = json.loads((schema.metadata or {}).get(METADATA_KEY, b"{}"))
+    meta = schema_metadata(schema)
     if "parts" not in meta:  # every scoring run records its modules
         kind = "a dynamics file" if "checkpoints" in meta else "a Parquet file of another kind (a training monitor?)"
         raise InputError(f"{path}: {kind}, not a score file; {what}")
-    return schema
-
-
-def read_metadata(path: str | Path) -> dict[str, Any]:
-    """What a score file says of its run: model, data, template, modules, parts, metrics, ..."""
-    return json.loads((_schema(path).metadata or {}).get(METADATA_KEY, b"{}"))
+    return meta
 
 
 def check_scored_input(meta: dict[str, Any], data: str | Path, scores: str | Path) -> None:

@@ -16,7 +16,6 @@ keeps its status and gets no statistics (NaN; no forgetting events), never a ver
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -32,7 +31,7 @@ from gradspec.data.batching import BATCH_TOKENS, Item, item_losses
 from gradspec.data.errors import InputError
 from gradspec.data.readers import Sample
 from gradspec.data.templates import check_response_tokens, tokenize
-from gradspec.runs.score_files import METADATA_KEY, parquet_schema, write_parquet
+from gradspec.runs.score_files import parquet_schema, schema_metadata, write_parquet
 
 LEARNED_ACCURACY = 0.9
 MEASURES = ("mean_token_prob", "perplexity", "token_accuracy")
@@ -104,7 +103,7 @@ def write_dynamics(table: pd.DataFrame, path: str | Path, checkpoints: list[str]
 def read_dynamics(path: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
     """(the table, its checkpoints and threshold)."""
     what = "pass a dynamics file (from gradspec dynamics or gradspec train)"
-    meta = json.loads((parquet_schema(path, what).metadata or {}).get(METADATA_KEY, b"{}"))
+    meta = schema_metadata(parquet_schema(path, what))
     if "checkpoints" not in meta:
         raise InputError(f"{path}: not a dynamics file; {what}")
     return pq.read_table(path).to_pandas(), meta
