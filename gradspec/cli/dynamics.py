@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradspec.data.errors import InputError, check_at_least, check_share, check_writable
+    from gradspec.data.errors import InputError, check_at_least, check_parquet_out, check_share, check_writable
     from gradspec.data.models import check_device, check_model
     from gradspec.data.readers import read_samples
     from gradspec.training.dynamics import LEARNED_ACCURACY, from_checkpoints, summarise, write_dynamics
@@ -33,8 +33,7 @@ def run(args: argparse.Namespace) -> int:
     check_at_least({"--limit": args.limit, "--max-length": args.max_length})
     check_share({"--learned-accuracy": args.learned_accuracy})
     check_device(args.device)
-    if Path(args.out).suffix != ".parquet" or Path(args.out).is_dir():
-        raise ValueError(f"--out {args.out}: name a .parquet file to write")
+    check_parquet_out(args.out)
     if Path(args.out).exists() and not args.overwrite:
         raise FileExistsError(f"{args.out} exists; pass --overwrite or choose another --out")
     check_writable(args.out)

@@ -33,6 +33,12 @@ def check_covers(have: Iterable[int], samples: Iterable[int], what: str) -> None
                          f"{missing[0]}); pass the file made from this data, or a --limit it covers")
 
 
+def check_parquet_out(path: str | Path, flag: str = "--out") -> None:
+    """An output that names a Parquet file (not a folder, not another format)."""
+    if Path(path).suffix != ".parquet" or Path(path).is_dir():
+        raise ValueError(f"{flag} {path}: name a .parquet file to write")
+
+
 def check_writable(path: str | Path, flag: str = "--out", as_folder: bool = False) -> None:
     """The nearest existing folder at or above where path goes (path itself for a folder output)
     takes a new file, or an error says so before any work (a file where a folder should be, a

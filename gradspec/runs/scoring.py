@@ -25,7 +25,7 @@ from tqdm import tqdm
 from gradspec.align.task import DEFAULT_AGGREGATES, check_aggregates
 from gradspec.analysis.classic_scores import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
-from gradspec.data.errors import check_at_least, check_writable
+from gradspec.data.errors import check_at_least, check_parquet_out, check_writable
 from gradspec.data.hub import is_dataset_name, loaded_once
 from gradspec.data.models import DEFAULT_MODEL, check_device, check_model, load_model
 from gradspec.data.readers import (
@@ -348,8 +348,7 @@ def run(
     _check(config, device, batch_tokens)
     if resume and overwrite:
         raise ValueError("--resume continues a run, --overwrite starts it again: pass one of them")
-    if Path(out).suffix != ".parquet" or Path(out).is_dir():
-        raise ValueError(f"--out {out}: name a .parquet file to write")
+    check_parquet_out(out)
     check_writable(out)
     if ranks is None or mine.index == 0:  # an --out in the way, before the model loads (rank 0 checks for torchrun)
         RunFolder(out).check(config.describe(), resume, overwrite, shards=1 if ranks else mine.count)

@@ -50,6 +50,7 @@ from torch import nn
 from transformers import TrainerCallback
 from transformers.loss.loss_utils import ForCausalLMLoss
 
+from gradspec.data.errors import check_parquet_out
 from gradspec.engine.capture import BatchCapture
 from gradspec.kernels import token_mask
 from gradspec.layers.targets import select_targets
@@ -78,8 +79,8 @@ class SpectralMonitor(TrainerCallback):
                  backend: str = "auto") -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every: a whole number of steps, at least 1; got {every!r}")
-        if out is not None and (Path(out).suffix != ".parquet" or Path(out).is_dir()):
-            raise ValueError(f"out {out}: name a .parquet file to write")
+        if out is not None:
+            check_parquet_out(out, "out")
         Policy.of(backend)  # an unknown backend is named now, not at the first monitored step
         self.every, self.modules, self.backend = every, modules, backend
         self.out = None if out is None else Path(out)
