@@ -18,7 +18,7 @@ SCRIPT = """
 import sys, torch
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, token_batches
 from gradspec.data.readers import humaneval_samples
-from gradspec.engine.capture import start_graph
+from gradspec.layers.linear import start_graph
 from gradspec.engine.loss import response_losses
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.layers.targets import select_targets

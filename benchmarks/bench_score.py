@@ -33,10 +33,10 @@ from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, token_batches
 from gradspec.data.models import load_model
 from gradspec.data.readers import humaneval_samples
 from gradspec.data.templates import tokenize
-from gradspec.engine.capture import start_graph
 from gradspec.engine.loss import response_losses
 from gradspec.engine.reference import reference_scores
 from gradspec.engine.spectral_engine import SpectralEngine
+from gradspec.layers.linear import start_graph
 from gradspec.layers.targets import select_targets
 from gradspec.runs.scoring import score_samples
 

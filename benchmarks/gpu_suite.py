@@ -120,7 +120,7 @@ def svd_seconds(d_out: int, d_in: int, device: str) -> float:
 def reference_seconds_per_sample(model, batch, modules: str) -> float:
     """One sample's forward/backward with the first module's SVD, plus one SVD per other module."""
     ids, _, labels = batch
-    parts = [(p.name, p.d_out, t.d_in) for t in select_targets(model, modules) for p in t.parts]
+    parts = [(p.name, p.d_out, p.d_in) for t in select_targets(model, modules) for p in t.parts]
     one, _ = timed(partial(reference_scores, model, ids[0], labels[0], parts[0][0]), str(ids.device), 1)
     return one + sum(svd_seconds(d_out, d_in, str(ids.device)) for _, d_out, d_in in parts[1:])
 
@@ -180,7 +180,7 @@ def run(args: argparse.Namespace, write: Callable[[list[dict]], None]) -> list[d
 
 
 def eigen_rows(args: argparse.Namespace) -> list[dict]:
-    """The gram eigen stage (eigenvalues to singular values and metrics, on the host) on 120 PSD
+    """The gram eigen stage (eigenvalues to singular values, on the host) on 120 PSD
     fp64 Grams per n, by each path the engine can measure (C++ on the host, the copy included;
     torch and CuPy on the device) and the Triton Jacobi; error against the first path's."""
     from gradspec.kernels import jacobi_eigvalsh_triton
@@ -201,7 +201,7 @@ def eigen_rows(args: argparse.Namespace) -> list[dict]:
             row = {"n": n, "N": N, "path": path}
             try:
                 seconds, _ = timed(partial(fn, grams), args.device, args.reps)
-                sigma = fn(grams)[0]
+                sigma = fn(grams)
                 want = sigma if want is None else want
                 row.update(ms=seconds * 1e3, max_rel_err=((sigma - want).abs().max() / want.abs().max()).item())
             except Exception as e:  # noqa: BLE001 - one path's failure must not cost the GPU run

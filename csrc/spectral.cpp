@@ -41,9 +41,6 @@ struct LapackError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// Order matches gradspec.metrics.METRICS.
-constexpr int kNumMetrics = 6;
-
 using set_threads_t = void(int);
 set_threads_t* omp_set_num_threads_ = nullptr;
 
@@ -98,35 +95,15 @@ struct SymmetricEigen {
 // max(n, terms) * eps * top (the rule of gradspec.metrics.eigenvalue_cutoff).
 double cutoff_of(int n, int terms, double eps, double top) { return std::max(n, terms) * eps * std::max(top, 0.0); }
 
-// sigma (descending, length n, zero-padded) and the metrics from the ascending
-// eigenvalues lam of a Gram of G. Eigenvalues below the cut-off are the Gram's rounding and
-// count as zero. A zero gradient gives NaN ratios; the caller flags it.
-void metrics_from_eigenvalues(const double* lam, int n, double eps, int terms, double* sigma, double* m) {
-  double nuclear = 0, frob2 = 0;
+// sigma (descending, length n, zero-padded) from the ascending eigenvalues lam of a Gram of G.
+// Eigenvalues below the cut-off are the Gram's rounding and count as zero. The metrics of sigma
+// are computed in one place, gradspec.linalg.metrics, for every path.
+void singular_values_from_eigenvalues(const double* lam, int n, double eps, int terms, double* sigma) {
   const double cutoff = n > 0 ? cutoff_of(n, terms, eps, lam[n - 1]) : 0.0;
   for (int k = 0; k < n; ++k) {
     double l = lam[n - 1 - k];
-    double s = l > cutoff ? std::sqrt(l) : 0.0;
-    sigma[k] = s;
-    nuclear += s;
-    frob2 += s * s;
+    sigma[k] = l > cutoff ? std::sqrt(l) : 0.0;
   }
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  double spectral = n > 0 ? sigma[0] : 0.0;
-  double entropy = 0;
-  if (nuclear >= 1e-12) {
-    for (int k = 0; k < n; ++k) {
-      double p = sigma[k] / nuclear;
-      if (p > 0) entropy -= p * std::log(p);
-    }
-  }
-  bool zero = nuclear < 1e-12;
-  m[0] = nuclear;
-  m[1] = zero ? nan : std::exp(entropy);
-  m[2] = spectral;
-  m[3] = std::sqrt(frob2);
-  m[4] = zero ? nan : frob2 / (spectral * spectral);
-  m[5] = zero ? nan : spectral / nuclear;
 }
 
 // Runs task(i, solver) for i in [0, n) on up to `threads` threads.
@@ -167,24 +144,22 @@ const int64_t* checked_lengths(const Lengths& lengths, int N, int T) {
   return len;
 }
 
-// Spectra of G from Grams G G^T (or G^T G): grams is (N, n, n).
-py::tuple gram_spectra(Array grams, int threads, double eps, int terms) {
+// Singular values of G from Grams G G^T (or G^T G): grams is (N, n, n).
+Array gram_spectra(Array grams, int threads, double eps, int terms) {
   require_bound();
   if (grams.ndim() != 3 || grams.shape(1) != grams.shape(2))
     throw std::invalid_argument("grams must have shape (N, n, n)");
   const int N = static_cast<int>(grams.shape(0)), n = static_cast<int>(grams.shape(1));
-  Array sigma({N, n}), metrics({N, kNumMetrics});
+  Array sigma({N, n});
   const double* in = grams.data();
   double* s_out = sigma.mutable_data();
-  double* m_out = metrics.mutable_data();
   parallel_for(N, threads, [&](int i, SymmetricEigen& eig) {
     eig.scratch.assign(in + static_cast<size_t>(i) * n * n, in + static_cast<size_t>(i + 1) * n * n);
     eig.values.resize(n);
     eig(eig.scratch.data(), n, eig.values.data(), false);
-    metrics_from_eigenvalues(eig.values.data(), n, eps, terms, s_out + static_cast<size_t>(i) * n,
-                             m_out + static_cast<size_t>(i) * kNumMetrics);
+    singular_values_from_eigenvalues(eig.values.data(), n, eps, terms, s_out + static_cast<size_t>(i) * n);
   });
-  return py::make_tuple(sigma, metrics);
+  return sigma;
 }
 
 // Spectra of G_ij = D_ij^T X_i from B_i = X_i X_i^T (N, T, T) and A_ij = D_ij D_ij^T
@@ -193,18 +168,17 @@ py::tuple gram_spectra(Array grams, int threads, double eps, int terms) {
 // (dpstrf), which is rank-revealing for PSD B and ~25x cheaper than an eigendecomposition;
 // one factorisation serves all M modules that share the input X. Sample i uses the
 // leading lengths[i] x lengths[i] blocks (the rest is padding), so padding costs nothing.
-py::tuple core_spectra(Array B, Array A, Lengths lengths, int threads, double eps, int terms) {
+Array core_spectra(Array B, Array A, Lengths lengths, int threads, double eps, int terms) {
   require_bound();
   if (B.ndim() != 3 || B.shape(1) != B.shape(2)) throw std::invalid_argument("B must have shape (N, T, T)");
   if (A.ndim() != 4 || A.shape(0) != B.shape(0) || A.shape(2) != B.shape(1) || A.shape(3) != B.shape(1))
     throw std::invalid_argument("A must have shape (N, M, T, T) matching B");
   const int N = static_cast<int>(B.shape(0)), M = static_cast<int>(A.shape(1)), T = static_cast<int>(B.shape(1));
   const int64_t* len = checked_lengths(lengths, N, T);
-  Array sigma({N, M, T}), metrics({N, M, kNumMetrics});
+  Array sigma({N, M, T});
   const double* b_in = B.data();
   const double* a_in = A.data();
   double* s_out = sigma.mutable_data();
-  double* m_out = metrics.mutable_data();
   std::fill(s_out, s_out + static_cast<size_t>(N) * M * T, 0.0);
   const size_t TT = static_cast<size_t>(T) * T;
   parallel_for(N, threads, [&](int i, SymmetricEigen& eig) {
@@ -242,11 +216,10 @@ py::tuple core_spectra(Array B, Array A, Lengths lengths, int threads, double ep
         dgemm_(&tr, &nn, &r_, &r_, &n_, &one, f.data(), &n_, w.data(), &n_, &zero, core.data(), &r_);
         eig(core.data(), r, ev.data(), false);
       }
-      metrics_from_eigenvalues(ev.data(), r, eps, terms, s_out + (static_cast<size_t>(i) * M + j) * T,
-                               m_out + (static_cast<size_t>(i) * M + j) * kNumMetrics);
+      singular_values_from_eigenvalues(ev.data(), r, eps, terms, s_out + (static_cast<size_t>(i) * M + j) * T);
     }
   });
-  return py::make_tuple(sigma, metrics);
+  return sigma;
 }
 
 // fp64 Gram of each sample's valid rows, Y_i[:n] Y_i[:n]^T, with BLAS dsyrk (half the work of a
@@ -291,7 +264,6 @@ py::array_t<double> segment_gram(py::array_t<Scalar> Y, Lengths lengths, int thr
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "gradspec batched spectral reductions (LAPACK via SciPy, threads over the batch)";
-  m.attr("NUM_METRICS") = kNumMetrics;
   py::register_exception<LapackError>(m, "LapackError", PyExc_RuntimeError);
   m.def("bind_lapack", &bind_lapack, py::arg("dsyevd"), py::arg("dpstrf"), py::arg("dgemm"), py::arg("dsyrk"),
         py::arg("omp_set_num_threads") = 0,
@@ -302,9 +274,9 @@ PYBIND11_MODULE(_C, m) {
   const double eps64 = std::numeric_limits<double>::epsilon();
   m.def("gram_spectra", &gram_spectra, py::arg("grams"), py::arg("threads"), py::arg("eps") = eps64,
         py::arg("terms") = 0,
-        "Singular values (descending) and metrics of G from a batch (N, n, n) of its Grams.");
+        "Singular values (descending, zero-padded) of G from a batch (N, n, n) of its Grams.");
   m.def("core_spectra", &core_spectra, py::arg("B"), py::arg("A"), py::arg("lengths"), py::arg("threads"),
         py::arg("eps") = eps64, py::arg("terms") = 0,
-        "Singular values and metrics of G_ij = D_ij^T X_i from B = X X^T (N,T,T), A = D D^T (N,M,T,T)\n"
+        "Singular values (N, M, T) of G_ij = D_ij^T X_i from B = X X^T (N,T,T), A = D D^T (N,M,T,T)\n"
         "and each sample's token count (N,).");
 }

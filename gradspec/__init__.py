@@ -6,7 +6,9 @@ import importlib
 from gradspec.data.readers import Fields, InputError
 from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
 from gradspec.environment import environment
-from gradspec.linalg.metrics import METRICS
+from gradspec.layers import linear_target
+from gradspec.layers import register as register_layer_kind
+from gradspec.linalg.metrics import METRICS, register_metric
 from gradspec.runs.score_files import read_metadata, read_scores
 from gradspec.runs.scoring import align, score
 
@@ -16,8 +18,9 @@ _TRAINING = {
     "SFTMixTrainer": "sftmix", "DynamicsCallback": "dynamics", "SpectralMonitor": "monitor",
 }
 
-__all__ = ["METRICS", "BatchScores", "Fields", "InputError", "SpectralEngine", "align", "environment", "read_metadata",
-           "read_scores", "score", *_TRAINING]
+__all__ = ["METRICS", "BatchScores", "Fields", "InputError", "SpectralEngine", "align", "environment",
+           "linear_target", "read_metadata", "read_scores", "register_layer_kind", "register_metric", "score",
+           *_TRAINING]
 
 
 def __getattr__(name: str):

@@ -1,3 +1,4 @@
+import math
 import os
 from contextlib import nullcontext
 from types import SimpleNamespace
@@ -42,7 +43,24 @@ def tiny_model(kind: str, vocab: int = VOCAB, seed: int = 0) -> torch.nn.Module:
     if kind == "gpt2":
         return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=48, n_layer=2, n_head=4, n_positions=512,
                                           bos_token_id=1, eos_token_id=2)).eval()
+    moe = dict(common, intermediate_size=48, num_experts_per_tok=2)
+    if kind in MOE_KINDS:
+        import transformers
+
+        config_class, model_class, experts = MOE_KINDS[kind]
+        config = getattr(transformers, config_class)(**moe, **{experts: 4}, **MOE_EXTRA.get(kind, {}))
+        return getattr(transformers, model_class)(config).eval()
     raise ValueError(kind)
+
+
+# The MoE families transformers implements with fused 3-D experts: config, model, the experts-count key.
+MOE_KINDS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "num_experts"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "num_local_experts"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", "num_experts"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", "num_local_experts"),
+}
+MOE_EXTRA = {"qwen3_moe": {"moe_intermediate_size": 24}, "gpt_oss": {"head_dim": 16}}
 
 
 def padded_batch(sequences: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0):
@@ -62,8 +80,11 @@ def random_sequences(lengths: list[int], vocab: int, seed: int = 0) -> list[tupl
     return out
 
 
-def assert_matches_reference(model, scores, sequences, modules, rtol=1e-4):
-    """Every part's every metric within rtol of the one-sample full-SVD reference."""
+def assert_matches_reference(model, scores, sequences, modules, rtol=1e-4, routed=None):
+    """Every part's every metric within rtol of the one-sample full-SVD reference. A routed part (an
+    expert) a sample never reached has no values (NaN), and its reference gradient is zero; one reached
+    only by tokens without gradient (the last) has a zero nuclear norm and undefined ratios, as there.
+    routed: the parts that are routed (their names). Returns how many values were compared."""
     from gradspec.linalg.metrics import METRICS
 
     checked = 0
@@ -73,40 +94,23 @@ def assert_matches_reference(model, scores, sequences, modules, rtol=1e-4):
         assert scores.loss[i].item() == pytest.approx(loss, rel=1e-5)
         assert set(ref) == set(scores.metrics)
         for name, values in ref.items():
-            for j, metric in enumerate(METRICS):
-                got = scores.metrics[name][i, j].item()
-                assert got == pytest.approx(values[metric], rel=rtol), (i, name, metric)
+            got = dict(zip(METRICS, scores.metrics[name][i, : len(METRICS)].tolist(), strict=True))
+            if routed is not None and name in routed and math.isnan(got["nuclear_norm"]):
+                assert values["nuclear_norm"] == 0, (i, name, "not reached, but its gradient is not zero")
+                assert all(math.isnan(v) for v in got.values()), (i, name, got)
+                continue
+            for metric in METRICS:
+                assert got[metric] == pytest.approx(values[metric], rel=rtol, nan_ok=True), (i, name, metric)
                 checked += 1
     assert checked > 0
+    return checked
 
 
 def materialised_gradients(model, sequences, modules) -> list[dict[str, torch.Tensor]]:
     """Each sample's parameter gradient per part (d_out x d_in, fp64), by a backward of its own loss alone."""
-    from gradspec.engine.loss import response_loss_per_sample
-    from gradspec.layers.targets import select_targets
+    from gradspec.engine.reference import parameter_gradients
 
-    targets = select_targets(model, modules)
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    out = []
-    try:
-        for ids, labels in sequences:
-            model.requires_grad_(False)
-            for t in targets:
-                t.module.weight.requires_grad_(True)
-                t.module.weight.grad = None
-            loss, _ = response_loss_per_sample(model(input_ids=ids[None], use_cache=False).logits, labels[None])
-            loss.sum().backward()
-            grads = {}
-            for t in targets:
-                w = t.module.weight.grad.T if t.transposed else t.module.weight.grad
-                grads.update({p.name: w[p.start : p.start + p.d_out].double().clone() for p in t.parts})
-            out.append(grads)
-    finally:
-        for t in targets:
-            t.module.weight.grad = None
-        for p, requires_grad in flags:
-            p.requires_grad_(requires_grad)
-    return out
+    return [parameter_gradients(model, ids, labels, modules)[1] for ids, labels in sequences]
 
 
 @pytest.fixture(scope="session")
@@ -165,3 +169,12 @@ class FakeCupy:
     linalg = np.linalg
     from_dlpack = staticmethod(np.from_dlpack)
     cuda = SimpleNamespace(Device=lambda index: nullcontext(), ExternalStream=lambda pointer: nullcontext())
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory, tokenizer):
+    """A tiny random Qwen3-MoE (2 layers, 4 experts, top-2) with SmolLM2's tokenizer, saved like any local model."""
+    path = tmp_path_factory.mktemp("tiny-qwen3-moe")
+    tiny_model("qwen3_moe").save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

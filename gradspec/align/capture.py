@@ -7,31 +7,26 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gradspec.engine.capture import PartHooks
-from gradspec.kernels import token_mask
-from gradspec.layers.targets import Part, Target
+from gradspec.align.cosines import cosines, flag_alignment
+from gradspec.layers.hooks import BatchLayout, Capture, Captured
+from gradspec.layers.registry import Part, Target
 from gradspec.linalg.host_copies import HostCopies
 
 if TYPE_CHECKING:
     from gradspec.align.task import TaskGradients
 
 
-class PaddedBatchHooks(PartHooks):
-    """PartHooks for a right-padded batch: its host lengths and its token mask on the device; what
-    subclasses keep in ``kept`` is copied to the host by to_host (pinned, on the caller's thread, so
-    it does not queue behind the next batch's device work) and given back by release."""
+class KeptCapture(Capture):
+    """A capture whose results, kept per part in ``kept`` as tensors over the batch's N samples, are
+    copied to the host by to_host (pinned, on the caller's thread, so they do not queue behind the
+    next batch's device work) and given back by release."""
 
-    measures = False  # no path here is measured against another
-
-    def __init__(self, targets: list[Target], lengths: torch.Tensor, device: torch.device | str) -> None:
-        super().__init__(targets)
-        self.lengths = lengths.cpu().tolist()
-        self.mask = token_mask(lengths, max(self.lengths, default=0), device)
+    def __init__(self, targets: list[Target], batch: BatchLayout) -> None:
+        super().__init__(targets, batch)
         self.kept: dict[str, tuple[torch.Tensor, ...]] = {}
         self._copies = HostCopies()
 
     def to_host(self) -> None:
-        self.inputs.clear()
         self.kept = {name: tuple(self._copies(t) for t in values) for name, values in self.kept.items()}
         self._copies.wait()
 
@@ -40,14 +35,24 @@ class PaddedBatchHooks(PartHooks):
         self._copies.release()
 
 
-class AlignmentCapture(PaddedBatchHooks):
+class AlignmentCapture(KeptCapture):
     """A pool batch against one task (kept with the batch, so a later set_task does not change it):
-    per part, kept[part] = (<G_i, W_k> (N, K), ||G_i||^2 (N,)) at dtype."""
+    per part, kept[part] = (<G_i, W_k> (N, K), ||G_i||^2 (N,)) at dtype; zero where a sample did not
+    reach the part (a routed one)."""
 
-    def __init__(self, targets: list[Target], lengths: torch.Tensor, device: torch.device | str,
-                 task: TaskGradients, dtype: torch.dtype) -> None:
-        super().__init__(targets, lengths, device)
+    def __init__(self, targets: list[Target], batch: BatchLayout, task: TaskGradients, dtype: torch.dtype) -> None:
+        super().__init__(targets, batch)
         self.task, self.dtype = task, dtype
 
-    def on_part(self, part: Part, X: torch.Tensor, D: torch.Tensor) -> None:
-        self.kept[part.name] = self.task.parts[part.name].inner(X, D, self.mask, self.lengths, self.dtype)
+    def on_part(self, part: Part, captured: Captured) -> None:
+        inner, norms2 = self.task.parts[part.name].inner(captured.X, captured.D, captured.mask,
+                                                         captured.lengths.tolist(), self.dtype)
+        self.kept[part.name] = (captured.scatter(inner), captured.scatter(norms2))
+
+    def finish(self, scores) -> None:
+        per_part, model = cosines(self.task, self.kept, self.batch.N)
+        routed = {p.name for t in self.targets for p in t.parts if p.routed}
+        per_part, model = flag_alignment(per_part, model, scores.scored, scores.flags, routed)
+        scores.metrics = {p: torch.cat([scores.metrics[p], v], 1) if p in scores.metrics else v
+                          for p, v in per_part.items()}
+        scores.alignment = dict(zip(self.task.metric_names, model.unbind(1), strict=True))

@@ -3,9 +3,12 @@ model, from the inner products and squared norms the capture gives (see gradspec
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from gradspec.align.task import TaskGradients
+if TYPE_CHECKING:
+    from gradspec.align.task import TaskGradients
 
 
 def _nanmax(x: torch.Tensor) -> torch.Tensor:
@@ -72,3 +75,22 @@ def projected_cosines(pool: torch.Tensor, task: torch.Tensor, part_names: list[s
     per_part = {name: aggregated(pool[:, k * width : (k + 1) * width], task[:, k * width : (k + 1) * width])
                 for k, name in enumerate(part_names)}
     return per_part, aggregated(pool, task)
+
+
+def flag_alignment(
+    per_part: dict[str, torch.Tensor], model: torch.Tensor, finite: torch.Tensor, flags: list[set[str]],
+    routed: set[str] = frozenset(),
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """NaN for samples without a loss; a scored sample with a NaN cosine is flagged
+    alignment_undefined (a zero or non-finite gradient, or a part where the task's is zero), except
+    in a routed part (an expert the sample or the task did not reach)."""
+    unscored = ~finite
+    per_part = {p: torch.where(unscored[:, None], torch.nan, v) for p, v in per_part.items()}
+    model = torch.where(unscored[:, None], torch.nan, model)
+    undefined = torch.isnan(model).any(1)
+    for name, v in per_part.items():
+        if name not in routed:
+            undefined |= torch.isnan(v).any(1)
+    for i in torch.nonzero(undefined & finite).flatten().tolist():
+        flags[i].add("alignment_undefined")
+    return per_part, model

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from gradspec.align.capture import PaddedBatchHooks
+from gradspec.align.capture import KeptCapture
 from gradspec.align.directions import masked
-from gradspec.layers.targets import Part, Target
+from gradspec.layers.hooks import BatchLayout, Captured
+from gradspec.layers.registry import Part, Target
 
 
 class KroneckerProjection:
@@ -55,23 +56,34 @@ class KroneckerProjection:
         return (Y.transpose(1, 2) @ Z).flatten(1)
 
 
-class ProjectionCapture(PaddedBatchHooks):
-    """A batch's projected gradients: kept[part] = ((N, k_out k_in),) at dtype."""
+class ProjectionCapture(KeptCapture):
+    """A batch's projected gradients: kept[part] = ((N, k_out k_in),) at dtype (zero where a sample did
+    not reach a routed part: its gradient there is zero)."""
 
-    def __init__(self, targets: list[Target], lengths: torch.Tensor, device: torch.device | str,
-                 projection: KroneckerProjection, dtype: torch.dtype) -> None:
-        super().__init__(targets, lengths, device)
+    def __init__(self, targets: list[Target], batch: BatchLayout, projection: KroneckerProjection,
+                 dtype: torch.dtype) -> None:
+        super().__init__(targets, batch)
         self.projection, self.dtype = projection, dtype
 
-    def on_part(self, part: Part, X: torch.Tensor, D: torch.Tensor) -> None:
-        self.kept[part.name] = (self.projection.project(part, X, D, self.mask, self.dtype),)
+    def on_part(self, part: Part, captured: Captured) -> None:
+        projected = self.projection.project(part, captured.X, captured.D, captured.mask, self.dtype)
+        self.kept[part.name] = (captured.scatter(projected),)
 
     def vectors(self) -> torch.Tensor:
         """(N, dims) fp32 on the host, parts in the projection's order; NaN where nothing was
         captured (no sample of the batch had a loss to differentiate)."""
+        N = self.batch.N
         if not self.kept:
-            return torch.full((len(self.lengths), self.projection.dims), torch.nan)
-        return torch.cat([self.kept[p.name][0].float().cpu() for p in self.projection.parts], 1)
+            return torch.full((N, self.projection.dims), torch.nan)
+        zero = torch.zeros(N, self.projection.k_in * self.projection.k_out)
+        return torch.cat([self.kept[p.name][0].float().cpu() if p.name in self.kept else zero
+                          for p in self.projection.parts], 1)
+
+    def finish(self, scores) -> None:
+        finite = scores.scored
+        scores.projection = torch.where(finite[:, None], self.vectors(), torch.nan)
+        for i in torch.nonzero(finite & ~torch.isfinite(scores.projection).all(1)).flatten().tolist():
+            scores.flags[i].add("nonfinite_gradient")
 
 
 def leading_block(values: torch.Tensor, parts: int, k: int, smaller: int) -> torch.Tensor:

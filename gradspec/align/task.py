@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gradspec.align.capture import PaddedBatchHooks
+from gradspec.align.capture import KeptCapture
 from gradspec.align.directions import (
     ROUTES,
     PartDirections,
@@ -30,13 +30,14 @@ from gradspec.align.directions import (
     per_sample_gradients,
     route_for,
 )
-from gradspec.layers.targets import Part, Target
+from gradspec.layers.hooks import BatchLayout, Captured
+from gradspec.layers.registry import Part, Target
 
 log = logging.getLogger("gradspec")
 AGGREGATES = ("mean_gradient", "mean", "max")
 DEFAULT_AGGREGATES = ("mean_gradient", "mean")
 # A backward pass over one padded batch with these hooks: (captures, batch) -> (loss, count, finite, stats)
-Pass = Callable[[list[PaddedBatchHooks], tuple[torch.Tensor, torch.Tensor, torch.Tensor]], tuple]
+Pass = Callable[[list[KeptCapture], tuple[torch.Tensor, torch.Tensor, torch.Tensor]], tuple]
 
 
 def check_aggregates(aggregates: Sequence[str] | str) -> tuple[str, ...]:
@@ -72,40 +73,44 @@ class TaskGradients:
         return alignment_metrics(self.aggregates)
 
 
-class _Norms(PaddedBatchHooks):
+class _Norms(KeptCapture):
     """First pass: each example's ||G_j||^2 per part, from its Grams (no G formed), read once at the end."""
 
-    def __init__(self, targets, lengths, device, dtype, rows: list[int], norms2: dict[str, dict[int, torch.Tensor]]):
-        super().__init__(targets, lengths, device)
+    def __init__(self, targets, batch: BatchLayout, dtype, rows: list[int], norms2: dict[str, dict[int, torch.Tensor]]):
+        super().__init__(targets, batch)
         self.dtype, self.rows, self.norms2 = dtype, rows, norms2
 
-    def on_part(self, part: Part, X: torch.Tensor, D: torch.Tensor) -> None:
-        for k, (row, n) in enumerate(zip(self.rows, self.lengths, strict=True)):
-            self.norms2[part.name][row] = gram_norms2(X[k, :n].to(self.dtype), D[k, :n].to(self.dtype))
+    def on_part(self, part: Part, captured: Captured) -> None:
+        for k, n in enumerate(captured.lengths.tolist()):
+            x, d = captured.X[k, :n].to(self.dtype), captured.D[k, :n].to(self.dtype)
+            self.norms2[part.name][self.rows[captured.batch_row(k)]] = gram_norms2(x, d)
 
 
-class _Directions(PaddedBatchHooks):
+class _Directions(KeptCapture):
     """Second pass, over the kept examples only (another's NaN would spread through a sum even
-    at coefficient 0): dense parts accumulate W += C[:, rows] G(rows); cross parts keep the rows."""
+    at coefficient 0): dense parts accumulate W += C[:, examples] G(examples); cross parts keep the rows."""
 
-    def __init__(self, targets, lengths, device, dtype, rows: list[int], kept: torch.Tensor,
+    def __init__(self, targets, batch: BatchLayout, dtype, rows: list[int], kept: torch.Tensor,
                  parts: dict[str, PartDirections], kept_rows: dict[str, list]):
-        super().__init__(targets, lengths, device)
+        super().__init__(targets, batch)
         self.dtype, self.parts, self.kept_rows = dtype, parts, kept_rows
-        self.batch_rows = [k for k, row in enumerate(rows) if kept[row]]
-        self.rows = [rows[k] for k in self.batch_rows]
+        self.rows, self.kept_examples = rows, kept
 
-    def on_part(self, part: Part, X: torch.Tensor, D: torch.Tensor) -> None:
+    def on_part(self, part: Part, captured: Captured) -> None:
         p = self.parts[part.name]
-        if p.route == "dense":
-            take = torch.tensor(self.batch_rows).to(X.device, non_blocking=True)
-            G = per_sample_gradients(X[take], D[take], self.mask[take], self.dtype).flatten(1)  # (n, d_out d_in)
-            p.W += (p.device_coefficients[:, self.rows] @ G).view_as(p.W)
+        local = [k for k in range(len(captured.lengths)) if self.kept_examples[self.rows[captured.batch_row(k)]]]
+        examples = [self.rows[captured.batch_row(k)] for k in local]
+        if not local:
             return
-        for k, row in zip(self.batch_rows, self.rows, strict=True):
-            n = self.lengths[k]  # copies: a view would keep the whole padded (fused) tensor alive
-            x, d = X[k, :n].to(self.dtype, copy=True), D[k, :n].to(self.dtype, copy=True)
-            self.kept_rows[part.name].append((row, x, d))
+        if p.route == "dense":
+            take = torch.tensor(local).to(captured.X.device, non_blocking=True)
+            G = per_sample_gradients(captured.X[take], captured.D[take], captured.mask[take], self.dtype).flatten(1)
+            p.W += (p.device_coefficients[:, examples] @ G).view_as(p.W)
+            return
+        for k, example in zip(local, examples, strict=True):
+            n = int(captured.lengths[k])  # copies: a view would keep the whole padded (fused) tensor alive
+            x, d = captured.X[k, :n].to(self.dtype, copy=True), captured.D[k, :n].to(self.dtype, copy=True)
+            self.kept_rows[part.name].append((example, x, d))
 
 
 def collect_task(
@@ -125,9 +130,12 @@ def collect_task(
     found: dict[str, dict[int, torch.Tensor]] = {p.name: {} for p in parts}
     usable = torch.zeros(m, dtype=torch.bool)
     for rows, batch in _numbered(batches):
-        _, _, finite, _ = backward_pass([_Norms(targets, batch[1].sum(1).cpu(), device, dtype, rows, found)], batch)
+        layout = BatchLayout(batch[1].sum(1).cpu(), device)
+        _, _, finite, _ = backward_pass([_Norms(targets, layout, dtype, rows, found)], batch)
         usable[rows] = finite.cpu()
-    norms2 = {name: torch.tensor([float(v[j]) if j in v else float("nan") for j in range(m)], dtype=torch.float64)
+    # An example a part never saw has no gradient there: a routed part (an expert) it did not reach,
+    # or any part where it had no loss (then it is not usable anyway).
+    norms2 = {name: torch.tensor([float(v[j]) if j in v else 0.0 for j in range(m)], dtype=torch.float64)
               for name, v in found.items()}
     model_norms2 = torch.stack([norms2[p.name] for p in parts]).sum(0) if parts else torch.zeros(m)
     kept = usable & torch.isfinite(model_norms2) & (model_norms2 > 0)
@@ -151,8 +159,8 @@ def collect_task(
     kept_rows: dict[str, list] = {name: [] for name, d in directions.items() if d.route == "cross"}
     for rows, batch in _numbered(batches):
         if kept[rows].any():
-            backward_pass([_Directions(targets, batch[1].sum(1).cpu(), device, dtype, rows, kept, directions,
-                                       kept_rows)], batch)
+            layout = BatchLayout(batch[1].sum(1).cpu(), device)
+            backward_pass([_Directions(targets, layout, dtype, rows, kept, directions, kept_rows)], batch)
     mean = (kept.double() / int(kept.sum())).to(device, dtype)
     for name, d in directions.items():
         if d.route == "cross":

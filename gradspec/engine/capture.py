@@ -1,6 +1,6 @@
-"""Hook state for one batch: each scored module's input X in the forward, its per-sample Grams
-(or materialised G) as its output gradient D arrives in the backward, and the eigen stage that
-turns them into spectra and metrics (reduce).
+"""The spectra's capture for one batch (gradspec.layers.hooks): each part's per-sample Grams (or
+materialised G) as its output gradient D arrives in the backward, and the eigen stage that turns
+them into spectra and metrics (reduce).
 
 Which samples take the core path (T x T problem from X X^T and D D^T) and which the materialised
 one (the Gram of G = D^T X), and how many tokens each reduction spans, are decided from the lengths
@@ -10,22 +10,20 @@ on the host once per batch: the hooks never wait for the device.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import numpy as np
 import torch
-from torch import nn
 
 from gradspec.kernels import token_mask
-from gradspec.layers.targets import Part, Target
+from gradspec.layers.hooks import BatchLayout, Capture, Captured
+from gradspec.layers.registry import Part, Target
 from gradspec.linalg.eigen import core_spectra, eigen_faults, eigen_path, gram_spectra
 from gradspec.linalg.grams import segment_gram
 from gradspec.linalg.host_copies import HostCopies
 from gradspec.linalg.lowrank import lowrank_metrics, sketch_matrix, sketch_singular_values
-from gradspec.linalg.metrics import METRICS
+from gradspec.linalg.metrics import ordered_sum
 from gradspec.linalg.policy import Policy
 
 log = logging.getLogger("gradspec")
@@ -52,49 +50,14 @@ class LowRankSketch:
         return self.omegas[part.name]
 
 
-class PartHooks:
-    """Hooks for one batch: each target's input X is kept in the forward, and on_part(part, X, D)
-    is called per scored part (D: the part's slice of the output gradient) as the gradient arrives."""
-
-    def __init__(self, targets: list[Target]) -> None:
-        self.targets = targets
-        self.inputs: dict[str, torch.Tensor] = {}
-
-    @contextmanager
-    def hooks(self, model: nn.Module) -> Iterator[None]:
-        handles = [t.module.register_forward_hook(self._forward_hook(t)) for t in self.targets]
-        try:
-            yield
-        finally:
-            for h in handles:
-                h.remove()
-
-    def _forward_hook(self, target: Target):
-        def hook(module, args, output):
-            self.inputs[target.name] = args[0].detach()
-            output = start_graph(output)
-            output.register_hook(lambda grad: self._on_grad(target, grad.detach()))
-            return output
-
-        return hook
-
-    def _on_grad(self, target: Target, grad: torch.Tensor) -> None:
-        # Reduced as soon as the gradient arrives; the input is released here (its storage goes
-        # once every module reading it is done), so only what on_part keeps stays in flight.
-        X = self.inputs.pop(target.name)
-        for part in target.parts:
-            self.on_part(part, X, grad[..., part.start : part.start + part.d_out])
-
-    def on_part(self, part: Part, X: torch.Tensor, D: torch.Tensor) -> None:
-        raise NotImplementedError
-
-
 @dataclass
 class _Samples:
-    """Some samples of a batch: their rows on the host, and a gather index on the device (None
-    when they are the whole batch: a slice, no copy); T is the longest of them."""
+    """Some samples of a Captured: their rows in it and in the batch, their lengths on the host, a gather
+    index on the device (None when they are all of it: a slice, no copy); T is the longest of them."""
 
     rows: tuple[int, ...]
+    batch_rows: tuple[int, ...]
+    lengths: torch.Tensor
     index: torch.Tensor | None
     T: int
 
@@ -102,81 +65,93 @@ class _Samples:
         return t if self.index is None else t[self.index]
 
 
-class BatchCapture(PartHooks):
-    """Hook state for one batch: inputs in the forward, reductions as gradients arrive.
+@dataclass
+class _CoreGroup:
+    """The parts that share one input and one set of samples: B = X X^T, and per part (part, D D^T, <D D^T, B>)."""
 
-    Which samples take the core path, and how many tokens each reduction spans, are decided from
-    the lengths on the host, once per batch: the hooks never wait for the device. scale
-    multiplies each sample's output gradient (e.g. from a training loss's share back to the
-    sample's own mean loss)."""
+    B: torch.Tensor
+    lengths: torch.Tensor
+    batch_rows: tuple[int, ...]
+    items: list = field(default_factory=list)
+
+
+class BatchCapture(Capture):
+    """The spectra of one batch: Grams as gradients arrive, the eigen stage after (reduce).
+
+    Which samples take the core path, and how many tokens each reduction spans, are decided from the
+    lengths on the host: the hooks never wait for the device. scale multiplies each sample's output
+    gradient (e.g. from a training loss's share back to the sample's own mean loss)."""
+
+    measures = False
 
     def __init__(
-        self, targets: list[Target], lengths: torch.Tensor, policy: Policy | str, sketch: LowRankSketch | None,
-        metric_names: tuple[str, ...], scale: torch.Tensor | None = None, device: torch.device | str | None = None,
+        self, targets: list[Target], batch: BatchLayout, policy: Policy | str, sketch: LowRankSketch | None,
+        metric_names: tuple[str, ...], scale: torch.Tensor | None = None, keep_spectra: bool = False,
     ) -> None:
-        super().__init__(targets)
+        super().__init__(targets, batch)
         self.policy = Policy.of(policy)
         self.metric_names = metric_names
-        self.device = torch.device(device) if device is not None else lengths.device
-        self.lengths = lengths.cpu().to(torch.int64)
-        self.device_lengths = self.lengths.to(self.device, non_blocking=True)
+        self.keep_spectra = keep_spectra
+        self.device = batch.device
         self.scale = None if scale is None else scale.to(self.device).view(-1, 1, 1)
         self.sketch = sketch
-        self.sketched: list[tuple[Part, torch.Tensor, torch.Tensor]] = []  # (part, top-k sigma, ||G||_F^2)
-        self.x_grams: dict[tuple, tuple[_Samples, torch.Tensor]] = {}  # input -> (samples, X X^T)
-        # (input, samples, T) -> (X X^T, [(part, D D^T, <D D^T, X X^T>)])
-        self.core: dict[tuple, tuple[torch.Tensor, list]] = {}
-        self.materialised: list[tuple[Part, tuple[int, ...], torch.Tensor]] = []  # (part, samples, Gram of G)
-        self.measures = False  # whether an eigen stage will be measured on this batch (set by to_host)
-        self._splits: dict[int, tuple[_Samples, _Samples]] = {}
+        self.sketched: list[tuple[Part, tuple[int, ...], torch.Tensor, torch.Tensor]] = []  # (part, rows, sigma, frob2)
+        self.x_grams: dict[tuple, tuple[_Samples, torch.Tensor]] = {}  # (input, samples' T) -> (samples, X X^T)
+        self.core: dict[tuple, _CoreGroup] = {}  # (input, samples, T) -> its group
+        self.materialised: list[tuple[Part, tuple[int, ...], torch.Tensor]] = []  # (part, batch rows, Gram of G)
+        self._splits: dict[tuple, tuple[_Samples, _Samples]] = {}
         self._copies = HostCopies()
 
-    def _samples(self, rows: list[int]) -> _Samples:
-        T = max((int(self.lengths[i]) for i in rows), default=0)
-        whole = rows == list(range(len(self.lengths)))
+    def _samples(self, captured: Captured, rows: list[int]) -> _Samples:
+        T = max((int(captured.lengths[i]) for i in rows), default=0)
+        whole = rows == list(range(len(captured.lengths)))
         index = None if whole else torch.tensor(rows).to(self.device, non_blocking=True)
-        return _Samples(tuple(rows), index, T)
+        return _Samples(tuple(rows), tuple(captured.batch_row(i) for i in rows), captured.lengths[rows], index, T)
 
-    def _split(self, n: int) -> tuple[_Samples, _Samples]:
-        """(samples shorter than n tokens, the rest): the core path for a module whose smaller
-        side is n, and the materialised one."""
-        if n not in self._splits:
-            short = (self.lengths < n).tolist()
-            self._splits[n] = (self._samples([i for i, s in enumerate(short) if s]),
-                               self._samples([i for i, s in enumerate(short) if not s]))
-        return self._splits[n]
+    def _split(self, captured: Captured, n: int) -> tuple[_Samples, _Samples]:
+        """(samples shorter than n tokens, the rest): the core path for a module whose smaller side
+        is n, and the materialised one."""
+        key = (captured.layout, n)
+        if key not in self._splits:
+            short = (captured.lengths < n).tolist()
+            self._splits[key] = (self._samples(captured, [i for i, s in enumerate(short) if s]),
+                                 self._samples(captured, [i for i, s in enumerate(short) if not s]))
+        return self._splits[key]
 
-    def on_part(self, part: Part, X: torch.Tensor, D: torch.Tensor) -> None:
+    def on_part(self, part: Part, captured: Captured) -> None:
+        X, D = captured.X, captured.D
         if self.scale is not None:
-            D = D * self.scale.to(D.dtype)
+            D = D * captured.of_rows(self.scale).to(D.dtype)
         if self.sketch is not None:
             s = self.sketch
             omega = s.omega(part, part.d_in, X.device)
-            self.sketched.append((part, *sketch_singular_values(
-                X, D, self.device_lengths, omega, s.rank, s.power_iters, self.policy)))
+            self.sketched.append((part, captured.batch_rows, *sketch_singular_values(
+                X, D, captured.device_lengths, omega, s.rank, s.power_iters, self.policy)))
             return
-        core, materialised = self._split(min(part.d_in, part.d_out))
+        core, materialised = self._split(captured, min(part.d_in, part.d_out))
+        lengths = captured.device_lengths
         if core.rows:
-            key = (_input_key(X), core.rows, core.T)
+            key = (captured.input_key, core.batch_rows, core.T)
             if key not in self.core:
-                self.core[key] = (self._x_gram(X, core, part.d_in), [])
-            B, items = self.core[key]
-            A, inner = segment_gram(core.take(D)[:, :core.T], core.take(self.device_lengths), B, self.policy)
-            items.append((part, A, inner))
+                self.core[key] = _CoreGroup(self._x_gram(captured, core, part.d_in), core.lengths, core.batch_rows)
+            group = self.core[key]
+            A, inner = segment_gram(core.take(D)[:, :core.T], core.take(lengths), group.B, self.policy)
+            group.items.append((part, A, inner))
         if materialised.rows:
-            dtype, lengths = self.policy.dtype, materialised.take(self.device_lengths)
-            Xs = materialised.take(X).to(dtype) * token_mask(lengths, X.shape[1], X.device)[..., None]
+            dtype, device_lengths = self.policy.dtype, materialised.take(lengths)
+            Xs = materialised.take(X).to(dtype) * token_mask(device_lengths, X.shape[1], X.device)[..., None]
             G = materialised.take(D).to(dtype).transpose(1, 2) @ Xs  # (n, d_out, d_in)
             gram = G @ G.transpose(1, 2) if part.d_out <= part.d_in else G.transpose(1, 2) @ G
-            self.materialised.append((part, materialised.rows, gram))
+            self.materialised.append((part, materialised.batch_rows, gram))
 
-    def _x_gram(self, X: torch.Tensor, core: _Samples, d_in: int) -> torch.Tensor:
-        """X X^T for these samples, from one Gram per input shared by all modules that read it
-        (over every sample shorter than d_in, a superset of any module's core samples)."""
-        key = _input_key(X)
+    def _x_gram(self, captured: Captured, core: _Samples, d_in: int) -> torch.Tensor:
+        """X X^T for these samples, from one Gram per input shared by all parts that read it (over
+        every sample shorter than d_in, a superset of any part's core samples)."""
+        key = captured.input_key
         if key not in self.x_grams:
-            wide = self._split(d_in)[0]
-            gram = segment_gram(wide.take(X)[:, :wide.T], wide.take(self.device_lengths), policy=self.policy)[0]
+            wide = self._split(captured, d_in)[0]
+            X = wide.take(captured.X)[:, :wide.T]
+            gram = segment_gram(X, wide.take(captured.device_lengths), policy=self.policy)[0]
             self.x_grams[key] = (wide, gram)
         wide, gram = self.x_grams[key]
         if core.rows != wide.rows:
@@ -188,7 +163,6 @@ class BatchCapture(PartHooks):
         """Move what the eigen stage needs on the host to the CPU, on the caller's thread (so the
         copies do not queue behind the next batch's GPU work), and drop the rest. Grams whose
         eigen stage runs on the GPU, or is still to be measured, stay there."""
-        self.inputs.clear()
         self.x_grams.clear()
         copies = self._copies
         paths = set()
@@ -199,14 +173,12 @@ class BatchCapture(PartHooks):
             paths.add(path)
             return copies if path == "cpp" else (lambda t: t)
 
-        core = {}
-        for key, (B, items) in self.core.items():
-            move = copier_for(B, "core")  # B and its A's are solved together, on one path
-            core[key] = (move(B), [(part, move(A), copies(inner)) for part, A, inner in items])
-        self.core = core
-        self.materialised = [(part, samples, copier_for(gram, "gram")(gram))
-                             for part, samples, gram in self.materialised]
-        self.sketched = [(part, copies(sigma), copies(frob2)) for part, sigma, frob2 in self.sketched]
+        for group in self.core.values():
+            move = copier_for(group.B, "core")  # B and its A's are solved together, on one path
+            group.B = move(group.B)
+            group.items = [(part, move(A), copies(inner)) for part, A, inner in group.items]
+        self.materialised = [(part, rows, copier_for(gram, "gram")(gram)) for part, rows, gram in self.materialised]
+        self.sketched = [(part, rows, copies(sigma), copies(frob2)) for part, rows, sigma, frob2 in self.sketched]
         self.measures = None in paths
         copies.wait()
 
@@ -215,8 +187,13 @@ class BatchCapture(PartHooks):
         self.core, self.materialised, self.sketched = {}, [], []
         self._copies.release()
 
+    def finish(self, scores) -> None:
+        scores.metrics, scores.spectra = self.reduce(scores.scored, scores.flags, self.keep_spectra)
+
     def reduce(self, finite: torch.Tensor, flags: list[set[str]], keep_spectra: bool):
-        N = len(self.lengths)
+        """({part: (N, metrics)}, {part: [sigma per sample]}) for the samples with a finite loss; a
+        part a sample did not reach (a routed one) keeps NaN there, unflagged."""
+        N = self.batch.N
         nan = float("nan")
         metrics = {p.name: torch.full((N, len(self.metric_names)), nan, dtype=torch.float64)
                    for t in self.targets for p in t.parts}
@@ -234,40 +211,41 @@ class BatchCapture(PartHooks):
                     flags[i].add("nonfinite_gradient")
                     continue
                 metrics[part.name][i] = m[row]
-                if not m[row, 0] >= 1e-12:
+                if not m[row, 0] >= 1e-12 and not part.routed:  # an expert reached only by tokens without loss
                     flags[i].add("zero_gradient")
                 if keep_spectra:
                     s = sigma[row].numpy()
                     spectra[part.name][i] = s[s > 0]
 
-        for (_, samples, _), (B, items) in self.core.items():
-            A = torch.stack([a for _, a, _ in items], 1)
-            ok = _finite_rows(B) & _finite_rows(A)
-            lengths = self.lengths[list(samples)]
-            terms = max(max(part.d_in, part.d_out) for part, _, _ in items)
-            (sigma, m), failed = _isolating_failures(
-                partial(core_spectra, policy=self.policy, terms=terms), _zero_rows(B, ok), _zero_rows(A, ok), lengths)
-            for j, (part, _, inner) in enumerate(items):
-                record(part, samples, sigma[:, j], m[:, j], ok, failed)
-                frob2 = m[:, j, METRICS.index("frobenius_norm")] ** 2
+        for group in self.core.values():
+            A = torch.stack([a for _, a, _ in group.items], 1)
+            ok = _finite_rows(group.B) & _finite_rows(A)
+            terms = max(max(part.d_in, part.d_out) for part, _, _ in group.items)
+            solve = partial(core_spectra, policy=self.policy, terms=terms, metrics=self.metric_names)
+            (sigma, m), failed = _isolating_failures(solve, len(self.metric_names), _zero_rows(group.B, ok),
+                                                     _zero_rows(A, ok), group.lengths)
+            for j, (part, _, inner) in enumerate(group.items):
+                record(part, group.batch_rows, sigma[:, j], m[:, j], ok, failed)
+                frob2 = ordered_sum(sigma[:, j] ** 2)
                 rtol = max(FROBENIUS_CHECK_RTOL, 1e5 * self.policy.eps)
                 bad = ok & ~torch.isclose(frob2, inner.double().cpu(), rtol=rtol, atol=1e-30)
                 for row in torch.nonzero(bad).flatten().tolist():
                     if row not in failed:
-                        flags[samples[row]].add("frobenius_check_failed")
-        everyone = tuple(range(N))
-        for part, sigma, frob2 in self.sketched:
-            record(part, everyone, sigma, lowrank_metrics(sigma, frob2), torch.isfinite(frob2), set())
-        for part, samples, gram in self.materialised:
+                        flags[group.batch_rows[row]].add("frobenius_check_failed")
+        for part, rows, sigma, frob2 in self.sketched:
+            record(part, rows, sigma, lowrank_metrics(sigma, frob2, self.metric_names), torch.isfinite(frob2), set())
+        for part, rows, gram in self.materialised:
             ok = _finite_rows(gram)
-            solve = partial(gram_spectra, policy=self.policy, terms=max(part.d_in, part.d_out))
-            (sigma, m), failed = _isolating_failures(solve, _zero_rows(gram, ok))
-            record(part, samples, sigma, m, ok, failed)
+            solve = partial(gram_spectra, policy=self.policy, terms=max(part.d_in, part.d_out),
+                            metrics=self.metric_names)
+            (sigma, m), failed = _isolating_failures(solve, len(self.metric_names), _zero_rows(gram, ok))
+            record(part, rows, sigma, m, ok, failed)
         return metrics, spectra
 
 
-def _isolating_failures(solve, *batched: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], set[int]]:
-    """solve(*batched) -> (sigma, metrics); where it fails even on the host (the eigen stage has
+def _isolating_failures(solve, columns: int, *batched: torch.Tensor
+                        ) -> tuple[tuple[torch.Tensor, torch.Tensor], set[int]]:
+    """solve(*batched) -> (sigma, metrics of `columns` values); where it fails even on the host (the eigen stage has
     retried it there), each sample alone, so that only the samples that fail by themselves are
     lost: their rows come back in the failed set, with zero sigma and NaN metrics."""
     try:
@@ -284,16 +262,10 @@ def _isolating_failures(solve, *batched: torch.Tensor) -> tuple[tuple[torch.Tens
         except eigen_faults():
             failed.add(i)
             sigma = torch.zeros(1, *sigma_shape, dtype=torch.float64)
-            m = torch.full((1, *sigma_shape[:-1], len(METRICS)), float("nan"), dtype=torch.float64)
+            m = torch.full((1, *sigma_shape[:-1], columns), float("nan"), dtype=torch.float64)
         sigmas.append(sigma)
         metrics.append(m)
     return (torch.cat(sigmas), torch.cat(metrics)), failed
-
-
-def _input_key(X: torch.Tensor) -> tuple:
-    """Identifies one input tensor across the modules that read it (q, k, v; gate, up). Every
-    captured input is alive at the end of the forward, so no two share an address in a batch."""
-    return (X.data_ptr(), tuple(X.shape), X.stride())
 
 
 def _finite_rows(t: torch.Tensor) -> torch.Tensor:
@@ -305,12 +277,3 @@ def _finite_rows(t: torch.Tensor) -> torch.Tensor:
 
 def _zero_rows(t: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
     return t if bool(ok.all()) else torch.where(ok.to(t.device).view(-1, *[1] * (t.dim() - 1)), t, 0.0)
-
-
-def start_graph(output: torch.Tensor) -> torch.Tensor:
-    """A scored module's output as the start of the backward's graph where nothing below it needs
-    a gradient (parameters are frozen): the backward stops at the lowest scored module instead of
-    running down to the embeddings, so scoring the last k of L layers costs about k/L of a backward.
-    Its output gradient is unchanged: it depends only on what comes after."""
-    return output if output.requires_grad else output.detach().requires_grad_(True)
-

@@ -19,32 +19,37 @@ import torch
 from torch import nn
 
 from gradspec.align.capture import AlignmentCapture
-from gradspec.align.cosines import cosines
 from gradspec.align.projection import KroneckerProjection, ProjectionCapture
 from gradspec.align.task import DEFAULT_AGGREGATES, TaskGradients, collect_task
 from gradspec.engine.capture import BatchCapture, LowRankSketch
 from gradspec.engine.loss import check_head_shortcut, response_losses
 from gradspec.kernels import token_mask
+from gradspec.layers.experts import ExpertsTarget
+from gradspec.layers.hooks import BatchLayout, Capture, attached
 from gradspec.layers.lora import unwrap
-from gradspec.layers.targets import Part, Target, select_targets
+from gradspec.layers.registry import Part, Target
+from gradspec.layers.targets import select_targets
 from gradspec.linalg import stages
-from gradspec.linalg.lowrank import LOWRANK_METRICS
-from gradspec.linalg.metrics import METRICS
+from gradspec.linalg.lowrank import lowrank_metric_names
+from gradspec.linalg.metrics import metric_names
 from gradspec.linalg.policy import Policy
 
 
 @dataclass
 class BatchScores:
-    """Per-sample results of one batch; metrics[part] is (N, n) in the engine's metric_names order."""
+    """Per-sample results of one batch; metrics[part] is (N, n) in the engine's metric_names order
+    (NaN where a sample did not reach a routed part)."""
 
     loss: torch.Tensor
     num_response_tokens: torch.Tensor
     flags: list[set[str]]
-    metrics: dict[str, torch.Tensor]
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     spectra: dict[str, list[np.ndarray]] = field(default_factory=dict)
     token_stats: dict[str, torch.Tensor] = field(default_factory=dict)  # see response_losses
     alignment: dict[str, torch.Tensor] = field(default_factory=dict)  # whole-model cosines, (N,) each
     projection: torch.Tensor | None = None  # (N, dims) fp32: gradspec.align.projection's, parts in order
+    routed_tokens: dict[str, torch.Tensor] = field(default_factory=dict)  # "<experts>.<e>" -> (N,) tokens routed
+    scored: torch.Tensor | None = None  # (N,) bool: which samples had a loss to differentiate
 
     def status(self, i: int) -> str:
         return ";".join(sorted(self.flags[i])) or "ok"
@@ -80,10 +85,12 @@ class SpectralEngine:
         self.task: TaskGradients | None = None
         self.projection = KroneckerProjection(self.parts, project, project, seed) if project else None
         self._eigen_worker: ThreadPoolExecutor | None = None
+        # the metrics registered now (gradspec.linalg.metrics.register_metric): this engine's columns
+        self._spectral_names = metric_names() if self.sketch is None else lowrank_metric_names()
 
     @property
     def spectral_names(self) -> tuple[str, ...]:
-        return () if not self.spectra else METRICS if self.sketch is None else LOWRANK_METRICS
+        return self._spectral_names if self.spectra else ()
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -103,6 +110,18 @@ class SpectralEngine:
     @property
     def part_names(self) -> list[str]:
         return [p.name for p in self.parts]
+
+    @property
+    def routed_names(self) -> list[str]:
+        """"<experts module>.<e>" of every expert with a scored part: each row records its routed tokens."""
+        return [f"{t.name}.{e}" for t in self.targets if isinstance(t, ExpertsTarget) for e in t.experts_scored]
+
+    def describe(self) -> dict:
+        """How the scored targets were captured, where a kind says (experts: the implementation run)."""
+        out: dict = {}
+        for t in self.targets:
+            out.update(t.describe() or {})
+        return out
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> BatchScores:
         """Right-padded batch; labels are input_ids with IGNORE_INDEX outside the response."""
@@ -132,14 +151,13 @@ class SpectralEngine:
         with stages.DISPATCH.lock:
             return self._finish(*work)
 
-    def backward_pass(self, captures: list, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
-        """One forward and input-gradient backward of a right-padded batch under these captures'
-        hooks -> (loss, count, finite, token stats), the per-sample values on the CPU."""
+    def backward_pass(self, captures: list[Capture], batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
+        """One forward and input-gradient backward of a right-padded batch with every target's hooks
+        delivering to these captures -> (loss, count, finite, token stats), the per-sample values on the CPU."""
         input_ids, attention_mask, labels = batch
         with borrowed(self.model), torch.enable_grad(), ExitStack() as hooked:
             check_head_shortcut(self.model, input_ids, attention_mask, labels)
-            for capture in captures:
-                hooked.enter_context(capture.hooks(self.model))
+            hooked.enter_context(attached(self.model, captures))
             loss, count, stats = response_losses(self.model, input_ids, attention_mask, labels, self.token_stats)
             finite = torch.isfinite(loss) & (count > 0)
             if finite.any():
@@ -161,63 +179,35 @@ class SpectralEngine:
         lengths = mask.sum(1)
         if not torch.equal(mask, token_mask(lengths, mask.shape[1], "cpu")):
             raise ValueError("the batch must be right-padded (attention_mask a prefix of ones)")
-        captures: list = []
+        layout = BatchLayout(lengths, input_ids.device)
+        captures: list[Capture] = []  # in column order: the spectral metrics, then the cosines
         if self.spectra:
-            captures.append(BatchCapture(self.targets, lengths, self.policy, self.sketch, self.spectral_names,
-                                         device=input_ids.device))
+            captures.append(BatchCapture(self.targets, layout, self.policy, self.sketch, self.spectral_names,
+                                         keep_spectra=self.keep_spectra))
         if self.task is not None:
-            captures.append(AlignmentCapture(self.targets, lengths, input_ids.device, self.task, self.policy.dtype))
+            captures.append(AlignmentCapture(self.targets, layout, self.task, self.policy.dtype))
         if self.projection is not None:
-            captures.append(ProjectionCapture(self.targets, lengths, input_ids.device, self.projection,
-                                              self.policy.dtype))
+            captures.append(ProjectionCapture(self.targets, layout, self.projection, self.policy.dtype))
         return (captures, *self.backward_pass(captures, (input_ids, attention_mask, labels)))
 
     def _finish(
-        self, captures: list, loss: torch.Tensor, count: torch.Tensor, finite: torch.Tensor,
+        self, captures: list[Capture], loss: torch.Tensor, count: torch.Tensor, finite: torch.Tensor,
         stats: dict[str, torch.Tensor],
     ) -> BatchScores:
         flags: list[set[str]] = [set() for _ in range(len(loss))]
         for i in torch.nonzero(~finite).flatten().tolist():
             flags[i].add("no_response_tokens" if count[i] == 0 else "nonfinite_loss")
-        metrics: dict[str, torch.Tensor] = {}
-        spectra: dict[str, list[np.ndarray]] = {}
-        alignment: dict[str, torch.Tensor] = {}
-        projection = None
-        for capture in captures:
-            if isinstance(capture, BatchCapture):
-                try:
-                    metrics, spectra = capture.reduce(finite, flags, self.keep_spectra)
-                finally:
-                    capture.release()
-                continue
-            try:
-                if isinstance(capture, ProjectionCapture):
-                    projection = torch.where(finite[:, None], capture.vectors(), torch.nan)
-                    for i in torch.nonzero(finite & ~torch.isfinite(projection).all(1)).flatten().tolist():
-                        flags[i].add("nonfinite_gradient")
-                    continue
-                per_part, model = cosines(capture.task, capture.kept, len(loss))
-            finally:
+        routed = captures[0].batch.routed_tokens if captures else {}
+        zeros = torch.zeros(len(loss), dtype=torch.int64)
+        scores = BatchScores(loss, count, flags, token_stats=stats, scored=finite,
+                             routed_tokens={name: routed.get(name, zeros) for name in self.routed_names})
+        try:
+            for capture in captures:
+                capture.finish(scores)
+        finally:
+            for capture in captures:
                 capture.release()
-            per_part, model = _flag_alignment(per_part, model, finite, flags)
-            metrics = {p: torch.cat([metrics[p], v], 1) if p in metrics else v for p, v in per_part.items()}
-            alignment = dict(zip(capture.task.metric_names, model.unbind(1), strict=True))
-        return BatchScores(loss, count, flags, metrics, spectra, stats, alignment, projection)
-
-
-def _flag_alignment(per_part: dict[str, torch.Tensor], model: torch.Tensor, finite: torch.Tensor,
-                    flags: list[set[str]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """NaN for samples without a loss; a scored sample with a NaN cosine is flagged
-    alignment_undefined (a zero or non-finite gradient, or a part where the task's is zero)."""
-    unscored = ~finite
-    per_part = {p: torch.where(unscored[:, None], torch.nan, v) for p, v in per_part.items()}
-    model = torch.where(unscored[:, None], torch.nan, model)
-    undefined = torch.isnan(model).any(1)
-    for v in per_part.values():
-        undefined |= torch.isnan(v).any(1)
-    for i in torch.nonzero(undefined & finite).flatten().tolist():
-        flags[i].add("alignment_undefined")
-    return per_part, model
+        return scores
 
 
 @contextmanager

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from gradspec.layers.registry import Shape, register
+from gradspec.layers.linear import LinearTarget, linear_target
+from gradspec.layers.registry import register
 
 
 @register
-def conv1d(module: nn.Module) -> Shape | None:
+def conv1d(model: nn.Module, name: str, module: nn.Module) -> LinearTarget | None:
     if type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None:
-        d_in, d_out = module.weight.shape
-        return Shape(d_in, d_out, True)
+        return linear_target(model, name, module, transposed=True)
     return None

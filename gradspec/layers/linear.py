@@ -1,14 +1,95 @@
-"""torch's nn.Linear: weight (d_out, d_in)."""
+"""torch's nn.Linear, weight (d_out, d_in), and the capture every linear-like kind shares: the
+module's input X in the forward, its output gradient D in the backward, split into parts by
+output features (fused projections: gradspec.layers.fused)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from torch import nn
 
-from gradspec.layers.registry import Shape, register
+from gradspec.layers.fused import split_sizes
+from gradspec.layers.lora import adapted
+from gradspec.layers.registry import Part, Target, register
+from gradspec.layers.roles import roles_of
+
+
+def start_graph(output: torch.Tensor) -> torch.Tensor:
+    """A scored module's output as the start of the backward's graph where nothing below it needs
+    a gradient (parameters are frozen): the backward stops at the lowest scored module instead of
+    running down to the embeddings, so scoring the last k of L layers costs about k/L of a backward.
+    Its output gradient is unchanged: it depends only on what comes after."""
+    return output if output.requires_grad else output.detach().requires_grad_(True)
+
+
+class LinearTarget(Target):
+    """y = x W^T (+ b), or x W where the weight is stored transposed: X is the module's first input,
+    D the gradient of its output. ``flat``: a router's layout, tokens as (N T, d) rows and the output
+    a tuple whose first element is the logits; the graph then starts at its input, not its output,
+    since what its forward computes from the logits (the routing weights) must carry their gradient."""
+
+    def __init__(self, name: str, module: nn.Module, parts: tuple[Part, ...], flat: bool = False) -> None:
+        super().__init__(name, module, parts)
+        self.flat = flat
+
+    def attach(self, batch, deliver: Callable) -> list:
+        kept: list[torch.Tensor] = []
+
+        def before(module, args):
+            if isinstance(args[0], torch.Tensor) and not args[0].requires_grad and torch.is_grad_enabled():
+                return (start_graph(args[0]), *args[1:])
+            return None
+
+        def after(module, args, output):
+            if not torch.is_grad_enabled():
+                return None
+            kept.append(args[0].detach())
+            tensor = output[0] if isinstance(output, tuple) else output
+            if not isinstance(output, tuple):
+                tensor = output = start_graph(output)
+            if tensor.requires_grad:
+                tensor.register_hook(lambda grad: self._arrived(batch, deliver, kept.pop(), grad.detach()))
+            else:
+                kept.pop()
+            return output
+
+        handles = [self.module.register_forward_hook(after)]
+        if self.flat:
+            handles.append(self.module.register_forward_pre_hook(before))
+        return handles
+
+    def _arrived(self, batch, deliver: Callable, X: torch.Tensor, D: torch.Tensor) -> None:
+        # The input is released once every part is reduced (its storage goes once every module
+        # reading it is done), so only what the captures keep stays in flight.
+        if self.flat:
+            X, D = X.reshape(batch.N, -1, X.shape[-1]), D.reshape(batch.N, -1, D.shape[-1])
+        captured = batch.whole(X, D)
+        for part in self.parts:
+            deliver(part, captured.with_D(part.output_features(D)))
+
+
+def linear_target(model: nn.Module, name: str, module: nn.Module, weight: str = "weight",
+                  roles: tuple[str, ...] | None = None, transposed: bool = False, flat: bool = False
+                  ) -> LinearTarget | None:
+    """A linear-like module's target: its weight parameter (d_out, d_in), or (d_in, d_out) where
+    transposed, cut into one part per role along its output features (roles: from the module's name
+    when not given; none: not scored). For a user's own layer kinds too."""
+    roles = roles_of(name) if roles is None else tuple(roles)
+    if not roles:
+        return None
+    d_out, d_in = getattr(module, weight).shape[::-1] if transposed else getattr(module, weight).shape
+    sizes = split_sizes(model, roles, d_out) if len(roles) > 1 else (d_out,)
+    scored_as = adapted(name)[0]
+    parts, start = [], 0
+    for role, size in zip(roles, sizes, strict=True):
+        rows = (slice(None), slice(start, start + size)) if transposed else (slice(start, start + size),)
+        parts.append(Part(f"{scored_as}.{role}" if len(roles) > 1 else scored_as, role, d_in, size,
+                          f"{name}.{weight}", rows, transposed, (start, start + size, 1)))
+        start += size
+    return LinearTarget(name, module, tuple(parts), flat)
 
 
 @register
-def linear(module: nn.Module) -> Shape | None:
-    if isinstance(module, nn.Linear):
-        return Shape(module.in_features, module.out_features, False)
-    return None
+def linear(model: nn.Module, name: str, module: nn.Module) -> LinearTarget | None:
+    return linear_target(model, name, module) if isinstance(module, nn.Linear) else None

@@ -1,36 +1,90 @@
-"""The layer kinds gradspec can score, one small module each (linear.py, conv1d.py), registered here.
+"""The layer kinds gradspec can score, one small module each, registered here.
 
-A kind recognises its modules and says their weight's shape: supporting a new layer type is one
-new file with one registered function (the per-sample gradient is always D^T X from the module's
-input X and output gradient D, so nothing else needs to know the kind).
+A kind looks at each module of a model and, where it recognises one, returns a Target: the logical
+weights (Parts) the module holds, which slice of which parameter each one is (what the reference
+differentiates), and how its hooks give each sample's inputs X and output gradients D
+(``Target.attach``, gradspec.layers.hooks). The per-sample gradient is D^T X whatever the kind, so
+nothing downstream needs to know it: supporting a new layer type is one registered function.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 
-class Shape(NamedTuple):
+@dataclass(frozen=True)
+class Part:
+    """One scored weight matrix, d_out x d_in: columns <name>/<metric> in the output.
+
+    It is ``parameter[index]`` of the model (stored (d_in, d_out) where transposed), and its output
+    features are ``features`` (start, stop, step) of the D its target captures. A routed part (an
+    expert) sees only the tokens routed to it: a sample that sends it none has no values there."""
+
+    name: str
+    role: str
     d_in: int
     d_out: int
-    transposed: bool  # the weight is stored as (d_in, d_out)
+    parameter: str
+    index: tuple = ()
+    transposed: bool = False
+    features: tuple[int | None, int | None, int | None] = (None, None, None)
+    routed: bool = False
+
+    def output_features(self, D: torch.Tensor) -> torch.Tensor:
+        """This part's columns of a captured output gradient (..., features)."""
+        return D[..., slice(*self.features)]
+
+    def gradient(self, parameters: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Its (d_out, d_in) gradient from the parameters' .grad (the reference's)."""
+        grad = parameters[self.parameter].grad[self.index]
+        return grad.T if self.transposed else grad
 
 
-LAYER_KINDS: list[Callable[[nn.Module], Shape | None]] = []
+class Target:
+    """A module whose parts are scored, and how it is captured: ``attach`` installs hooks that call
+    deliver(part, captured) for each part as its output gradient arrives in the backward."""
+
+    kind = ""  # the registered kind that recognised the module (set by target_of)
+
+    def __init__(self, name: str, module: nn.Module, parts: tuple[Part, ...]) -> None:
+        self.name, self.module, self.parts = name, module, tuple(parts)
+
+    def with_parts(self, parts: tuple[Part, ...]) -> Target:
+        """The same target, scoring only these of its parts."""
+        other = object.__new__(type(self))
+        other.__dict__.update(self.__dict__, parts=tuple(parts))
+        return other
+
+    def attach(self, batch, deliver: Callable) -> list:
+        """Hooks for one batch (gradspec.layers.hooks.BatchLayout) -> handles with .remove()."""
+        raise NotImplementedError
+
+    def describe(self) -> dict | None:
+        """What a score file should record of how this target was captured (None: nothing)."""
+        return None
 
 
-def register(kind: Callable[[nn.Module], Shape | None]) -> Callable[[nn.Module], Shape | None]:
-    LAYER_KINDS.append(kind)
+# A kind: (model, module name, module) -> the module's Target, or None where the kind does not recognise it.
+LayerKind = Callable[[nn.Module, str, nn.Module], "Target | None"]
+LAYER_KINDS: list[LayerKind] = []
+
+
+def register(kind: LayerKind) -> LayerKind:
+    """Registers a layer kind (usable as a decorator); kinds registered later are asked first, so a
+    user's kind can take over a module a built-in one would claim."""
+    LAYER_KINDS.insert(0, kind)
     return kind
 
 
-def shape_of(module: nn.Module) -> Shape | None:
-    """The weight shape of a module some registered kind recognises, else None."""
+def target_of(model: nn.Module, name: str, module: nn.Module) -> Target | None:
+    """The Target of the first registered kind that recognises this module, else None."""
     for kind in LAYER_KINDS:
-        shape = kind(module)
-        if shape is not None:
-            return shape
+        target = kind(model, name, module)
+        if target is not None:
+            target.kind = getattr(kind, "__name__", repr(kind))
+            return target
     return None

@@ -79,34 +79,33 @@ def _eigen_stage(stage: str, tensors: tuple, policy: Policy, on_host: Callable, 
 
 
 def gram_spectra(
-    grams: torch.Tensor, policy: Policy | str = "auto", terms: int = 0
+    grams: torch.Tensor, policy: Policy | str = "auto", terms: int = 0, metrics: tuple[str, ...] | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, n, n) Grams of G -> singular values of G (N, n) descending, metrics (N, n_metrics), on the CPU.
-    Eigenvalues below max(n, terms) * eps * max are the Grams' rounding (eps: the policy's
-    precision; terms: the length of the sums that formed G and its Grams)."""
+    """(N, n, n) Grams of G -> singular values of G (N, n) descending, metrics (N, len(metrics)), on the CPU
+    (metrics: registered names, default all). Eigenvalues below max(n, terms) * eps * max are the Grams'
+    rounding (eps: the policy's precision; terms: the length of the sums that formed G and its Grams)."""
     policy = Policy.of(policy)
-    return _eigen_stage("gram", (grams,), policy, partial(_gram_cpp, eps=policy.eps, terms=terms),
-                        partial(_gram_device, eps=policy.eps, terms=terms))
+    sigma = _eigen_stage("gram", (grams,), policy, partial(_gram_cpp, eps=policy.eps, terms=terms),
+                         partial(_gram_device, eps=policy.eps, terms=terms))
+    return sigma, metrics_from_singular_values(sigma, metrics)
 
 
-def _gram_cpp(grams: torch.Tensor, eps: float, terms: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _gram_cpp(grams: torch.Tensor, eps: float, terms: int) -> torch.Tensor:
     with extension.ONE_BLAS_THREAD():
-        sigma, metrics = extension.C.gram_spectra(extension.as_numpy(grams), extension.default_threads(), eps, terms)
-    return torch.from_numpy(sigma), torch.from_numpy(metrics)
+        sigma = extension.C.gram_spectra(extension.as_numpy(grams), extension.default_threads(), eps, terms)
+    return torch.from_numpy(sigma)
 
 
-def _gram_device(
-    eigen: Eigensolver, grams: torch.Tensor, eps: float = EPS64, terms: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    sigma = singular_values_from_gram_eigenvalues(eigen.eigvalsh(grams.double()), eps, terms)
-    return sigma.cpu(), metrics_from_singular_values(sigma).cpu()
+def _gram_device(eigen: Eigensolver, grams: torch.Tensor, eps: float = EPS64, terms: int = 0) -> torch.Tensor:
+    return singular_values_from_gram_eigenvalues(eigen.eigvalsh(grams.double()), eps, terms).cpu()
 
 
 def core_spectra(
     B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor | None = None, policy: Policy | str = "auto",
-    terms: int = 0,
+    terms: int = 0, metrics: tuple[str, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """B = X X^T (N, T, T) and A_j = D_j D_j^T (N, M, T, T) -> sigma (N, M, T), metrics (N, M, n_metrics), on the CPU.
+    """B = X X^T (N, T, T) and A_j = D_j D_j^T (N, M, T, T) -> sigma (N, M, T), metrics (N, M, len(metrics)),
+    on the CPU (metrics: registered names, default all).
 
     For any F with B = F F^T, the singular values of D_j^T X are the square roots of the
     eigenvalues of F^T A_j F. The extension takes F from a pivoted Cholesky; the device paths
@@ -118,28 +117,26 @@ def core_spectra(
     policy = Policy.of(policy)
     if lengths is None:
         lengths = torch.full((B.shape[0],), B.shape[-1], dtype=torch.int64)
-    return _eigen_stage("core", (B, A, lengths), policy, partial(_core_cpp, eps=policy.eps, terms=terms),
-                        partial(_core_device, eps=policy.eps, terms=terms))
+    sigma = _eigen_stage("core", (B, A, lengths), policy, partial(_core_cpp, eps=policy.eps, terms=terms),
+                         partial(_core_device, eps=policy.eps, terms=terms))
+    return sigma, metrics_from_singular_values(sigma, metrics)
 
 
-def _core_cpp(
-    B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor, eps: float, terms: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _core_cpp(B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor, eps: float, terms: int) -> torch.Tensor:
     with extension.ONE_BLAS_THREAD():
-        sigma, metrics = extension.C.core_spectra(
+        sigma = extension.C.core_spectra(
             extension.as_numpy(B), extension.as_numpy(A), lengths.cpu().to(torch.int64).numpy(),
             extension.default_threads(), eps, terms,
         )
-    return torch.from_numpy(sigma), torch.from_numpy(metrics)
+    return torch.from_numpy(sigma)
 
 
 def _core_device(
     eigen: Eigensolver, B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor, eps: float = EPS64, terms: int = 0
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     B, A = B.double(), A.double()
     lam, U = eigen.eigh(B)
     keep = lam > eigenvalue_cutoff(lam, lengths.to(B.device)[:, None], eps, terms)
     F = U * torch.where(keep, lam, 0.0).sqrt().unsqueeze(-2)
     core = F.unsqueeze(1).transpose(-1, -2) @ A @ F.unsqueeze(1)
-    sigma = singular_values_from_gram_eigenvalues(eigen.eigvalsh(core), eps, terms)
-    return sigma.cpu(), metrics_from_singular_values(sigma).cpu()
+    return singular_values_from_gram_eigenvalues(eigen.eigvalsh(core), eps, terms).cpu()

@@ -15,10 +15,18 @@ from __future__ import annotations
 import torch
 
 from gradspec.linalg.grams import segment_gram, segment_tdot
-from gradspec.linalg.metrics import METRICS, metrics_from_singular_values
+from gradspec.linalg.metrics import metric_names, metrics_from_singular_values, ordered_sum
 from gradspec.linalg.policy import Policy
 
-LOWRANK_METRICS: tuple[str, ...] = METRICS + ("topk_energy",)
+TOPK_ENERGY = "topk_energy"
+
+
+def lowrank_metric_names() -> tuple[str, ...]:
+    """The low-rank method's columns: every registered metric (of the top-k sigma), then topk_energy."""
+    return metric_names() + (TOPK_ENERGY,)
+
+
+LOWRANK_METRICS: tuple[str, ...] = lowrank_metric_names()  # with the built-in metrics
 OVERSAMPLING = 8  # extra sketch columns beyond the rank kept: sharper top-k at little cost
 
 
@@ -58,11 +66,14 @@ def sketch_singular_values(
     return sigma, frob2
 
 
-def lowrank_metrics(sigma: torch.Tensor, frob2: torch.Tensor) -> torch.Tensor:
-    """(N, rank) top singular values and exact ||G||_F^2 -> (N, len(LOWRANK_METRICS))."""
-    m = metrics_from_singular_values(sigma)
-    frobenius, spectral = METRICS.index("frobenius_norm"), METRICS.index("spectral_norm")
-    m[:, frobenius] = frob2.sqrt()
-    m[:, METRICS.index("stable_rank")] = frob2 / m[:, spectral].square()
-    energy = sigma.square().sum(-1) / frob2
-    return torch.cat([m, energy[:, None]], dim=1)
+def lowrank_metrics(sigma: torch.Tensor, frob2: torch.Tensor, names: tuple[str, ...] | None = None
+                    ) -> torch.Tensor:
+    """(N, rank) top singular values and exact ||G||_F^2 -> (N, len(names)), names as lowrank_metric_names():
+    each metric of the top-k sigma, except the Frobenius norm and the stable rank, which are exact."""
+    names = lowrank_metric_names() if names is None else names
+    spectra = tuple(n for n in names if n != TOPK_ENERGY)
+    m = dict(zip(spectra, metrics_from_singular_values(sigma, spectra).unbind(-1), strict=True))
+    spectral = sigma.double().amax(-1)
+    exact = {"frobenius_norm": frob2.sqrt(), "stable_rank": frob2 / spectral.square(),
+             TOPK_ENERGY: ordered_sum(sigma.double().square()) / frob2}
+    return torch.stack([exact[n] if n in exact else m[n] for n in names], dim=1)

@@ -2,48 +2,77 @@
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-# Column order of every metrics array; csrc/spectral.cpp writes the same order.
-METRICS: tuple[str, ...] = (
-    "nuclear_norm",
-    "effective_rank",
-    "spectral_norm",
-    "frobenius_norm",
-    "stable_rank",
-    "sigma1_ratio",
-)
+import torch
 
 EPS64 = torch.finfo(torch.float64).eps
 
 # Below this nuclear norm the ratios are undefined: they come out NaN and the row is flagged.
 ZERO_NUCLEAR_NORM = 1e-12
 
+# A metric: sigma (..., n) -> (...), from a gradient's singular values, fp64, descending, zero-padded.
+Metric = Callable[[torch.Tensor], torch.Tensor]
+_METRICS: dict[str, Metric] = {}
 
-def metrics_from_singular_values(sigma: torch.Tensor) -> torch.Tensor:
-    """(..., n) singular values, any order, zero-padded -> (..., len(METRICS)) in fp64.
 
-    effective_rank is Roy & Vetterli's exp(-sum p ln p), p = sigma / sum(sigma), over p > 0.
-    """
-    s = sigma.to(torch.float64).clamp_min(0)
-    nuclear = s.sum(-1)
-    spectral = s.amax(-1) if s.shape[-1] else torch.zeros_like(nuclear)
-    frob2 = (s * s).sum(-1)
-    zero = nuclear < ZERO_NUCLEAR_NORM
-    p = s / torch.where(zero, 1.0, nuclear).unsqueeze(-1)
-    entropy = -torch.where(p > 0, p * torch.log(torch.where(p > 0, p, 1.0)), 0.0).sum(-1)
-    nan = torch.full_like(nuclear, float("nan"))
-    return torch.stack(
-        [
-            nuclear,
-            torch.where(zero, nan, torch.exp(entropy)),
-            spectral,
-            frob2.sqrt(),
-            torch.where(zero, nan, frob2 / spectral.square()),
-            torch.where(zero, nan, spectral / nuclear),
-        ],
-        dim=-1,
-    )
+def register_metric(name: str, metric: Metric | None = None):
+    """Registers a metric of the singular values: every path (the extension, torch, CuPy, the
+    reference) computes it here, and engines built after get its column "<part>/<name>". Usable as
+    a decorator. Sums should run in order (``ordered_sum``), so a metric does not depend on the batch."""
+    if not name or "/" in name:
+        raise ValueError(f"a metric's name is a non-empty column suffix without '/', got {name!r}")
+
+    def add(fn: Metric) -> Metric:
+        _METRICS[name] = fn
+        return fn
+
+    return add if metric is None else add(metric)
+
+
+def metric_names() -> tuple[str, ...]:
+    """The registered metrics, in column order: the built-in ones (METRICS), then the user's."""
+    return tuple(_METRICS)
+
+
+def ordered_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension, first to last: the same rounding whatever the other dimensions."""
+    return x.cumsum(-1)[..., -1] if x.shape[-1] else x.new_zeros(x.shape[:-1])
+
+
+def _defined(value: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """A ratio's value where the nuclear norm is not zero; NaN where it is."""
+    return torch.where(ordered_sum(sigma) < ZERO_NUCLEAR_NORM, torch.nan, value)
+
+
+def _spectral(sigma: torch.Tensor) -> torch.Tensor:
+    return sigma.amax(-1) if sigma.shape[-1] else sigma.new_zeros(sigma.shape[:-1])
+
+
+def _entropy(sigma: torch.Tensor) -> torch.Tensor:
+    nuclear = ordered_sum(sigma)
+    p = sigma / torch.where(nuclear < ZERO_NUCLEAR_NORM, 1.0, nuclear).unsqueeze(-1)
+    return -ordered_sum(torch.where(p > 0, p * torch.log(torch.where(p > 0, p, 1.0)), 0.0))
+
+
+register_metric("nuclear_norm", ordered_sum)
+register_metric("effective_rank", lambda s: _defined(torch.exp(_entropy(s)), s))  # Roy & Vetterli, p = s / sum(s)
+register_metric("spectral_norm", _spectral)
+register_metric("frobenius_norm", lambda s: ordered_sum(s * s).sqrt())
+register_metric("stable_rank", lambda s: _defined(ordered_sum(s * s) / _spectral(s).square(), s))
+register_metric("sigma1_ratio", lambda s: _defined(_spectral(s) / ordered_sum(s), s))
+METRICS: tuple[str, ...] = metric_names()  # the built-in ones, in column order
+
+
+def metrics_from_singular_values(sigma: torch.Tensor, names: tuple[str, ...] | None = None) -> torch.Tensor:
+    """(..., n) singular values, any order, zero-padded -> (..., len(names)) in fp64, names the
+    registered metrics (default: all of them, in order). Every path's metrics come from here."""
+    s = sigma.to(torch.float64).clamp_min(0).sort(-1, descending=True).values
+    names = metric_names() if names is None else names
+    unknown = [n for n in names if n not in _METRICS]
+    if unknown:
+        raise ValueError(f"unknown metrics {unknown}; registered: {', '.join(_METRICS)}")
+    return torch.stack([_METRICS[n](s).to(torch.float64) for n in names], dim=-1)
 
 
 def metrics_dict(row: torch.Tensor, names: tuple[str, ...] = METRICS) -> dict[str, float]:

@@ -45,6 +45,7 @@ from gradspec.runs.run_folder import CHUNK_ROWS, INPUT_ERROR, RunFolder, Shard
 from gradspec.runs.score_files import (
     METADATA_KEY,
     PROJECTION,
+    ROUTED_TOKENS,
     SPECTRA,
     carried_name,
     column,
@@ -187,6 +188,7 @@ def _fill_scores(row: dict[str, Any], result: BatchScores | None, k: int, names:
     flags = [f for f in (row["status"], result.status(k)) if f != "ok"]
     row["status"], row["loss"] = ";".join(flags) or "ok", float(result.loss[k])
     row.update(metric_columns(result.metrics, k, names))
+    row.update({column(name, ROUTED_TOKENS): int(counts[k]) for name, counts in result.routed_tokens.items()})
     for name, sigmas in result.spectra.items():
         row[column(name, SPECTRA)] = sigmas[k].tolist()
     row.update({name: float(values[k]) for name, values in result.token_stats.items()})
@@ -210,6 +212,8 @@ def _fill(row: dict[str, Any], engine: SpectralEngine) -> dict[str, Any]:
             row.setdefault(column(name, m), math.nan)
         if engine.keep_spectra:
             row.setdefault(column(name, SPECTRA), [])
+    for name in engine.routed_names:
+        row.setdefault(column(name, ROUTED_TOKENS), None)
     return row
 
 
@@ -388,7 +392,7 @@ def run(
 
         total = sum(min(config.chunk_rows, records - start) for start in range(0, records, config.chunk_rows)
                     if wanted(start))  # rows of the chunks this process will score
-        metadata = file_metadata(engine.parts, engine.metric_names, info)
+        metadata = {**file_metadata(engine.parts, engine.metric_names, info), **engine.describe()}
         if engine.projection is not None:
             metadata["projection"] = engine.projection.describe()
         if engine.task is not None:

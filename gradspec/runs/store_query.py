@@ -22,6 +22,7 @@ from gradspec.data.batching import BATCH_TOKENS
 from gradspec.data.models import load_model
 from gradspec.data.readers import Fields
 from gradspec.engine.spectral_engine import SpectralEngine
+from gradspec.layers.hooks import BatchLayout
 from gradspec.runs.score_files import METADATA_KEY, PROJECTION, atomic_write, column, read_metadata
 from gradspec.runs.task_set import task_batches
 
@@ -47,8 +48,8 @@ def task_vectors(engine: SpectralEngine, batches: list) -> torch.Tensor:
     finite nonzero projection), as the store's were made."""
     vectors = []
     for batch in batches:
-        capture = ProjectionCapture(engine.targets, batch[1].sum(1).cpu(), batch[0].device, engine.projection,
-                                    engine.policy.dtype)
+        capture = ProjectionCapture(engine.targets, BatchLayout(batch[1].sum(1).cpu(), batch[0].device),
+                                    engine.projection, engine.policy.dtype)
         _, _, finite, _ = engine.backward_pass([capture], batch)
         v = capture.vectors()
         capture.release()

@@ -53,8 +53,9 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 from gradspec.data.errors import check_parquet_out
 from gradspec.engine.capture import BatchCapture
 from gradspec.kernels import token_mask
+from gradspec.layers.hooks import BatchLayout, attached
 from gradspec.layers.targets import select_targets
-from gradspec.linalg.metrics import METRICS
+from gradspec.linalg.metrics import metric_names
 from gradspec.linalg.policy import Policy
 from gradspec.runs.score_files import column, metric_columns
 from gradspec.training.wit import PROMPT_OFFSET, WITLoss
@@ -100,6 +101,7 @@ class SpectralMonitor(TrainerCallback):
         self.accumulation = args.gradient_accumulation_steps
         self.processes = args.world_size if getattr(args, "average_tokens_across_devices", False) else 1
         self.targets = select_targets(model, self.modules)
+        self.metrics = metric_names()
         self.model = model
         self._handles = [
             model.register_forward_pre_hook(self._see_labels, with_kwargs=True),
@@ -128,8 +130,9 @@ class SpectralMonitor(TrainerCallback):
         else:  # which tokens carry loss is not known here: every sample is reduced, unscaled
             loss, tokens = UNKNOWN, lengths - 1
         scale = self._scale(tokens, num_items) if scaled else None
-        capture = BatchCapture(self.targets, lengths, self.backend, None, METRICS, scale)
-        self._stack.enter_context(capture.hooks(self.model))
+        capture = BatchCapture(self.targets, BatchLayout(lengths, lengths.device), self.backend, None, self.metrics,
+                               scale)
+        self._stack.enter_context(attached(self.model, [capture]))
         self.captures.append(_Captured(capture, loss, tokens, responses, scaled))
 
     def _scale(self, tokens: torch.Tensor, num_items: torch.Tensor | int | None) -> torch.Tensor:
@@ -155,7 +158,7 @@ class SpectralMonitor(TrainerCallback):
                        "num_response_tokens": None if captured.responses is None else int(captured.responses[i]),
                        "num_loss_tokens": int(tokens[i]) if captured.scaled else None,
                        "scaled": captured.scaled, "status": ";".join(sorted(flags[i])) or "ok"}
-                rows.append({**row, **metric_columns(metrics, i, METRICS)})
+                rows.append({**row, **metric_columns(metrics, i, self.metrics)})
         self.captures = []
         self.pending_logs = _summary(rows, self.targets)
         if self.out is not None:

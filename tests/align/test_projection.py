@@ -8,25 +8,25 @@ import pytest
 import torch
 from conftest import materialised_gradients, padded_batch, random_sequences, tiny_model
 
-from gradspec.align.capture import PaddedBatchHooks
 from gradspec.align.cosines import projected_cosines
 from gradspec.align.projection import KroneckerProjection
 from gradspec.cli import main
 from gradspec.engine.spectral_engine import SpectralEngine
+from gradspec.layers.hooks import BatchLayout, Capture
 from gradspec.runs.score_files import PROJECTION, read_metadata
 
 VOCAB = 500
 
 
-class _Keep(PaddedBatchHooks):
+class _Keep(Capture):
     """Keeps every part's X and D of one batch."""
 
     def __init__(self, targets, lengths):
-        super().__init__(targets, lengths, "cpu")
+        super().__init__(targets, BatchLayout(lengths, "cpu"))
         self.captured = {}
 
-    def on_part(self, part, X, D):
-        self.captured[part.name] = (part, X, D)
+    def on_part(self, part, captured):
+        self.captured[part.name] = (part, captured.X, captured.D)
 
 
 def test_projections_are_those_of_the_materialised_gradients():
@@ -61,7 +61,7 @@ def test_projected_inner_products_are_unbiased():
         samples = []
         for seed in range(400):
             projection = KroneckerProjection([part], 4, 3, seed)
-            v = projection.project(part, X, D, keep.mask, torch.float64)
+            v = projection.project(part, X, D, keep.batch.mask, torch.float64)
             samples.append(v @ v.T)
         samples = torch.stack(samples)
         mean, stderr = samples.mean(0), samples.std(0) / 400 ** 0.5

@@ -8,6 +8,7 @@ import transformers.masking_utils
 from conftest import tiny_model
 
 from gradspec.engine.capture import BatchCapture, LowRankSketch
+from gradspec.layers.hooks import BatchLayout, attached
 from gradspec.layers.targets import select_targets
 from gradspec.linalg.host_copies import HostCopies, PinnedPool
 from gradspec.linalg.lowrank import LOWRANK_METRICS
@@ -24,13 +25,13 @@ def test_the_hooks_run_without_reading_the_device(monkeypatch, method):
     lengths = torch.tensor([5, 40, 90])  # k/v's smaller side is 32: both the core and the materialised path
     sketch, names = (None, METRICS) if method == "exact" else (LowRankSketch(4, 1, 0), LOWRANK_METRICS)
     policy = Policy(force={"segment_gram": "torch", "segment_tdot": "torch"})  # the device paths
-    capture = BatchCapture(targets, lengths, policy, sketch, names, device="meta")
+    capture = BatchCapture(targets, BatchLayout(lengths, "meta"), policy, sketch, names)
     ids = torch.zeros(3, 90, dtype=torch.long, device="meta")
-    with capture.hooks(model):
+    with attached(model, [capture]):
         model(input_ids=ids, use_cache=False).logits.sum().backward()
     if method == "exact":
         assert capture.core and capture.materialised
-        assert all(B.device.type == "meta" for B, _ in capture.core.values())
+        assert all(group.B.device.type == "meta" for group in capture.core.values())
     else:
         assert len(capture.sketched) == sum(len(t.parts) for t in targets)
 

@@ -8,8 +8,7 @@ from conftest import tiny_model
 from torch import nn
 
 from gradspec.engine.spectral_engine import SpectralEngine
-from gradspec.layers import registry
-from gradspec.layers.registry import Shape
+from gradspec.layers import linear_target, registry
 from gradspec.layers.targets import select_targets
 
 VOCAB = 500
@@ -24,8 +23,8 @@ def test_fused_parts_are_named_and_split():
 
 
 def test_no_matching_modules_lists_what_exists():
-    message = ("no module matches --modules '*.nothing_here'; pass a preset (attn, mlp, all, lora), a role of this "
-               "model (q, k, v, o, gate, up, down) or a glob of its part names (e.g. "
+    message = ("no module matches --modules '*.nothing_here'; pass a preset (attn, mlp, experts, router, all, lora), "
+               "a role of this model (q, k, v, o, gate, up, down) or a glob of its part names (e.g. "
                "'model.layers.0.self_attn.q_proj'; 14 in all)")
     with pytest.raises(ValueError, match=re.escape(message)):
         SpectralEngine(tiny_model("llama", vocab=VOCAB), "*.nothing_here")
@@ -55,12 +54,14 @@ def test_a_new_layer_kind_is_one_registered_function(monkeypatch):
     with pytest.raises(ValueError, match="no module matches"):
         select_targets(model, "*.0.*q_proj")
 
-    def bilinearish(module):
-        return Shape(module.kernel.shape[1], module.kernel.shape[0], False) if isinstance(module, Bilinearish) else None
+    def bilinearish(model, name, module):
+        return linear_target(model, name, module, weight="kernel") if isinstance(module, Bilinearish) else None
 
-    monkeypatch.setattr(registry, "LAYER_KINDS", [*registry.LAYER_KINDS, bilinearish])
+    monkeypatch.setattr(registry, "LAYER_KINDS", [bilinearish, *registry.LAYER_KINDS])
     (target,) = select_targets(model, "*.0.*q_proj")
-    assert target.name == "model.layers.0.self_attn.q_proj" and (target.d_in, target.parts[0].d_out) == (64, 64)
+    (part,) = target.parts
+    assert target.name == "model.layers.0.self_attn.q_proj" and (part.d_in, part.d_out) == (64, 64)
+    assert part.parameter == "model.layers.0.self_attn.q_proj.kernel"
 
 
 def test_every_module_pattern_must_match_something():

@@ -1,0 +1,162 @@
+"""The one capture protocol: every layer kind delivers, for each scored part, the inputs X and
+output gradients D of the samples that reached it (a Captured); every consumer of gradients (the
+spectra, the alignment, the projection, the monitor) is a Capture that receives them. One set of
+hooks per batch serves all of a pass's captures (``attached``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+from torch import nn
+
+from gradspec.kernels import token_mask
+from gradspec.layers.registry import Part, Target
+
+
+class BatchLayout:
+    """A right-padded batch as the hooks see it: each sample's length on the host (decided before
+    the forward, so no hook waits for the device) and on the device; kinds that route tokens record
+    each sample's routed-token count per expert in routed_tokens ({"<experts>.<e>": (N,)})."""
+
+    def __init__(self, lengths: torch.Tensor, device: torch.device | str) -> None:
+        self.lengths = lengths.cpu().to(torch.int64)
+        self.device = torch.device(device)
+        self.routed_tokens: dict[str, torch.Tensor] = {}
+
+    @property
+    def N(self) -> int:
+        return len(self.lengths)
+
+    @cached_property
+    def device_lengths(self) -> torch.Tensor:
+        return self.lengths.to(self.device, non_blocking=True)
+
+    @cached_property
+    def mask(self) -> torch.Tensor:
+        """(N, longest) bool on the device: True at each sample's tokens."""
+        return token_mask(self.lengths, int(self.lengths.max()) if self.N else 0, self.device)
+
+    def whole(self, X: torch.Tensor, D: torch.Tensor) -> Captured:
+        """The batch's own layout: every sample, its own tokens (dense layers)."""
+        return Captured(X, D, self.lengths, None, self, layout="batch", input_key=input_key(X))
+
+
+@dataclass
+class Captured:
+    """One part's X (n, t, d_in) and D (n, t, d_out) for n samples, right-padded: sample k's first
+    lengths[k] rows are its tokens here. rows: their batch rows (None: all N in order). layout names
+    the (rows, lengths) arrangement, input_key the input X (parts reading one X share its Gram)."""
+
+    X: torch.Tensor
+    D: torch.Tensor
+    lengths: torch.Tensor
+    rows: tuple[int, ...] | None
+    batch: BatchLayout
+    layout: object
+    input_key: object
+    index: torch.Tensor | None = None  # rows on the device
+    device_lengths_: torch.Tensor | None = field(default=None, repr=False)
+
+    def with_D(self, D: torch.Tensor) -> Captured:
+        return Captured(self.X, D, self.lengths, self.rows, self.batch, self.layout, self.input_key, self.index,
+                        self.device_lengths_)
+
+    def batch_row(self, k: int) -> int:
+        return k if self.rows is None else self.rows[k]
+
+    @property
+    def batch_rows(self) -> tuple[int, ...]:
+        return tuple(range(self.batch.N)) if self.rows is None else self.rows
+
+    @property
+    def device_lengths(self) -> torch.Tensor:
+        if self.rows is None:
+            return self.batch.device_lengths
+        if self.device_lengths_ is None:
+            self.device_lengths_ = self.lengths.to(self.X.device, non_blocking=True)
+        return self.device_lengths_
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """(n, longest here) bool on the device."""
+        if self.rows is None:
+            return self.batch.mask
+        return token_mask(self.device_lengths, int(self.lengths.max()) if len(self.lengths) else 0, self.X.device)
+
+    def of_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """These samples' entries of a per-batch-row tensor (N, ...)."""
+        if self.rows is None:
+            return values
+        index = self.index if self.index is not None else torch.tensor(self.rows, device=values.device)
+        return values[index.to(values.device)]
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """(n, ...) values of these samples -> (N, ...), zero at the samples that did not reach the part."""
+        if self.rows is None:
+            return values
+        full = values.new_zeros((self.batch.N, *values.shape[1:]))
+        index = self.index if self.index is not None else torch.tensor(self.rows, device=values.device)
+        return full.index_copy_(0, index.to(values.device), values)
+
+
+def input_key(X: torch.Tensor) -> tuple:
+    """Identifies one input tensor across the modules that read it (q, k, v; gate, up). Every input
+    a dense kind captures is alive until the end of the backward, so no two share an address."""
+    return (X.data_ptr(), tuple(X.shape), X.stride())
+
+
+class Capture:
+    """A consumer of one batch's captured gradients. on_part gets each part's Captured as its gradient
+    arrives; to_host moves what it keeps to the host once the backward is done; finish(scores) adds
+    its results to the batch's BatchScores; release gives its buffers back."""
+
+    measures = False  # whether an eigen stage will be measured on this batch (no consumer but the spectra's)
+
+    def __init__(self, targets: list[Target], batch: BatchLayout) -> None:
+        self.targets, self.batch = targets, batch
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.batch.lengths
+
+    def on_part(self, part: Part, captured: Captured) -> None:
+        raise NotImplementedError
+
+    def to_host(self) -> None:
+        pass
+
+    def finish(self, scores) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
+
+
+@contextmanager
+def attached(model: nn.Module, captures: list[Capture]) -> Iterator[None]:
+    """Every target's hooks on the model for one batch, delivering to each capture in turn; removed
+    after (also on error), so the model is left as it was found. All captures share the batch."""
+    if not captures:
+        yield
+        return
+    batch, targets = captures[0].batch, captures[0].targets
+    if any(c.batch is not batch for c in captures):
+        raise ValueError("the captures of one pass must share its BatchLayout")
+
+    def deliver(part: Part, captured: Captured) -> None:
+        for capture in captures:
+            capture.on_part(part, captured)
+
+    handles = []
+    try:
+        for target in targets:
+            handles.extend(target.attach(batch, deliver))
+        yield
+    finally:
+        for handle in reversed(handles):
+            handle.remove()

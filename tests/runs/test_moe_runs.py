@@ -1,0 +1,47 @@
+"""Scoring an MoE model from the command line: expert and router columns, routed-token counts, and
+which experts implementation ran, recorded in the file."""
+
+import json
+
+import pyarrow.parquet as pq
+
+import gradspec
+from gradspec.cli import main
+from gradspec.runs.score_files import read_metadata
+
+ROWS = [{"instruction": "Write a haiku about rain.", "output": "Soft rain on the roof,\nquiet streets."},
+        {"instruction": "What is 2+2?", "output": "4"},
+        {"instruction": "Describe it", "input": "a cat", "output": ""}]
+EXPERTS = "model.layers.1.mlp.experts"
+
+
+def test_score_all_includes_experts_and_routers(tmp_path, tiny_moe_dir):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    out = tmp_path / "s.parquet"
+    assert main(["score", "--data", str(data), "--model", str(tiny_moe_dir), "--out", str(out), "--modules", "all",
+                 "--max-length", "64", "--quiet"]) == 0
+    df = pq.read_table(out).to_pandas()
+    parts = {c.rsplit("/", 1)[0] for c in df.columns if c.endswith("/nuclear_norm")}
+    assert len(parts) == 2 * (4 + 4 * 3 + 1)  # per layer: q, k, v, o; 4 experts x gate, up, down; the router
+    assert {f"{EXPERTS}.3.gate", f"{EXPERTS}.3.up", f"{EXPERTS}.3.down", "model.layers.1.mlp.gate"} <= parts
+    assert df["status"].tolist() == ["ok", "ok", "empty_response"]
+    routed = df[[f"{EXPERTS}.{e}/routed_tokens" for e in range(4)]]
+    assert routed.loc[:1].sum(axis=1).tolist() == (2 * df.loc[:1, "num_tokens"]).tolist()  # top-2 of every token
+    assert routed.loc[2].isna().all()  # not scored: nothing routed is recorded
+    for e in range(4):  # an expert a sample never reached has no values, and the row is still ok
+        unreached = df[f"{EXPERTS}.{e}/routed_tokens"] == 0
+        assert df.loc[unreached, f"{EXPERTS}.{e}.down/nuclear_norm"].isna().all()
+    meta = read_metadata(out)
+    assert meta["experts_implementation"] == {"captured_as": "gradspec", "model": "grouped_mm"}
+    roles = {p["role"] for p in meta["parts"]}
+    assert roles == {"q", "k", "v", "o", "expert_gate", "expert_up", "expert_down", "router"}
+
+
+def test_presets_experts_and_router(tiny_moe_dir):
+    model, _ = gradspec.data.models.load_model(str(tiny_moe_dir))
+    experts = gradspec.SpectralEngine(model, "experts").parts
+    assert {p.role for p in experts} == {"expert_gate", "expert_up", "expert_down"} and len(experts) == 24
+    assert [p.name for p in gradspec.SpectralEngine(model, "router").parts] == [
+        "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    assert [p.name for p in gradspec.SpectralEngine(model, "*.1.*experts.2.down").parts] == [f"{EXPERTS}.2.down"]
