@@ -129,8 +129,13 @@ def tokenizer(smol):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tokenizer):
     """A tiny random Llama with SmolLM2's tokenizer, saved like any local model."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tiny_model("llama").save_pretrained(path)
+    return _saved(tmp_path_factory, tokenizer, "llama")
+
+
+def _saved(tmp_path_factory, tokenizer, kind: str):
+    """A tiny random model of this kind with SmolLM2's tokenizer, saved in a folder of its own."""
+    path = tmp_path_factory.mktemp(f"tiny-{kind}")
+    tiny_model(kind).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
@@ -174,7 +179,4 @@ class FakeCupy:
 @pytest.fixture(scope="session")
 def tiny_moe_dir(tmp_path_factory, tokenizer):
     """A tiny random Qwen3-MoE (2 layers, 4 experts, top-2) with SmolLM2's tokenizer, saved like any local model."""
-    path = tmp_path_factory.mktemp("tiny-qwen3-moe")
-    tiny_model("qwen3_moe").save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return _saved(tmp_path_factory, tokenizer, "qwen3_moe")
