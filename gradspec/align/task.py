@@ -98,8 +98,9 @@ class _Directions(KeptCapture):
 
     def on_part(self, part: Part, captured: Captured) -> None:
         p = self.parts[part.name]
-        local = [k for k in range(len(captured.lengths)) if self.kept_examples[self.rows[captured.batch_row(k)]]]
-        examples = [self.rows[captured.batch_row(k)] for k in local]
+        examples = [self.rows[captured.batch_row(k)] for k in range(len(captured.lengths))]
+        local = [k for k, example in enumerate(examples) if self.kept_examples[example]]
+        examples = [examples[k] for k in local]
         if not local:
             return
         if p.route == "dense":

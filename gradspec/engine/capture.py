@@ -82,8 +82,6 @@ class BatchCapture(Capture):
     lengths on the host: the hooks never wait for the device. scale multiplies each sample's output
     gradient (e.g. from a training loss's share back to the sample's own mean loss)."""
 
-    measures = False
-
     def __init__(
         self, targets: list[Target], batch: BatchLayout, policy: Policy | str, sketch: LowRankSketch | None,
         metric_names: tuple[str, ...], scale: torch.Tensor | None = None, keep_spectra: bool = False,

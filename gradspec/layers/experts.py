@@ -90,9 +90,9 @@ class ExpertsTarget(Target):
         gate_up = _per_expert(m, _up_name(m), X, bounds)
         capturing = torch.is_grad_enabled()
         if capturing:
-            for e in self.experts_scored:
-                batch.routed_tokens[f"{self.name}.{e}"] = routed[e].clone()
             layout = _Layout(self, batch, total, routed, S)
+            for e in layout.parts:
+                batch.routed_tokens[f"{self.name}.{e}"] = routed[e].clone()
             gate_up = start_graph(gate_up)
             gate_up.register_hook(lambda grad: layout.deliver(deliver, "up", X, grad.detach()))
         h = m._apply_gate(gate_up) if _up_name(m) == "gate_up_proj" else m.act_fn(gate_up)
@@ -113,10 +113,15 @@ class _Layout:
 
     def __init__(self, target: ExpertsTarget, batch, total: torch.Tensor, routed: torch.Tensor, S: int) -> None:
         self.target, self.batch, self.S = target, batch, S
+        self.parts: dict[int, dict[str, list[Part]]] = {}  # expert -> {"up": gate and up parts, "down": ...}
+        for p in target.parts:
+            which = "down" if p.role == "expert_down" else "up"
+            self.parts.setdefault(target.expert_of(p), {"up": [], "down": []})[which].append(p)
+        self.parts = dict(sorted(self.parts.items()))
         starts = (total.flatten().cumsum(0) - total.flatten()).view_as(total).numpy()
         counts = routed.numpy()
         self.experts, pieces, lengths, rows = [], [], [], []
-        for e in target.experts_scored:
+        for e in self.parts:
             reached = np.flatnonzero(counts[e])
             if not len(reached):
                 continue
@@ -137,8 +142,7 @@ class _Layout:
         at = row = 0
         for e, reached, lengths, n, t in self.experts:
             index = self.index[at : at + n * t]
-            parts = [p for p in self.target.parts if self.target.expert_of(p) == e and (p.role == "expert_down")
-                     == (which == "down")]
+            parts = self.parts[e][which]
             if parts:
                 Xe, De = Xz[index].view(n, t, -1), Dz[index].view(n, t, -1)
                 captured = Captured(Xe, De, lengths, reached, self.batch, (self.target.name, e),

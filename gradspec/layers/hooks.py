@@ -88,20 +88,21 @@ class Captured:
             return self.batch.mask
         return token_mask(self.device_lengths, int(self.lengths.max()) if len(self.lengths) else 0, self.X.device)
 
+    def _index(self, device: torch.device) -> torch.Tensor:
+        """The batch rows on this device (rows is not None)."""
+        index = self.index if self.index is not None else torch.tensor(self.rows)
+        return index.to(device)
+
     def of_rows(self, values: torch.Tensor) -> torch.Tensor:
         """These samples' entries of a per-batch-row tensor (N, ...)."""
-        if self.rows is None:
-            return values
-        index = self.index if self.index is not None else torch.tensor(self.rows, device=values.device)
-        return values[index.to(values.device)]
+        return values if self.rows is None else values[self._index(values.device)]
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """(n, ...) values of these samples -> (N, ...), zero at the samples that did not reach the part."""
         if self.rows is None:
             return values
         full = values.new_zeros((self.batch.N, *values.shape[1:]))
-        index = self.index if self.index is not None else torch.tensor(self.rows, device=values.device)
-        return full.index_copy_(0, index.to(values.device), values)
+        return full.index_copy_(0, self._index(values.device), values)
 
 
 def input_key(X: torch.Tensor) -> tuple:

@@ -16,7 +16,7 @@ Metric = Callable[[torch.Tensor], torch.Tensor]
 _METRICS: dict[str, Metric] = {}
 
 
-def register_metric(name: str, metric: Metric | None = None):
+def register_metric(name: str, metric: Metric | None = None) -> Metric | Callable[[Metric], Metric]:
     """Registers a metric of the singular values: every path (the extension, torch, CuPy, the
     reference) computes it here, and engines built after get its column "<part>/<name>". Usable as
     a decorator. Sums should run in order (``ordered_sum``), so a metric does not depend on the batch."""
