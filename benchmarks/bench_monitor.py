@@ -8,7 +8,7 @@ from conftest import MEDIANS
 
 from gradspec.data.models import load_model
 from gradspec.data.readers import humaneval_samples
-from gradspec.training.monitor import SpectralMonitor
+from gradspec.training.monitor_callback import SpectralMonitorCallback
 from gradspec.training.wit import WITCollator
 
 STEPS = 6
@@ -23,7 +23,7 @@ def _train(tmp_path, modules):
     args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS,
                              learning_rate=1e-5, remove_unused_columns=False, report_to=[], save_strategy="no",
                              use_cpu=True, logging_strategy="no", seed=0)
-    callbacks = [] if modules is None else [SpectralMonitor(every=1, modules=modules)]
+    callbacks = [] if modules is None else [SpectralMonitorCallback(every=1, modules=modules)]
     trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=WITCollator(tokenizer),
                       callbacks=callbacks)
     return trainer.train().metrics["train_runtime"] / STEPS

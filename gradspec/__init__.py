@@ -16,6 +16,7 @@ from gradspec.runs.scoring import align, score
 _TRAINING = {
     "WITCollator": "wit", "WITLoss": "wit", "use_wit_loss": "wit", "wit_loss": "wit",
     "SFTMixTrainer": "sftmix", "DynamicsCallback": "dynamics", "SpectralMonitor": "monitor",
+    "SpectralMonitorCallback": "monitor_callback",
 }
 
 __all__ = ["METRICS", "BatchScores", "Fields", "InputError", "SpectralEngine", "align", "environment",

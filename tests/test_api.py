@@ -9,7 +9,7 @@ import gradspec
 def test_every_public_name_is_importable_from_gradspec():
     for name in gradspec.__all__:
         assert getattr(gradspec, name) is not None, name
-    from gradspec import SpectralMonitor, WITCollator  # noqa: F401  (the README's imports)
+    from gradspec import SpectralMonitor, SpectralMonitorCallback, WITCollator  # noqa: F401  (the README's imports)
 
 
 def test_import_gradspec_does_not_load_the_trainer():

@@ -190,16 +190,20 @@ class BatchCapture(Capture):
 
     def reduce(self, finite: torch.Tensor, flags: list[set[str]], keep_spectra: bool):
         """({part: (N, metrics)}, {part: [sigma per sample]}) for the samples with a finite loss; a
-        part a sample did not reach (a routed one) keeps NaN there, unflagged."""
+        part a sample did not reach keeps NaN there, unflagged where the part is routed, else
+        flagged missing_gradient (its output gradient never came: e.g. hooks removed before the backward)."""
         N = self.batch.N
         nan = float("nan")
         metrics = {p.name: torch.full((N, len(self.metric_names)), nan, dtype=torch.float64)
                    for t in self.targets for p in t.parts}
         spectra: dict[str, list[np.ndarray]] = {name: [np.zeros(0)] * N for name in metrics} if keep_spectra else {}
 
+        reached: set[tuple[str, int]] = set()
+
         def record(part: Part, samples: tuple[int, ...], sigma: torch.Tensor, m: torch.Tensor, ok: torch.Tensor,
                    failed: set[int]) -> None:
             for row, i in enumerate(samples):
+                reached.add((part.name, i))
                 if not finite[i]:
                     continue
                 if row in failed:
@@ -238,6 +242,11 @@ class BatchCapture(Capture):
                             metrics=self.metric_names)
             (sigma, m), failed = _isolating_failures(solve, len(self.metric_names), _zero_rows(gram, ok))
             record(part, rows, sigma, m, ok, failed)
+        for t in self.targets:
+            for part in t.parts:
+                for i in range(N):
+                    if finite[i] and not part.routed and (part.name, i) not in reached:
+                        flags[i].add("missing_gradient")
         return metrics, spectra
 
 

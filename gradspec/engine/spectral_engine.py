@@ -146,6 +146,24 @@ class SpectralEngine:
             done.set_exception(error)
         return done
 
+    def close(self) -> None:
+        """Waits for submitted batches and stops the eigen worker thread; the engine can score on
+        after (submit starts a new worker). Also on leaving ``with SpectralEngine(...) as engine``."""
+        worker, self._eigen_worker = self._eigen_worker, None
+        if worker is not None:
+            worker.shutdown(wait=True)
+
+    def __enter__(self) -> SpectralEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        worker = getattr(self, "_eigen_worker", None)
+        if worker is not None:
+            worker.shutdown(wait=False)
+
     def _finish_beside_measurements(self, *work) -> BatchScores:
         """On the worker: a measurement on the caller's thread (a new size's Gram path) waits for this."""
         with stages.DISPATCH.lock:

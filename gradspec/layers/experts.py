@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from gradspec.layers.checkpointing import RECOMPUTE, phase
 from gradspec.layers.hooks import Captured
 from gradspec.layers.linear import start_graph
 from gradspec.layers.registry import Part, Target, register
@@ -54,8 +55,11 @@ class ExpertsTarget(Target):
     def attach(self, batch, deliver: Callable) -> list:
         module, previous = self.module, self.module.__dict__.get("forward")
         signature = inspect.signature(type(module).forward)
+        own = previous if previous is not None else type(module).forward.__get__(module)
 
         def forward(*args, **kwargs):
+            if not torch.is_grad_enabled():  # nothing to capture: the model's own implementation
+                return own(*args, **kwargs)
             bound = signature.bind(module, *args, **kwargs)
             hidden, index, weights = list(bound.arguments.values())[1:4]
             return self._forward(batch, deliver, hidden, index, weights)
@@ -88,7 +92,9 @@ class ExpertsTarget(Target):
         X = hidden[token[:S]]
         bounds = list(zip([0, *ends[:-1]], ends, strict=True))
         gate_up = _per_expert(m, _up_name(m), X, bounds)
-        capturing = torch.is_grad_enabled()
+        # Under checkpointing the first run's inputs are held (not re-paired with the recompute's) and
+        # the recompute, whose graph no gradient reaches, is not captured.
+        capturing = phase().kind != RECOMPUTE
         if capturing:
             layout = _Layout(self, batch, total, routed, S)
             for e in layout.parts:

@@ -6,6 +6,7 @@ hooks per batch serves all of a pass's captures (``attached``).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -105,10 +106,31 @@ class Captured:
         return full.index_copy_(0, self._index(values.device), values)
 
 
-def input_key(X: torch.Tensor) -> tuple:
-    """Identifies one input tensor across the modules that read it (q, k, v; gate, up). Every input
-    a dense kind captures is alive until the end of the backward, so no two share an address."""
-    return (X.data_ptr(), tuple(X.shape), X.stride())
+def input_key(X: torch.Tensor) -> InputKey:
+    """Identifies one input tensor across the modules that read it (q, k, v; gate, up)."""
+    return InputKey(X)
+
+
+class InputKey:
+    """An input's address, shape and strides, valid while its storage lives: under activation
+    checkpointing a recomputed input is freed within the backward and its address reused by the
+    next region's, which must not match it (a dead storage equals nothing)."""
+
+    __slots__ = ("_hash", "_key", "_storage")
+
+    def __init__(self, X: torch.Tensor) -> None:
+        self._key = (X.data_ptr(), tuple(X.shape), X.stride())
+        self._storage = weakref.ref(X.untyped_storage())
+        self._hash = hash(self._key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, InputKey) or self._key != other._key:
+            return False
+        storage = self._storage()
+        return storage is not None and storage is other._storage()
 
 
 class Capture:

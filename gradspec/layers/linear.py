@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from gradspec.layers.checkpointing import FIRST, RECOMPUTE, Pairing, phase
 from gradspec.layers.fused import split_sizes
 from gradspec.layers.lora import adapted
 from gradspec.layers.registry import Part, Target, register
@@ -34,30 +35,41 @@ class LinearTarget(Target):
         self.flat = flat
 
     def attach(self, batch, deliver: Callable) -> list:
-        kept: list[torch.Tensor] = []
+        pairing = Pairing()  # calls inside checkpointed regions (see layers/checkpointing.py)
+
+        def arrived(X: torch.Tensor, D: torch.Tensor) -> None:
+            self._arrived(batch, deliver, X, D)
 
         def before(module, args):
-            if isinstance(args[0], torch.Tensor) and not args[0].requires_grad and torch.is_grad_enabled():
+            if not (isinstance(args[0], torch.Tensor) and torch.is_grad_enabled()):
+                return None
+            now = phase()
+            if now.kind == RECOMPUTE:
+                pairing.recomputed(now.frame, args[0].detach(), arrived)
+            elif self.flat and not args[0].requires_grad:
                 return (start_graph(args[0]), *args[1:])
             return None
 
         def after(module, args, output):
-            if not torch.is_grad_enabled():
+            if not (isinstance(args[0], torch.Tensor) and torch.is_grad_enabled()):
                 return None
-            kept.append(args[0].detach())
+            now = phase()
+            if now.kind == RECOMPUTE:  # its gradient comes through the first run's output
+                return None
+            key = pairing.expect(now.frame) if now.kind == FIRST else None  # every call counts, as in the recompute
             tensor = output[0] if isinstance(output, tuple) else output
             if not isinstance(output, tuple):
                 tensor = output = start_graph(output)
-            if tensor.requires_grad:
-                tensor.register_hook(lambda grad: self._arrived(batch, deliver, kept.pop(), grad.detach()))
+            if not tensor.requires_grad:
+                return output
+            if key is not None:  # X comes again from the recompute: not held until the backward
+                tensor.register_hook(lambda grad: pairing.gradient(key, grad.detach(), arrived))
             else:
-                kept.pop()
+                X = [args[0].detach()]  # released once delivered
+                tensor.register_hook(lambda grad: arrived(X.pop(), grad.detach()))
             return output
 
-        handles = [self.module.register_forward_hook(after)]
-        if self.flat:
-            handles.append(self.module.register_forward_pre_hook(before))
-        return handles
+        return [self.module.register_forward_pre_hook(before), self.module.register_forward_hook(after)]
 
     def _arrived(self, batch, deliver: Callable, X: torch.Tensor, D: torch.Tensor) -> None:
         # The input is released once every part is reduced (its storage goes once every module

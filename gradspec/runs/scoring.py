@@ -410,6 +410,8 @@ def run(
             if isinstance(e, InputError):  # a malformed row past the first
                 raise InputError(f"{e}; --on-error skip scores the other rows and lists the bad ones") from None
             raise
+        finally:
+            engine.close()  # no worker thread outlives the run
         if group is not None:
             group.wait()
         if merge and mine.index == 0 and (group is not None or mine.count == 1):
@@ -453,8 +455,9 @@ def score(
     _check(config, device, batch_tokens)
     engine, tokenizer = _engine(config, device, backend, trust_remote_code, batch_tokens, progress)
     rows: list[dict[str, Any]] = []
-    score_samples(config.samples(on_error=on_error), engine, tokenizer, lambda _, chunk: rows.extend(chunk),
-                  config.chunk_rows, template, max_length, batch_tokens, progress, config.records())
+    with engine:
+        score_samples(config.samples(on_error=on_error), engine, tokenizer, lambda _, chunk: rows.extend(chunk),
+                      config.chunk_rows, template, max_length, batch_tokens, progress, config.records())
     return pd.DataFrame(rows)
 
 

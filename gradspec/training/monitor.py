@@ -1,45 +1,54 @@
-"""Live spectral monitor: per-sample gradient spectra of training batches, from the training
-step's own forward and backward (hooks, no extra pass), every N optimizer steps.
+"""Live spectral monitor, for any training loop: per-sample gradient spectra of training batches,
+from the loop's own forward and backward (hooks, no extra pass), every N optimizer steps.
+
+    monitor = SpectralMonitor(every=50, out="monitor.parquet")
+    with monitor.step(model):          # or SpectralMonitorCallback for transformers' Trainer
+        model(**batch).loss.backward()
 
 What a row is. The step backpropagates L = sum_i l_i / N, where l_i is sample i's summed
 (weighted) token loss and N the loss's denominator, so each hooked module sees, per sample, the
 output gradient of l_i / N. The monitor multiplies it by N / n_i, n_i the sample's own
 denominator: a row holds the spectrum of d(l_i / n_i)/dW, the gradient of the loss of sample i
 trained alone, whichever batch, accumulation split or number of processes it came in. Its
-``loss`` column says which loss:
+``loss_kind`` column says which loss, and ``loss`` is that loss's value, l_i / n_i:
 
 - ``ntp``, the model's own causal-LM loss: l_i = sum of the cross-entropy over its labelled
   (response) tokens, n_i their count (``num_loss_tokens``): the gradient of the sample's mean
-  response loss, so rows equal ``gradspec score`` on the same batch and weights.
+  response loss, so rows equal ``gradspec score`` on the same batch and weights, ``loss`` included.
 - ``wit(lp=..,lr=..)``, WIT installed with ``use_wit_loss``: l_i = lp * sum over its prompt
-  tokens + lr * sum over its response tokens, n_i = 1[lp != 0] |P_i| + 1[lr != 0] |R_i| (WIT's
-  denominator for the sample alone). WIT at (0, 1) is ``ntp``.
-- ``unknown``: the trainer computes the loss itself (SFTMix; a ``compute_loss_func`` or a label
-  smoother, which take the labels out of the model call), or the model's loss function is neither
-  of the above: rows hold each sample's share of the step's gradient as it is (``scaled`` false).
+  tokens + lr * sum over its response tokens, n_i = 1[lp != 0] |P_i| + 1[lr != 0] |R_i|.
+- ``unknown``: the loop computes the loss itself (SFTMix, a ``compute_loss_func``, labels kept out
+  of the model call), or the model's loss function is neither of the above: rows hold each
+  sample's share of the step's gradient as it is (``scaled`` false, ``loss`` null).
 
-N is what the trainer divides the summed token losses by: Trainer's ``num_items_in_batch`` (the
-labelled tokens of the whole accumulated batch, over all processes with
-``average_tokens_across_devices``); for a model that takes no loss kwargs, the micro-batch's own
-count times the accumulation steps (Trainer divides such a loss by them; in an epoch's shorter
-last accumulation it divides by fewer, which the rows do not follow). Under DDP with
-``average_tokens_across_devices`` Trainer also multiplies the loss by the number of processes
-(so that DDP's gradient average is the global one); the monitor divides that factor out, so each
-rank's rows equal one process's rows for the same micro-batch.
+N is ``num_items_in_batch`` where the model call gets it (Trainer: the labelled tokens of the whole
+accumulated batch, over all processes with ``average_tokens_across_devices``; ``processes`` divides
+out the factor Trainer then multiplies the loss by); otherwise the micro-batch's own count times
+``accumulation`` (the loop divides a mean loss by its accumulation steps).
 
-Columns: step, micro_batch, row, loss, num_tokens, num_response_tokens (response targets; null
-without labels in the model call), num_loss_tokens (n_i; null where not scaled), scaled, status
-(``no_loss_tokens`` where n_i = 0: no metrics), then every module's metrics.
+Columns: step, micro_batch, row, sample_index (the dataset index, where the loop gives it: an
+``index_column`` in the batch, popped before the model sees it, or ``indices``), loss, loss_kind,
+num_tokens, num_response_tokens (null without labels in the model call), num_loss_tokens (n_i;
+null where not scaled), scaled, status (``no_loss_tokens`` where n_i = 0: no metrics), then every
+module's metrics.
+
+Capture. Hooks are on the model from ``begin`` to ``detach``: through the backward, so that under
+activation checkpointing each module's input is taken from its recomputed forward
+(``gradspec.layers.checkpointing``). Each grad-enabled forward is one micro-batch; its backward
+must run before the next forward under checkpointing. The file is rewritten whole at each step
+(written aside, then renamed): readable whatever stops the run. An exception inside ``step``
+removes every hook and drops that step's rows.
 
 Refused with a ValueError: left-padded or packed batches (each row must be one sequence, right
-padded), gradient checkpointing (in the Trainer's args or on the model: the recomputed forward
-would be captured again) and DataParallel (n_gpu > 1).
+padded).
 """
 
 from __future__ import annotations
 
 import math
-from contextlib import ExitStack
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -47,11 +56,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from torch import nn
-from transformers import TrainerCallback
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from gradspec.data.errors import check_parquet_out
 from gradspec.engine.capture import BatchCapture
+from gradspec.engine.loss import next_token_nll
 from gradspec.kernels import token_mask
 from gradspec.layers.hooks import BatchLayout, attached
 from gradspec.layers.targets import select_targets
@@ -65,126 +74,246 @@ UNKNOWN = "unknown"
 PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
-class _Captured(NamedTuple):
+class _MicroBatch(NamedTuple):
     capture: BatchCapture
-    loss: str  # the row's loss column
+    loss_kind: str
     tokens: torch.Tensor  # n_i where scaled; else every token but the first
     responses: torch.Tensor | None  # response targets per sample (None: no labels in the model call)
     scaled: bool
+    indices: list[int | None]  # dataset index per row
+    labels: torch.Tensor | None
+    weights: tuple[float, float] | None  # the loss's (prompt, response) token weights
+    losses: list  # [l_i / n_i (N,)] once the forward has returned logits, where scaled
 
 
-class SpectralMonitor(TrainerCallback):
-    """A Trainer callback; rows go to ``out`` (Parquet, appended) and per-module means to the logs."""
+class _Step(NamedTuple):
+    step: int
+    model: nn.Module
+    accumulation: int
+    processes: int
+    num_items: torch.Tensor | int | None
+    indices: list[int] | None
+    loss_known: bool
+
+
+class SpectralMonitor:
+    """Per-sample gradient spectra of a training loop's own passes; rows go to ``out`` (Parquet)."""
 
     def __init__(self, every: int = 50, modules: str | list[str] = "attn", out: str | Path | None = None,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", overwrite: bool = False, index_column: str | None = "sample_index") -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every: a whole number of steps, at least 1; got {every!r}")
         if out is not None:
             check_parquet_out(out, "out")
         Policy.of(backend)  # an unknown backend is named now, not at the first monitored step
         self.every, self.modules, self.backend = every, modules, backend
-        self.out = None if out is None else Path(out)
-        self.active = False
-        self.captures: list[_Captured] = []
-        self.pending_logs: dict[str, float] = {}
-        self._stash: dict[str, Any] = {}
-        self._stack = ExitStack()
-        self._writer: pq.ParquetWriter | None = None
+        self.out, self.overwrite, self.index_column = None if out is None else Path(out), overwrite, index_column
+        self.summary: dict[str, float] = {}  # per-role means of the last step's rows
+        self._steps = 0  # steps seen by step() without a number
+        self._table: pa.Table | None = None  # every row written so far
+        self._started = False
+        self._targets: dict[int, list] = {}  # id(model) -> its targets
+        self._current: _Step | None = None
+        self._stash: dict[str, Any] = {}  # what the model call passed, for its base model's forward
+        self._micro: list[_MicroBatch] = []
+        self._handles: list = []  # the model's own hooks of the current step (before and after its forward)
+        self._layer_hooks = ExitStack()  # the current micro-batch's layer hooks
 
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        _refuse_checkpointing(args, model)
-        if args.n_gpu > 1:
-            raise ValueError("SpectralMonitor hooks one model copy: DataParallel (n_gpu > 1) is not supported; "
-                             "run one process per device (torchrun)")
-        self.loss_name, self.weights = model_loss(model)
-        self.accumulation = args.gradient_accumulation_steps
-        self.processes = args.world_size if getattr(args, "average_tokens_across_devices", False) else 1
-        self.targets = select_targets(model, self.modules)
-        self.metrics = metric_names()
-        self.model = model
-        self._handles = [
-            model.register_forward_pre_hook(self._see_labels, with_kwargs=True),
-            model.base_model.register_forward_pre_hook(self._start_capture, with_kwargs=True),
-            model.base_model.register_forward_hook(lambda *_: self._stack.close()),
-        ]
+    @property
+    def active(self) -> bool:
+        """Whether a monitored step is under way (between begin and end)."""
+        return self._current is not None
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.active = state.global_step % self.every == 0
+    def wants(self, step: int) -> bool:
+        """Whether optimizer step `step` (1, 2, ...) is monitored: every N-th."""
+        return step % self.every == 0
 
-    def _see_labels(self, module, args, kwargs):
-        if self.active:
-            self._stash = {"labels": kwargs.get("labels"), "num_items": kwargs.get("num_items_in_batch")}
-
-    def _start_capture(self, module, args, kwargs):
-        if not self.active or not torch.is_grad_enabled():
+    @contextmanager
+    def step(self, model: nn.Module, step: int | None = None, *, num_items_in_batch: torch.Tensor | int | None = None,
+             accumulation: int = 1, processes: int = 1, indices: Sequence[int] | None = None) -> Iterator[None]:
+        """One optimizer step's forwards and backwards, captured where the step is monitored (step:
+        its number, 1, 2, ...; by default the count of calls). indices: the dataset index of each
+        row, over the step's micro-batches in order. On exit the rows are reduced and written; an
+        exception removes the hooks and drops the step's rows."""
+        self._steps = self._steps + 1 if step is None else step
+        if not self.wants(self._steps):
+            yield
             return
+        self.begin(model, self._steps, accumulation, processes, num_items_in_batch, indices)
+        try:
+            yield
+        except BaseException:
+            self.abort()
+            raise
+        self.end()
+
+    # The steps of ``step``, for callbacks that see a step's start and end as separate events.
+
+    def begin(self, model: nn.Module, step: int, accumulation: int = 1, processes: int = 1,
+              num_items_in_batch: torch.Tensor | int | None = None, indices: Sequence[int] | None = None,
+              loss_known: bool = True) -> None:
+        """Hooks on the model: each grad-enabled forward from now on is a captured micro-batch.
+        loss_known=False: the trainer's loss is not the model's (rows unscaled, loss_kind unknown)."""
+        self.abort()
+        if not self._started:
+            self._start()
+        if id(model) not in self._targets:
+            self._targets[id(model)] = select_targets(model, self.modules)
+        self._current = _Step(step, model, accumulation, processes, num_items_in_batch,
+                              None if indices is None else [int(i) for i in indices], loss_known)
+        base = getattr(model, "base_model", model)
+        self._handles = [model.register_forward_hook(self._call_ends, always_call=True),
+                         base.register_forward_pre_hook(self._forward_begins, with_kwargs=True)]
+        if base is not model:
+            self._handles += [model.register_forward_pre_hook(self._call_begins, with_kwargs=True),
+                              base.register_forward_hook(self._call_ends, always_call=True)]
+
+    def detach(self) -> None:
+        """Every hook off the model (the step's backward is done); its captures are kept for end()."""
+        self._layer_hooks.close()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def end(self) -> list[dict[str, Any]]:
+        """Reduces the step's captures to rows, writes them and returns them."""
+        try:
+            self.detach()
+            rows = self._rows()
+            self.summary = _summary(rows, self._targets[id(self._current.model)]) if self._current else {}
+            if rows and self.out is not None:
+                self._write(rows)
+            return rows
+        finally:
+            self._current, self._micro = None, []
+
+    def abort(self) -> None:
+        """Hooks off and the current step's captures dropped."""
+        self.detach()
+        self._current, self._micro = None, []
+
+    close = abort
+
+    def _start(self) -> None:
+        """A run's first monitored step: a new file, or an existing one refused unless overwrite."""
+        if self.out is not None and self.out.exists() and not self.overwrite:
+            raise ValueError(f"out {self.out}: exists (a previous run's rows); give another path or overwrite=True")
+        self._table, self._started = None, True
+
+    def restart(self) -> None:
+        """A new run: the next monitored step starts a new file (refusing an existing one)."""
+        self.abort()
+        self._started, self._table = False, None
+
+    def _call_begins(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """The model call: its labels, denominator and dataset indices, for the base model's forward."""
+        indices = kwargs.pop(self.index_column, None) if self.index_column else None
+        if torch.is_grad_enabled() and self._current is not None:
+            self._stash = {"labels": kwargs.get("labels"), "num_items": kwargs.get("num_items_in_batch"),
+                           "indices": indices}
+        return (args, kwargs) if indices is not None else None
+
+    def _forward_begins(self, base: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """The base model's forward: a micro-batch starts (also where a trainer calls the base alone)."""
+        if self._current is None:
+            return None
+        headless = base is self._current.model  # one call: stash and start
+        if headless:
+            popped = self._call_begins(base, args, kwargs)
+            args, kwargs = popped if popped is not None else (args, kwargs)
+        if not torch.is_grad_enabled():
+            return (args, kwargs) if headless else None
+        stash, self._stash = self._stash, {}
+        self._layer_hooks.close()  # the previous micro-batch's backward has run
         _refuse_packing(kwargs)
         ids = kwargs.get("input_ids", args[0] if args else None)
         lengths = _lengths(kwargs.get("attention_mask"), ids if ids is not None else kwargs["inputs_embeds"])
-        labels, num_items = self._stash.pop("labels", None), self._stash.pop("num_items", None)
-        responses = None if labels is None else (labels[:, 1:] >= 0).sum(1)
-        scaled = labels is not None and self.weights is not None
-        if scaled:
-            loss, tokens = self.loss_name, loss_tokens(labels, *self.weights)
-        else:  # which tokens carry loss is not known here: every sample is reduced, unscaled
-            loss, tokens = UNKNOWN, lengths - 1
-        scale = self._scale(tokens, num_items) if scaled else None
-        capture = BatchCapture(self.targets, BatchLayout(lengths, lengths.device), self.backend, None, self.metrics,
-                               scale)
-        self._stack.enter_context(attached(self.model, [capture]))
-        self.captures.append(_Captured(capture, loss, tokens, responses, scaled))
+        labels, indices = stash.get("labels"), stash.get("indices")
+        num_items = stash.get("num_items") if stash.get("num_items") is not None else self._current.num_items
+        kind, weights = model_loss(self._current.model) if self._current.loss_known else (UNKNOWN, None)
+        scaled = labels is not None and weights is not None
+        tokens = loss_tokens(labels, *weights) if scaled else lengths - 1
+        model = self._current.model
+        capture = BatchCapture(self._targets[id(model)], BatchLayout(lengths, lengths.device), self.backend, None,
+                               metric_names(), self._scale(tokens, num_items) if scaled else None)
+        self._layer_hooks.enter_context(attached(model, [capture]))
+        rows = [None] * len(lengths) if indices is None else [int(i) for i in torch.as_tensor(indices).tolist()]
+        if indices is None and self._current.indices is not None:
+            done = sum(len(m.indices) for m in self._micro)
+            rows = (self._current.indices[done : done + len(lengths)] + rows)[: len(lengths)]
+        self._micro.append(_MicroBatch(capture, kind if scaled else UNKNOWN, tokens,
+                                       None if labels is None else (labels[:, 1:] >= 0).sum(1), scaled, rows,
+                                       labels, weights, []))
+        return (args, kwargs) if headless else None
+
+    def _call_ends(self, model: nn.Module, args: tuple, output: Any) -> None:
+        """Each sample's loss value, from the logits (or a fused head's per-token log-probabilities)."""
+        if self._current is None:
+            return
+        if output is None:  # the forward raised: nothing of this step is kept, no hook stays
+            self._abort_within_forward(model)
+            return
+        if not torch.is_grad_enabled() or not self._micro:
+            return
+        micro = self._micro[-1]
+        if not micro.scaled or micro.losses:
+            return
+        logits, log_probs = getattr(output, "logits", None), getattr(output, "log_probs", None)
+        with torch.no_grad():
+            if isinstance(logits, torch.Tensor) and logits.shape[:2] == micro.labels.shape:
+                micro.losses.append(sample_losses(logits.detach(), micro.labels, *micro.weights))
+            elif isinstance(log_probs, torch.Tensor) and micro.weights == (0.0, 1.0) \
+                    and log_probs.shape == micro.labels[:, 1:].shape:  # TRL's fused head: zero off the labels
+                micro.losses.append(-log_probs.detach().double().sum(1) / micro.tokens.double())
+
+    def _abort_within_forward(self, module: nn.Module) -> None:
+        """abort() from a forward hook while torch, unwinding the forward's exception, iterates the
+        module's live hook dict: the hooks on it leave by a new dict instead of a deletion."""
+        mine = {h.id for h in self._handles}
+        hooks = module._forward_hooks
+        module._forward_hooks = type(hooks)((k, v) for k, v in hooks.items() if k not in mine)
+        for k in mine:
+            module._forward_hooks_always_called.pop(k, None)
+        self._handles = [h for h in self._handles if h.id not in hooks]
+        self.abort()
 
     def _scale(self, tokens: torch.Tensor, num_items: torch.Tensor | int | None) -> torch.Tensor:
         """N / n_i: from each sample's share of the step's loss to the loss of the sample alone."""
-        if num_items is None:  # the model's mean over this micro-batch; Trainer divides it by the accumulation steps
-            total = tokens.sum().double() * self.accumulation
-        else:  # over the global batch's tokens; Trainer multiplied the loss by the processes under DDP
-            total = torch.as_tensor(num_items, device=tokens.device).double() / self.processes
+        if num_items is None:  # the model's mean over this micro-batch, divided by the accumulation steps
+            total = tokens.sum().double() * self._current.accumulation
+        else:  # over the global batch's tokens, the loss multiplied by the processes (Trainer under DDP)
+            total = torch.as_tensor(num_items, device=tokens.device).double() / self._current.processes
         return torch.where(tokens > 0, total / tokens.clamp_min(1), 0.0)
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if not self.captures:
-            return
-        rows = []
-        for micro_batch, captured in enumerate(self.captures):
-            capture, tokens = captured.capture, captured.tokens.cpu()
+    def _rows(self) -> list[dict[str, Any]]:
+        rows, names = [], metric_names()
+        for micro_batch, micro in enumerate(self._micro):
+            capture, tokens = micro.capture, micro.tokens.cpu()
             capture.to_host()
             flags: list[set[str]] = [set() if n > 0 else {"no_loss_tokens"} for n in tokens.tolist()]
             metrics, _ = capture.reduce(tokens > 0, flags, keep_spectra=False)
+            losses = micro.losses[0].cpu().tolist() if micro.losses else [None] * len(tokens)
             for i in range(len(tokens)):
-                row = {"step": state.global_step, "micro_batch": micro_batch, "row": i, "loss": captured.loss,
+                loss = losses[i] if tokens[i] > 0 else None
+                if loss is not None and not math.isfinite(loss):
+                    flags[i].add("nonfinite_loss")
+                row = {"step": self._current.step, "micro_batch": micro_batch, "row": i,
+                       "sample_index": micro.indices[i], "loss": loss, "loss_kind": micro.loss_kind,
                        "num_tokens": int(capture.lengths[i]),
-                       "num_response_tokens": None if captured.responses is None else int(captured.responses[i]),
-                       "num_loss_tokens": int(tokens[i]) if captured.scaled else None,
-                       "scaled": captured.scaled, "status": ";".join(sorted(flags[i])) or "ok"}
-                rows.append({**row, **metric_columns(metrics, i, self.metrics)})
-        self.captures = []
-        self.pending_logs = _summary(rows, self.targets)
-        if self.out is not None:
-            self._append(rows)
+                       "num_response_tokens": None if micro.responses is None else int(micro.responses[i]),
+                       "num_loss_tokens": int(tokens[i]) if micro.scaled else None,
+                       "scaled": micro.scaled, "status": ";".join(sorted(flags[i])) or "ok"}
+                rows.append({**row, **metric_columns(metrics, i, names)})
+        return rows
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        """Adds the latest summaries to the log record (callbacks after this one see them too)."""
-        if logs is not None and self.pending_logs:
-            logs.update(self.pending_logs)
-            if state.log_history and state.log_history[-1].get("step") == state.global_step:
-                state.log_history[-1].update(self.pending_logs)
-            self.pending_logs = {}
-
-    def on_train_end(self, args, state, control, **kwargs):
-        for handle in self._handles:
-            handle.remove()
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
-    def _append(self, rows: list[dict[str, Any]]) -> None:
-        table = pa.Table.from_pylist(rows)
-        if self._writer is None:
-            self.out.parent.mkdir(parents=True, exist_ok=True)
-            self._writer = pq.ParquetWriter(self.out, table.schema)
-        self._writer.write_table(table.cast(self._writer.schema))
+    def _write(self, rows: list[dict[str, Any]]) -> None:
+        """Every row so far, written aside and renamed over the file: whole at every step."""
+        table = pa.Table.from_pylist(rows, schema=None if self._table is None else self._table.schema)
+        self._table = table if self._table is None else pa.concat_tables([self._table, table])
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        aside = self.out.with_name(f".{self.out.name}.writing")
+        pq.write_table(self._table, aside)
+        os.replace(aside, self.out)
 
 
 def model_loss(model: nn.Module) -> tuple[str, tuple[float, float] | None]:
@@ -207,16 +336,17 @@ def loss_tokens(labels: torch.Tensor, prompt_weight: float, response_weight: flo
     return weighted.sum(1)
 
 
-def _refuse_checkpointing(args, model: nn.Module) -> None:
-    """A checkpointed forward runs again inside the backward, and the hooks would capture it twice."""
-    places = [place for place, on in (
-        ("in TrainingArguments", getattr(args, "gradient_checkpointing", False)),
-        ("in the model (model.gradient_checkpointing_disable())",
-         any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())),
-    ) if on]
-    if places:
-        raise ValueError(f"SpectralMonitor reads activations from the forward pass: gradient checkpointing is on "
-                         f"{' and '.join(places)}; turn it off")
+def sample_losses(logits: torch.Tensor, labels: torch.Tensor, prompt_weight: float,
+                  response_weight: float) -> torch.Tensor:
+    """l_i / n_i per sample (NaN where n_i = 0), in fp32 at the weighted positions alone."""
+    target = labels[:, 1:]
+    weight = torch.where(target <= -PROMPT_OFFSET, prompt_weight, torch.where(target >= 0, response_weight, 0.0))
+    rows, cols = torch.nonzero(weight != 0, as_tuple=True)
+    ids = target[rows, cols]
+    ids = torch.where(ids < 0, -ids - PROMPT_OFFSET, ids)
+    nll = next_token_nll(logits[:, :-1][rows, cols], ids) * weight[rows, cols].float()
+    total = torch.zeros(len(labels), device=logits.device).index_add_(0, rows, nll)
+    return total.double() / loss_tokens(labels, prompt_weight, response_weight).double()
 
 
 def _refuse_packing(kwargs: dict[str, Any]) -> None:

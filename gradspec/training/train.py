@@ -91,7 +91,7 @@ def train(config: TrainConfig) -> Path:
 
     from gradspec.data.models import load_model
     from gradspec.training.dynamics import DynamicsCallback
-    from gradspec.training.monitor import SpectralMonitor
+    from gradspec.training.monitor_callback import SpectralMonitorCallback
     from gradspec.training.sftmix import SFTMixTrainer, confidence_halves
     from gradspec.training.wit import WITCollator, WITLoss, use_wit_loss
 
@@ -118,7 +118,7 @@ def train(config: TrainConfig) -> Path:
     prompt_weight = config.prompt_weight if config.loss == "wit" else 0.0
     collator = WITCollator(tokenizer, prompt_weight, config.template, config.max_length)
     callbacks = [
-        SpectralMonitor(config.monitor_every, config.modules, out / "monitor.parquet"),
+        SpectralMonitorCallback(config.monitor_every, config.modules, out / "monitor.parquet", overwrite=True),
         DynamicsCallback(tokenizer, samples, out / "dynamics.parquet", config.template, config.max_length),
     ]
     common = {"model": model, "args": args, "train_dataset": rows, "data_collator": collator, "callbacks": callbacks}

@@ -150,6 +150,25 @@ def test_submit_overlaps_batches_and_equals_score():
             torch.testing.assert_close(got.metrics[name], want.metrics[name], rtol=1e-12, atol=0)
 
 
+def _eigen_threads() -> int:
+    import threading
+
+    return sum(t.name.startswith("gradspec-eigen") for t in threading.enumerate())
+
+
+def test_close_waits_for_submitted_batches_and_leaves_no_thread():
+    model = tiny_model("llama", vocab=VOCAB)
+    before = _eigen_threads()
+    with SpectralEngine(model, "attn") as engine:
+        future = engine.submit(*padded_batch(random_sequences([8, 40], VOCAB)))
+        assert _eigen_threads() == before + 1
+    assert future.done() and future.result().flags == [set(), set()]
+    assert _eigen_threads() == before
+    engine.submit(*padded_batch(random_sequences([9], VOCAB))).result()  # usable after close: a new worker
+    engine.close()
+    assert _eigen_threads() == before
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2", "phi3"])
 def test_backward_stops_at_the_lowest_scored_module(kind):
     """Scoring the last layer alone: the backward never reaches layer 0 (nothing there needs a

@@ -6,8 +6,10 @@ import torch
 from conftest import tiny_model
 
 from gradspec.engine.spectral_engine import SpectralEngine
+from gradspec.layers import checkpointing
 from gradspec.linalg.metrics import METRICS, metrics_from_singular_values
 from gradspec.training.monitor import SpectralMonitor
+from gradspec.training.monitor_callback import SpectralMonitorCallback
 from gradspec.training.wit import WITCollator, WITLoss, use_wit_loss, wit_loss
 
 ROWS = [
@@ -24,7 +26,7 @@ def _train(model, tokenizer, tmp_path, monitor, accumulation=1, wit=None, collat
     args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4 // accumulation,
                              gradient_accumulation_steps=accumulation, max_steps=2, learning_rate=0.0,
                              remove_unused_columns=False, report_to=[], save_strategy="no", use_cpu=True,
-                             logging_steps=1, **args)
+                             **{"logging_steps": 1, **args})
     collator = WITCollator(tokenizer, prompt_weight=0.0 if wit is None else wit.prompt_weight)
     if wit is not None:
         use_wit_loss(model, wit)
@@ -51,6 +53,13 @@ def _assert_rows_equal(rows: pd.DataFrame, batch: dict, want: dict[int, dict[str
     assert checked > 0
 
 
+def _assert_losses_equal(rows: pd.DataFrame, batch: dict, want: torch.Tensor):
+    """The loss column holds each sample's own loss, as score files do."""
+    lengths = batch["attention_mask"].sum(1).tolist()
+    for _, row in rows.iterrows():
+        assert row["loss"] == pytest.approx(float(want[lengths.index(row["num_tokens"])]), rel=1e-5)
+
+
 SETUPS = {  # accumulation steps, WIT loss, whether the model takes loss kwargs (num_items_in_batch)
     "ntp": (1, None, True),
     "ntp, accumulated": (2, None, True),
@@ -68,16 +77,17 @@ def test_monitor_rows_equal_gradspec_score_on_the_same_batch(tokenizer, tmp_path
     model = tiny_model("llama")
     if not loss_kwargs:
         model.accepts_loss_kwargs = False
-    monitor = SpectralMonitor(every=1, modules="all", out=tmp_path / "monitor.parquet")
+    monitor = SpectralMonitorCallback(every=1, modules="all", out=tmp_path / "monitor.parquet")
     trainer = _train(model, tokenizer, tmp_path, monitor, accumulation, wit)
     rows = pd.read_parquet(tmp_path / "monitor.parquet")
     assert rows["step"].tolist() == [1] * 4 + [2] * 4 and rows["scaled"].all()
-    assert set(rows["loss"]) == {"ntp" if wit is None else "wit(lp=0,lr=1)"}
+    assert set(rows["loss_kind"]) == {"ntp" if wit is None else "wit(lp=0,lr=1)"}
     assert (rows["num_loss_tokens"] == rows["num_response_tokens"]).all()
     batch = WITCollator(tokenizer)(ROWS)
     want = SpectralEngine(tiny_model("llama"), "all").score(batch["input_ids"], batch["attention_mask"],
                                                              batch["labels"])
     _assert_rows_equal(rows, batch, {i: {n: v[i] for n, v in want.metrics.items()} for i in range(4)}, 1e-4)
+    _assert_losses_equal(rows, batch, want.loss)
     logged = [h for h in trainer.state.log_history if "spectra/q/effective_rank" in h]
     assert len(logged) == 2
 
@@ -98,11 +108,11 @@ def test_monitor_rows_under_wit_are_each_samples_own_wit_gradient(tokenizer, tmp
     """With prompt weight, a row is the spectrum of the gradient of WIT on the sample alone:
     (lp * its prompt NLL + lr * its response NLL) / (|P_i| + |R_i|), prompt terms included."""
     wit = WITLoss(*weights)
-    monitor = SpectralMonitor(every=1, modules="all", out=tmp_path / "monitor.parquet")
+    monitor = SpectralMonitorCallback(every=1, modules="all", out=tmp_path / "monitor.parquet")
     _train(tiny_model("llama"), tokenizer, tmp_path, monitor, wit=wit)
     rows = pd.read_parquet(tmp_path / "monitor.parquet")
     assert len(rows) == 8 and (rows["status"] == "ok").all() and rows["scaled"].all()
-    assert set(rows["loss"]) == {f"wit(lp={weights[0]:g},lr={weights[1]:g})"}
+    assert set(rows["loss_kind"]) == {f"wit(lp={weights[0]:g},lr={weights[1]:g})"}
     batch = WITCollator(tokenizer, prompt_weight=wit.prompt_weight)(ROWS)
     target = batch["labels"][:, 1:]
     own = ((target != -100).sum(1)).tolist()  # |P_i| + |R_i|, both weights being nonzero
@@ -113,12 +123,14 @@ def test_monitor_rows_under_wit_are_each_samples_own_wit_gradient(tokenizer, tmp
     _assert_rows_equal(rows, batch, want, 1e-4)
 
 
-def test_monitor_every_n_steps(tokenizer, tmp_path):
-    monitor = SpectralMonitor(every=2, out=tmp_path / "m.parquet")
-    _train(tiny_model("llama"), tokenizer, tmp_path, monitor, wit=WITLoss(0.5, 1.0))
+def test_monitor_every_n_steps_records_the_steps_trainer_logs(tokenizer, tmp_path):
+    monitor = SpectralMonitorCallback(every=2, out=tmp_path / "m.parquet")
+    trainer = _train(tiny_model("llama"), tokenizer, tmp_path, monitor, wit=WITLoss(0.5, 1.0), logging_steps=2)
     rows = pd.read_parquet(tmp_path / "m.parquet")
-    assert rows["step"].unique().tolist() == [1] and rows["scaled"].all()
+    assert rows["step"].unique().tolist() == [2] and rows["scaled"].all()
     assert (rows["status"] == "ok").all()
+    logged = [h["step"] for h in trainer.state.log_history if "spectra/q/effective_rank" in h]
+    assert logged == [2]
 
 
 def _left_padded(batch: dict) -> dict:
@@ -149,18 +161,124 @@ def _flash_packed(batch: dict) -> dict:
     (_flash_packed, "packed batches \\(cu_seq_lens_q, cu_seq_lens_k, position_ids restarting"),
 ])
 def test_monitor_refuses_left_padded_and_packed_batches(tokenizer, tmp_path, collate, message):
-    monitor = SpectralMonitor(every=1)
-    with pytest.raises(ValueError, match=message):
-        _train(tiny_model("llama"), tokenizer, tmp_path, monitor, collate=collate)
-
-
-def test_monitor_refuses_gradient_checkpointing_enabled_on_the_model(tokenizer, tmp_path):
     model = tiny_model("llama")
-    model.gradient_checkpointing_enable()
-    with pytest.raises(ValueError, match="gradient checkpointing is on in the model"):
-        _train(model, tokenizer, tmp_path, SpectralMonitor(every=1))
-    with pytest.raises(ValueError, match="gradient checkpointing is on in TrainingArguments"):
-        _train(tiny_model("llama"), tokenizer, tmp_path, SpectralMonitor(every=1), gradient_checkpointing=True)
+    with pytest.raises(ValueError, match=message):
+        _train(model, tokenizer, tmp_path, SpectralMonitorCallback(every=1), collate=collate)
+    assert _hooks(model) == 0
+
+
+def test_monitor_refuses_a_flattening_collator_before_the_first_step(tokenizer, tmp_path):
+    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+
+    model = tiny_model("llama")
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=1,
+                             report_to=[], save_strategy="no", use_cpu=True)
+    rows = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]
+    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=DataCollatorWithFlattening(),
+                      callbacks=[SpectralMonitorCallback(every=1)])
+    with pytest.raises(ValueError, match="the data collator \\(DataCollatorWithFlattening\\) flattens"):
+        trainer.train()
+    assert _hooks(model) == 0 and trainer.state.global_step == 0
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_monitor_rows_under_gradient_checkpointing_equal_rows_without(tokenizer, tmp_path, reentrant, monkeypatch):
+    """Trainer's gradient_checkpointing: each module's input comes from the recomputed forward."""
+    recomputed = []
+    pair = checkpointing.Pairing.recomputed
+    monkeypatch.setattr(checkpointing.Pairing, "recomputed", lambda self, *a: recomputed.append(1) or pair(self, *a))
+    runs = {}
+    for checkpointed in (False, True):
+        out = tmp_path / f"{checkpointed}.parquet"
+        extra = {"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": reentrant}} \
+            if checkpointed else {}
+        _train(tiny_model("llama"), tokenizer, tmp_path, SpectralMonitorCallback(every=1, modules="all", out=out),
+               **extra)
+        runs[checkpointed] = pd.read_parquet(out)
+    assert (runs[True]["status"] == "ok").all() and len(runs[True]) == 8
+    assert len(recomputed) == (0 if reentrant else 2 * 7 * 2)  # 2 steps x 7 modules x 2 layers, non-reentrant
+    metrics = [c for c in runs[False].columns if "/" in c]
+    pd.testing.assert_frame_equal(runs[True][metrics], runs[False][metrics], rtol=1e-6)
+
+
+def _hooks(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+class _RaiseAt:
+    """A callback raising at one step's end (after the monitor's, which comes first)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def __getattr__(self, name):
+        return lambda args, state, control, **kwargs: None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise RuntimeError(f"raised at step {self.step}")
+
+
+def test_a_run_that_raises_leaves_no_hooks_and_a_readable_file(tokenizer, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    model, out = tiny_model("llama"), tmp_path / "m.parquet"
+    monitor = SpectralMonitorCallback(every=1, out=out)
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=4,
+                             learning_rate=0.0, remove_unused_columns=False, report_to=[], save_strategy="no",
+                             use_cpu=True, logging_steps=1)
+    trainer = Trainer(model=model, args=args, train_dataset=ROWS * 2, data_collator=WITCollator(tokenizer),
+                      callbacks=[monitor, _RaiseAt(3)])
+    with pytest.raises(RuntimeError, match="raised at step 3"):
+        trainer.train()
+    assert _hooks(model) == 0
+    assert pd.read_parquet(out)["step"].unique().tolist() == [1, 2, 3]
+    with pytest.raises(ValueError, match="exists \\(a previous run's rows\\)"):
+        Trainer(model=model, args=args, train_dataset=ROWS * 2, data_collator=WITCollator(tokenizer),
+                callbacks=[monitor]).train()
+    assert _hooks(model) == 0
+
+
+def test_a_forward_that_raises_in_a_monitored_step_leaves_no_hooks(tmp_path):
+    model = tiny_model("llama")
+    monitor = SpectralMonitor(every=1, modules="all", out=tmp_path / "m.parquet")
+    ids = torch.randint(3, 100, (2, 9))
+
+    def boom(module, args, output):
+        raise RuntimeError("inside the forward")
+
+    handle = model.model.layers[1].mlp.register_forward_hook(boom)
+    with pytest.raises(RuntimeError, match="inside the forward"), monitor.step(model):
+        model(input_ids=ids, labels=ids).loss.backward()
+    handle.remove()
+    assert _hooks(model) == 0 and not (tmp_path / "m.parquet").exists()
+    with monitor.step(model):
+        model(input_ids=ids, labels=ids).loss.backward()
+    rows = pd.read_parquet(tmp_path / "m.parquet")
+    assert rows["step"].tolist() == [2, 2] and (rows["status"] == "ok").all() and _hooks(model) == 0
+
+
+def test_a_plain_loop_s_rows_equal_gradspec_score(tokenizer, tmp_path):
+    """Any loop: ``with monitor.step(model)`` around its forward and backward, a mean loss over
+    micro-batches of 2 accumulated, dataset indices from a batch column the monitor takes out."""
+    model = tiny_model("llama")
+    monitor = SpectralMonitor(every=1, modules="all", out=tmp_path / "m.parquet")
+    batch = WITCollator(tokenizer)(ROWS)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with monitor.step(model, accumulation=2):
+        for half in (slice(0, 2), slice(2, 4)):
+            micro = {k: v[half] for k, v in batch.items()}
+            width = int(micro["attention_mask"].sum(1).max())
+            micro = {k: v[:, :width] for k, v in micro.items()}
+            (model(**micro, sample_index=torch.arange(4)[half] + 10).loss / 2).backward()
+    optimizer.step()
+    rows = pd.read_parquet(tmp_path / "m.parquet")
+    assert sorted(rows["sample_index"]) == [10, 11, 12, 13] and rows["micro_batch"].tolist() == [0, 0, 1, 1]
+    want = SpectralEngine(tiny_model("llama"), "all").score(batch["input_ids"], batch["attention_mask"],
+                                                             batch["labels"])
+    _assert_rows_equal(rows, batch, {i: {n: v[i] for n, v in want.metrics.items()} for i in range(4)}, 1e-4)
+    _assert_losses_equal(rows, batch, want.loss)
+    assert _hooks(model) == 0
 
 
 @pytest.mark.parametrize(("make", "message"), [
@@ -168,6 +286,7 @@ def test_monitor_refuses_gradient_checkpointing_enabled_on_the_model(tokenizer, 
     (lambda: SpectralMonitor(every="2"), "every: a whole number of steps, at least 1; got '2'"),
     (lambda: SpectralMonitor(out="mon.jsonl"), "out mon.jsonl: name a .parquet file to write"),
     (lambda: SpectralMonitor(backend="zz"), "backend must be 'auto', 'cpp' or 'torch', got 'zz'"),
+    (lambda: SpectralMonitorCallback(every=0), "every: a whole number of steps, at least 1; got 0"),
     (lambda: WITLoss(-1, 1), "prompt_weight must be a number >= 0, got -1"),
     (lambda: WITLoss(0, 0), "prompt_weight and response_weight are both 0: nothing to learn from"),
     (lambda: WITLoss("0.3"), "prompt_weight must be a number >= 0, got '0.3'"),

@@ -28,7 +28,7 @@ def train(model_dir: str, out: str, accumulation: int) -> None:
     """One optimizer step over the 4 rows in micro-batches of 2, in order, learning rate 0."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
-    from gradspec.training.monitor import SpectralMonitor
+    from gradspec.training.monitor_callback import SpectralMonitorCallback
     from gradspec.training.wit import WITCollator, WITLoss, use_wit_loss
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -40,7 +40,8 @@ def train(model_dir: str, out: str, accumulation: int) -> None:
             output_dir=str(Path(out) / "run"), per_device_train_batch_size=2, gradient_accumulation_steps=accumulation,
             max_steps=1, learning_rate=0.0, remove_unused_columns=False, report_to=[], save_strategy="no",
             use_cpu=True, logging_strategy="no", train_sampling_strategy="sequential")
-        monitor = SpectralMonitor(every=1, modules="all", out=Path(out) / f"{name}-{args.process_index}.parquet")
+        out_file = Path(out) / f"{name}-{args.process_index}.parquet"
+        monitor = SpectralMonitorCallback(every=1, modules="all", out=out_file)
         collator = WITCollator(tokenizer, prompt_weight=0.0 if weights is None else weights[0])
         Trainer(model=model, args=args, train_dataset=ROWS, data_collator=collator, callbacks=[monitor]).train()
 

@@ -34,7 +34,7 @@ def test_gradspec_train_end_to_end(loss, data, tiny_model_dir, tmp_path, capsys)
     dynamics, meta = read_dynamics(out / "dynamics.parquet")
     assert meta["checkpoints"] == ["epoch 1", "epoch 2"] and dynamics["index"].tolist() == list(range(8))
     monitor = pd.read_parquet(out / "monitor.parquet")
-    assert monitor["step"].unique().tolist() == [1, 3]  # steps 1 and 3 of 4
+    assert monitor["step"].unique().tolist() == [2, 4]  # steps 2 and 4 of 4, where Trainer logs
     assert monitor["scaled"].all() == (loss != "sftmix")
     assert monitor.filter(like="/effective_rank").notna().all().all()
 

@@ -1,0 +1,78 @@
+"""Capture under activation checkpointing (transformers' gradient_checkpointing, re-entrant and
+not): the same spectra as without it, the inputs taken from the recompute and not held."""
+
+import pytest
+import torch
+from conftest import MOE_KINDS, padded_batch, random_sequences, tiny_model
+
+from gradspec.engine.capture import BatchCapture
+from gradspec.engine.loss import response_losses
+from gradspec.layers import checkpointing
+from gradspec.layers.hooks import BatchLayout, attached
+from gradspec.layers.targets import select_targets
+from gradspec.linalg.metrics import metric_names
+
+VOCAB = 300
+LENGTHS = [9, 30, 41]  # on both sides of the parts' smaller sizes: the core and the materialised path
+
+
+def spectra(model, modules: str, batch) -> dict[str, torch.Tensor]:
+    """One training-mode forward and backward with the hooks on through the backward, as the monitor runs it."""
+    ids, mask, labels = batch
+    targets = select_targets(model, modules)
+    capture = BatchCapture(targets, BatchLayout(mask.sum(1), "cpu"), "auto", None, metric_names())
+    with attached(model, [capture]):
+        loss, count, _ = response_losses(model, ids, mask, labels)
+        loss.sum().backward()
+    capture.to_host()
+    metrics, _ = capture.reduce(torch.ones(len(ids), dtype=torch.bool), [set() for _ in ids], keep_spectra=False)
+    return metrics
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gpt_oss"])
+def test_checkpointed_rows_equal_plain_rows(family, reentrant):
+    model = tiny_model(family, vocab=VOCAB).train()
+    model = model if family in MOE_KINDS else model.double()  # grouped_mm has no fp64 kernel
+    batch = padded_batch(random_sequences(LENGTHS, VOCAB, seed=4))
+    plain = spectra(model, "all", batch)
+    model.activation_checkpointing_enable({"use_reentrant": reentrant})
+    if reentrant:  # re-entrant checkpointing needs an input that requires grad to build the graph
+        model.enable_input_require_grads()
+    checkpointed = spectra(model, "all", batch)
+    assert plain.keys() == checkpointed.keys() and len(plain) > 0
+    rtol = 1e-6 if family in MOE_KINDS else 1e-9
+    for name, value in plain.items():
+        torch.testing.assert_close(checkpointed[name], value, rtol=rtol, atol=0, equal_nan=True, msg=name)
+
+
+def test_the_first_run_holds_no_input_and_the_recompute_supplies_it(monkeypatch):
+    """Without checkpointing each call holds its X until its D arrives; under non-reentrant
+    checkpointing the first run's calls hold nothing: X comes from the recompute, paired by call."""
+    held = []
+    original = checkpointing.Pairing.recomputed
+
+    def recomputed(self, frame, X, done):
+        held.append(X.shape)
+        return original(self, frame, X, done)
+
+    monkeypatch.setattr(checkpointing.Pairing, "recomputed", recomputed)
+    model = tiny_model("llama", vocab=VOCAB).double().train()
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    spectra(model, "attn", padded_batch(random_sequences(LENGTHS, VOCAB, seed=4)))
+    layers = model.config.num_hidden_layers
+    assert len(held) == 4 * layers  # q, k, v, o of every layer, each from its region's recompute
+
+
+def test_a_recomputed_input_does_not_match_a_freed_one_at_the_same_address():
+    from gradspec.layers.hooks import input_key
+
+    x = torch.randn(4, 8)
+    key = input_key(x)
+    assert key == input_key(x.detach()) and key == input_key(x.view(4, 8))
+    ptr = x.data_ptr()
+    del x
+    y = torch.empty(4, 8)
+    if y.data_ptr() == ptr:  # the allocator reused the address: the dead key must not match
+        assert key != input_key(y)
+    assert key != input_key(torch.randn(4, 8))

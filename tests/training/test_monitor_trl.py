@@ -1,0 +1,52 @@
+"""SpectralMonitorCallback in TRL's SFTTrainer, as a new user runs it: a prompt-completion dataset
+(completion-only loss) and SFTConfig's defaults, gradient checkpointing on."""
+
+import pandas as pd
+import pytest
+import torch
+from conftest import tiny_model
+
+from gradspec.engine.spectral_engine import SpectralEngine
+from gradspec.linalg.metrics import metric_names
+from gradspec.training.monitor_callback import SpectralMonitorCallback
+
+pytest.importorskip("trl")
+
+ROWS = [
+    {"prompt": "Name a colour.", "completion": " Blue."},
+    {"prompt": "What is two plus two?", "completion": " Four, since two and two make four."},
+    {"prompt": "Say something long, please.", "completion": " Something long" * 5},
+    {"prompt": "Hi", "completion": " Hello there, how can I help?"},
+]
+
+
+def test_sft_trainer_rows_equal_gradspec_score_of_the_same_tokens(tokenizer, tmp_path):
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    # bf16 autocast, SFTConfig's default, is off: the rows are compared with an fp32 reference
+    config = SFTConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=4, max_steps=1,
+                       learning_rate=0.0, report_to=[], save_strategy="no", use_cpu=True, logging_steps=1,
+                       bf16=False)
+    assert config.gradient_checkpointing  # TRL's default: the monitor must work under it
+    out = tmp_path / "monitor.parquet"
+    trainer = SFTTrainer(model=tiny_model("llama"), args=config, train_dataset=Dataset.from_list(ROWS),
+                         processing_class=tokenizer, callbacks=[SpectralMonitorCallback(every=1, modules="all",
+                                                                                        out=out)])
+    trainer.train()
+    rows = pd.read_parquet(out)
+    assert len(rows) == 4 and (rows["status"] == "ok").all() and set(rows["loss_kind"]) == {"ntp"}
+    # The same tokens, labels and padding as TRL made them, scored by gradspec
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(4)])
+    assert (batch["labels"] == -100).sum() > (batch["attention_mask"] == 0).sum()  # prompts carry no loss
+    want = SpectralEngine(tiny_model("llama"), "all").score(batch["input_ids"], batch["attention_mask"],
+                                                             batch["labels"])
+    lengths = batch["attention_mask"].sum(1).tolist()
+    assert len(set(lengths)) == 4
+    for _, row in rows.iterrows():
+        i = lengths.index(row["num_tokens"])
+        assert row["loss"] == pytest.approx(float(want.loss[i]), rel=1e-5)
+        assert row["num_loss_tokens"] == int(want.num_response_tokens[i])
+        for name, values in want.metrics.items():
+            got = torch.tensor([row[f"{name}/{m}"] for m in metric_names()], dtype=torch.float64)
+            torch.testing.assert_close(got, values[i], rtol=1e-4, atol=0, msg=name)
