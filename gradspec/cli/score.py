@@ -91,6 +91,9 @@ def add_run_arguments(p: argparse.ArgumentParser, out: str) -> None:
                    help="also perplexity, IFD, Superfiltering IFD, mean entropy, token accuracy, response length")
     add_field_arguments(p)
     p.add_argument("--trust-remote-code", action="store_true", help="run code shipped with the model")
+    p.add_argument("--fsdp", action="store_true",
+                   help="under torchrun: shard the model's parameters across the processes (FSDP2), for a model "
+                        "larger than one device; each process still scores its own chunks")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -116,7 +119,7 @@ def run(args: argparse.Namespace, task: str | None = None, aggregate: str = "", 
     )
     statuses = run_scoring(
         config, args.out, device=args.device, backend=args.backend, batch_tokens=args.batch_tokens,
-        progress=not args.quiet, trust_remote_code=args.trust_remote_code, resume=args.resume,
+        progress=not args.quiet, trust_remote_code=args.trust_remote_code, resume=args.resume, fsdp=args.fsdp,
         overwrite=args.overwrite, shard=args.shard, on_error=args.on_error, merge=args.merge,
     )
     folder = RunFolder(args.out)

@@ -85,6 +85,7 @@ class SpectralEngine:
         self.task: TaskGradients | None = None
         self.projection = KroneckerProjection(self.parts, project, project, seed) if project else None
         self._eigen_worker: ThreadPoolExecutor | None = None
+        self.lockstep = None  # under FSDP (gradspec.runs.fsdp.Lockstep): every pass runs on all ranks together
         # the metrics registered now (gradspec.linalg.metrics.register_metric): this engine's columns
         self._spectral_names = metric_names() if self.sketch is None else lowrank_metric_names()
 
@@ -178,7 +179,9 @@ class SpectralEngine:
             hooked.enter_context(attached(self.model, captures))
             loss, count, stats = response_losses(self.model, input_ids, attention_mask, labels, self.token_stats)
             finite = torch.isfinite(loss) & (count > 0)
-            if finite.any():
+            if self.lockstep is not None:  # the backward is collective: it runs even where nothing is finite
+                torch.where(finite, loss, 0.0).sum().backward()
+            elif finite.any():
                 loss[finite].sum().backward()
         for capture in captures:
             capture.to_host()
@@ -192,6 +195,8 @@ class SpectralEngine:
         if not (self.spectra or self.task is not None or self.projection is not None):
             raise ValueError("nothing to compute: spectra=False, and neither a task (set_task) nor a projection "
                              "(project=k)")
+        if self.lockstep is not None:
+            self.lockstep.before_pass()
         # The batch's one host synchronisation: its lengths, from which every split is decided.
         mask = attention_mask.cpu().bool()
         lengths = mask.sum(1)

@@ -1,5 +1,6 @@
 """Running under torchrun (one node or many): this process's shard and GPU, and a gloo group to
-agree on the run folder and to wait for every rank before merging. No tensors cross processes."""
+agree on the run folder and to wait for every rank before merging. No tensors cross processes,
+except under --fsdp (gradspec.runs.fsdp), where the model's weights do."""
 
 from __future__ import annotations
 
@@ -33,10 +34,14 @@ def bind_device(device: str) -> str:
 
 
 class Group:
-    """The torchrun processes, joined over gloo (CPU or GPU runs alike)."""
+    """The torchrun processes, joined over gloo (CPU or GPU runs alike); collectives: GPU tensors
+    cross processes too (FSDP on GPUs), over NCCL."""
+
+    def __init__(self, collectives: bool = False) -> None:
+        self.backend = "cpu:gloo,cuda:nccl" if collectives else "gloo"
 
     def __enter__(self) -> Group:
-        dist.init_process_group("gloo", timeout=WAIT)
+        dist.init_process_group(self.backend, timeout=WAIT)
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -39,8 +39,10 @@ from gradspec.data.readers import (
     read_samples,
 )
 from gradspec.data.templates import check_response_tokens, tokenize
+from gradspec.engine.loss import IGNORE_INDEX
 from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
+from gradspec.runs.fsdp import Lockstep, shard
 from gradspec.runs.run_folder import CHUNK_ROWS, INPUT_ERROR, RunFolder, Shard
 from gradspec.runs.score_files import (
     METADATA_KEY,
@@ -336,18 +338,25 @@ def run(
     config: ScoreConfig, out: str | Path, *, device: str = "cpu", backend: str = "auto",
     batch_tokens: int = BATCH_TOKENS, progress: bool = True, trust_remote_code: bool = False,
     resume: bool = False, overwrite: bool = False, shard: Shard | None = None, on_error: str = "fail",
-    merge: bool = True,
+    merge: bool = True, fsdp: bool = False,
 ) -> Counter[str]:
     """Scores this process's chunks into the run folder of out, then merges them into out when
     this process is the whole run (or rank 0 of torchrun's) and merge is on.
 
     Under torchrun every rank takes its own shard; shard splits the data between independent
     processes (e.g. a Slurm array) that share the folder; `gradspec merge` joins their parts.
+    fsdp: under torchrun, the model's parameters sharded across the ranks (gradspec.runs.fsdp).
     Returns how many rows of each status this process wrote.
     """
     ranks = torchrun_shard()
     if ranks is not None and shard is not None:
         raise ValueError("--shard and torchrun both split the data; use one of them")
+    if fsdp and ranks is None:
+        raise ValueError("--fsdp shards the model across torchrun's processes: run it under torchrun with "
+                         "--nproc-per-node 2 or more")
+    if fsdp and config.classic:
+        raise ValueError("--fsdp and --classic: the classic scores' extra passes are not run in lockstep; "
+                         "score them in a run without --fsdp")
     mine = ranks or shard or Shard()
     _check(config, device, batch_tokens)
     if resume and overwrite:
@@ -365,10 +374,11 @@ def run(
         if count_records(config.task) == 0:
             raise InputError(f"--target {config.task}: no rows")
         next(iter(read_samples(config.task, config.fields, wanted=lambda i: i == 0)), None)
-    with Group() if ranks else nullcontext() as group:
+    with Group(collectives=fsdp and device.startswith("cuda")) if ranks else nullcontext() as group:
         # A torchrun rank makes its own GPU current before anything touches CUDA (bind_device)
-        engine, tokenizer = _engine(config, bind_device(device) if ranks else device, backend, trust_remote_code,
-                                    batch_tokens, progress)
+        device = bind_device(device) if ranks else device
+        engine, tokenizer = _engine(config, device, backend, trust_remote_code, batch_tokens, progress)
+        sharding = sharded(engine, device) if fsdp else None
         folder, info = RunFolder(out), config.describe()
         created = False  # whether this process made the run folder (torchrun's rank 0 keeps it)
         if group is None:
@@ -393,6 +403,8 @@ def run(
         total = sum(min(config.chunk_rows, records - start) for start in range(0, records, config.chunk_rows)
                     if wanted(start))  # rows of the chunks this process will score
         metadata = {**file_metadata(engine.parts, engine.metric_names, info), **engine.describe()}
+        if sharding is not None:
+            metadata["sharding"] = sharding
         if engine.projection is not None:
             metadata["projection"] = engine.projection.describe()
         if engine.task is not None:
@@ -411,12 +423,23 @@ def run(
                 raise InputError(f"{e}; --on-error skip scores the other rows and lists the bad ones") from None
             raise
         finally:
+            if engine.lockstep is not None:  # the other ranks' passes need this one's until all are done
+                engine.lockstep.drain()
             engine.close()  # no worker thread outlives the run
         if group is not None:
             group.wait()
         if merge and mine.index == 0 and (group is not None or mine.count == 1):
             folder.merge(records, config.chunk_rows)
     return statuses
+
+
+def sharded(engine: SpectralEngine, device: str) -> dict[str, Any]:
+    """The engine's model sharded with FSDP2, its passes in lockstep across the ranks; the sharding."""
+    sharding = shard(engine.model)
+    idle = [torch.tensor([[0, 0]], device=device), torch.ones(1, 2, dtype=torch.int64, device=device),
+            torch.tensor([[IGNORE_INDEX, 0]], device=device)]  # one response token, its rows dropped
+    engine.lockstep = Lockstep(lambda: engine.score(*idle))
+    return sharding
 
 
 def score(
@@ -428,7 +451,7 @@ def score(
     rank: int = 64, seed: int = 0, classic: bool = False, on_error: str = "fail", chunk_rows: int = CHUNK_ROWS,
     precision: str = "fp64", task: str | Path | None = None, aggregate: str | list[str] = DEFAULT_AGGREGATES,
     spectra: bool = True, project: int = 0, split: str = "train", config_name: str | None = None,
-    streaming: bool = False,
+    streaming: bool = False, fsdp: bool = False,
 ) -> pd.DataFrame:
     """Scores a dataset file (default: HumanEval) with a model (default: SmolLM2-135M-Instruct).
 
@@ -449,8 +472,10 @@ def score(
     )
     settings = {"device": device, "backend": backend, "batch_tokens": batch_tokens, "progress": progress,
                 "trust_remote_code": trust_remote_code}
+    if fsdp and out is None:
+        raise ValueError("fsdp: give out (a Parquet file): the ranks write their rows there")
     if out is not None:
-        run(config, out, resume=resume, overwrite=overwrite, on_error=on_error, **settings)
+        run(config, out, resume=resume, overwrite=overwrite, on_error=on_error, fsdp=fsdp, **settings)
         return read_scores(out)[0]
     _check(config, device, batch_tokens)
     engine, tokenizer = _engine(config, device, backend, trust_remote_code, batch_tokens, progress)

@@ -12,10 +12,12 @@ import subprocess
 import sys
 import time
 
+import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
 from gradspec.cli import main
+from gradspec.runs.score_files import read_metadata
 
 ROWS = 60  # input rows
 CHUNK = "6"  # rows per part: 10 parts
@@ -147,6 +149,36 @@ def test_torchrun_two_processes_equal_one_run(tmp_path, tiny_model_dir, data, re
     printed = _finish(proc)
     assert printed.count("wrote 30 rows") == 2  # each rank scored half
     _same(out, reference)
+
+
+def test_torchrun_fsdp_two_processes_equal_one_run(tmp_path, tiny_model_dir, data):
+    """--fsdp: the weights sharded across 2 gloo processes, each scoring its own chunks (here 32 and
+    28 rows, so one rank runs idle passes while the other finishes): every row once, equal to one
+    process's to summation order, the sharding in the metadata."""
+    out = tmp_path / "s.parquet"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "gradspec", *_args(tiny_model_dir, data, out, "--fsdp", "--chunk-rows", "7")],
+        env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    printed = _finish(proc)
+    assert "wrote 32 rows" in printed and "wrote 28 rows" in printed
+    alone = tmp_path / "alone.parquet"  # the same chunks, so the same batches (fp32 weights: batch mates matter)
+    _finish(_cli(_args(tiny_model_dir, data, alone, "--chunk-rows", "7")))
+    got, want = pq.read_table(out).to_pandas(), pq.read_table(alone).to_pandas()
+    assert got["index"].tolist() == list(range(ROWS)) and got["status"].tolist() == want["status"].tolist()
+    pd.testing.assert_frame_equal(got[want.columns], want, rtol=1e-9, check_exact=False)
+    sharding = read_metadata(out)["sharding"]
+    assert sharding["mode"] == "fsdp2" and sharding["world_size"] == 2 and sharding["sharded_layers"] == 2
+    held, whole = sharding["parameter_bytes"]["this_rank"], sharding["parameter_bytes"]["unsharded"]
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+    head = config["vocab_size"] * config["hidden_size"] * 4  # fp32, tied to the embeddings: whole on each rank
+    assert held == head + (whole - head) // 2  # the rest halved between the 2 ranks
+
+
+def test_fsdp_needs_torchrun(tmp_path, tiny_model_dir, data, capsys):
+    assert main(_args(tiny_model_dir, data, tmp_path / "s.parquet", "--fsdp")) != 0
+    assert "--fsdp shards the model across torchrun's processes" in capsys.readouterr().err
 
 
 def test_lowrank_runs_are_seeded(tmp_path, tiny_model_dir, data):

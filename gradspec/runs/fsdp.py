@@ -1,0 +1,78 @@
+"""Scoring a model larger than one device: its parameters sharded across the torchrun ranks with
+FSDP2 (``fully_shard`` per decoder layer, then the base model), each rank scoring its own chunks.
+
+FSDP makes every forward and backward collective (each layer's weights are gathered from all
+ranks as it runs), so the ranks must run their passes together although each has its own data:
+before each pass they agree whether any still has work (``Lockstep``), and one that has none runs
+a one-token pass whose rows are dropped. Hooks see each rank's own full activations, so the rows
+are those of one process. The LM head stays whole on every rank (the engine runs it at response
+positions alone, outside the base model's forward).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def shard(model: nn.Module) -> dict[str, Any]:
+    """Shards the model's decoder layers and its base model across the process group, in place
+    (frozen first: the unsharded weights then need no gradients); returns the sharding, for
+    the score file's metadata."""
+    from torch.distributed.fsdp import fully_shard
+
+    layer_types = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_types]
+    if not layers:
+        raise ValueError(f"--fsdp: {type(model).__name__} names no decoder layer class (_no_split_modules) "
+                         f"to shard by")
+    before = parameter_bytes(model)
+    model.requires_grad_(False)
+    for layer in layers:
+        fully_shard(layer)
+    fully_shard(getattr(model, "base_model", model))
+    return {"mode": "fsdp2", "world_size": dist.get_world_size(), "sharded_layers": len(layers),
+            "parameter_bytes": {"unsharded": before, "this_rank": parameter_bytes(model)}}
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the parameters this rank holds (a sharded parameter's local shard; a tensor
+    shared by two modules, as tied embeddings, once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.data_ptr() not in seen:
+            seen.add(local.data_ptr())
+            total += local.numel() * local.element_size()
+    return total
+
+
+class Lockstep:
+    """Passes run on every rank together: before each, the ranks agree (a MAX all-reduce) whether
+    any has work; a rank out of work runs `idle` passes until none has (``drain``)."""
+
+    def __init__(self, idle) -> None:
+        self.idle = idle  # a pass whose results are dropped
+        self._idling = False
+
+    def _any(self, working: bool) -> bool:
+        flag = torch.tensor([int(working)])  # on the host: gloo's half of the group
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def before_pass(self) -> None:
+        """This rank has a pass to run: the others learn so and run one too."""
+        if not self._idling:
+            self._any(True)
+
+    def drain(self) -> None:
+        """This rank is done: idle passes while another rank still has work."""
+        while self._any(False):
+            self._idling = True
+            try:
+                self.idle()
+            finally:
+                self._idling = False
