@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from functools import partial
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from gradspec.kernels import token_mask
-from gradspec.layers.hooks import BatchLayout, Capture, Captured
+from gradspec.layers.hooks import BatchLayout, Capture, Captured, InputKey
 from gradspec.layers.registry import Part, Target
 from gradspec.linalg.eigen import core_spectra, eigen_faults, eigen_path, gram_spectra
 from gradspec.linalg.grams import segment_gram
@@ -65,6 +66,19 @@ class _Samples:
         return t if self.index is None else t[self.index]
 
 
+class _Solved(NamedTuple):
+    """One part's eigen stage over some samples: sigma and metrics per sample, which rows were
+    finite, failed, or failed the Frobenius cross-check (positions in batch_rows)."""
+
+    part: Part
+    batch_rows: tuple[int, ...]
+    sigma: torch.Tensor
+    metrics: torch.Tensor
+    ok: torch.Tensor
+    failed: set[int]
+    frobenius_off: list[int]
+
+
 @dataclass
 class _CoreGroup:
     """The parts that share one input and one set of samples: B = X X^T, and per part (part, D D^T, <D D^T, B>)."""
@@ -85,6 +99,7 @@ class BatchCapture(Capture):
     def __init__(
         self, targets: list[Target], batch: BatchLayout, policy: Policy | str, sketch: LowRankSketch | None,
         metric_names: tuple[str, ...], scale: torch.Tensor | None = None, keep_spectra: bool = False,
+        eager: bool = False,
     ) -> None:
         super().__init__(targets, batch)
         self.policy = Policy.of(policy)
@@ -99,6 +114,11 @@ class BatchCapture(Capture):
         self.materialised: list[tuple[Part, tuple[int, ...], torch.Tensor]] = []  # (part, batch rows, Gram of G)
         self._splits: dict[tuple, tuple[_Samples, _Samples]] = {}
         self._copies = HostCopies()
+        self._delivered: set[str] = set()
+        # eager: each input's eigen stage as soon as its tensor is gone, not after the backward (about
+        # one layer's Grams held instead of all of them; the host waits for the device there)
+        self.eager = eager
+        self.solved: list[_Solved] = []
 
     def _samples(self, captured: Captured, rows: list[int]) -> _Samples:
         T = max((int(captured.lengths[i]) for i in rows), default=0)
@@ -117,6 +137,12 @@ class BatchCapture(Capture):
         return self._splits[key]
 
     def on_part(self, part: Part, captured: Captured) -> None:
+        if part.name in self._delivered:  # a module called twice: one call's spectrum would be wrong
+            self.batch.repeated.add(part.name)
+            return
+        self._delivered.add(part.name)
+        if self.eager:
+            self._solve_freed()
         X, D = captured.X, captured.D
         if self.scale is not None:
             D = D * captured.of_rows(self.scale).to(D.dtype)
@@ -140,7 +166,11 @@ class BatchCapture(Capture):
             Xs = materialised.take(X).to(dtype) * token_mask(device_lengths, X.shape[1], X.device)[..., None]
             G = materialised.take(D).to(dtype).transpose(1, 2) @ Xs  # (n, d_out, d_in)
             gram = G @ G.transpose(1, 2) if part.d_out <= part.d_in else G.transpose(1, 2) @ G
-            self.materialised.append((part, materialised.batch_rows, gram))
+            if self.eager:
+                gram = gram.cpu() if eigen_path(gram, self.policy, "gram") == "cpp" else gram
+                self.solved.extend(self._solve_gram(part, materialised.batch_rows, gram))
+            else:
+                self.materialised.append((part, materialised.batch_rows, gram))
 
     def _x_gram(self, captured: Captured, core: _Samples, d_in: int) -> torch.Tensor:
         """X X^T for these samples, from one Gram per input shared by all parts that read it (over
@@ -182,16 +212,52 @@ class BatchCapture(Capture):
 
     def release(self) -> None:
         """Gives the pinned host buffers back once the eigen stage has read them."""
-        self.core, self.materialised, self.sketched = {}, [], []
+        self.core, self.materialised, self.sketched, self.solved = {}, [], [], []
         self._copies.release()
 
     def finish(self, scores) -> None:
         scores.metrics, scores.spectra = self.reduce(scores.scored, scores.flags, self.keep_spectra)
 
+    def _solve_core(self, group: _CoreGroup) -> list[_Solved]:
+        """The eigen stage of one input's parts, with the Frobenius cross-check of each."""
+        A = torch.stack([a for _, a, _ in group.items], 1)
+        ok = _finite_rows(group.B) & _finite_rows(A)
+        terms = max(max(part.d_in, part.d_out) for part, _, _ in group.items)
+        solve = partial(core_spectra, policy=self.policy, terms=terms, metrics=self.metric_names)
+        (sigma, m), failed = _isolating_failures(solve, len(self.metric_names), _zero_rows(group.B, ok),
+                                                 _zero_rows(A, ok), group.lengths)
+        rtol = max(FROBENIUS_CHECK_RTOL, 1e5 * self.policy.eps)
+        out = []
+        for j, (part, _, inner) in enumerate(group.items):
+            frob2 = ordered_sum(sigma[:, j] ** 2)
+            bad = ok & ~torch.isclose(frob2, inner.double().cpu(), rtol=rtol, atol=1e-30)
+            off = [row for row in torch.nonzero(bad).flatten().tolist() if row not in failed]
+            out.append(_Solved(part, group.batch_rows, sigma[:, j], m[:, j], ok, failed, off))
+        return out
+
+    def _solve_gram(self, part: Part, rows: tuple[int, ...], gram: torch.Tensor) -> list[_Solved]:
+        ok = _finite_rows(gram)
+        solve = partial(gram_spectra, policy=self.policy, terms=max(part.d_in, part.d_out), metrics=self.metric_names)
+        (sigma, m), failed = _isolating_failures(solve, len(self.metric_names), _zero_rows(gram, ok))
+        return [_Solved(part, rows, sigma, m, ok, failed, [])]
+
+    def _solve_freed(self) -> None:
+        """Eager: the eigen stage of every input whose tensor is gone (every part reading it has
+        delivered), so that its Grams are not held to the end of the backward."""
+        for key in [k for k in self.x_grams if isinstance(k, InputKey) and not k.alive()]:
+            del self.x_grams[key]
+        for key in [k for k in self.core if isinstance(k[0], InputKey) and not k[0].alive()]:
+            group = self.core.pop(key)
+            if eigen_path(group.B, self.policy, "core") == "cpp":
+                group.B = group.B.cpu()
+                group.items = [(part, A.cpu(), inner) for part, A, inner in group.items]
+            self.solved.extend(self._solve_core(group))
+
     def reduce(self, finite: torch.Tensor, flags: list[set[str]], keep_spectra: bool):
         """({part: (N, metrics)}, {part: [sigma per sample]}) for the samples with a finite loss; a
         part a sample did not reach keeps NaN there, unflagged where the part is routed, else
-        flagged missing_gradient (its output gradient never came: e.g. hooks removed before the backward)."""
+        flagged missing_gradient (its output gradient never came: e.g. hooks removed before the backward);
+        a part whose module ran twice (its gradient a sum over calls) is NaN and flagged repeated_call."""
         N = self.batch.N
         nan = float("nan")
         metrics = {p.name: torch.full((N, len(self.metric_names)), nan, dtype=torch.float64)
@@ -219,33 +285,23 @@ class BatchCapture(Capture):
                     s = sigma[row].numpy()
                     spectra[part.name][i] = s[s > 0]
 
-        for group in self.core.values():
-            A = torch.stack([a for _, a, _ in group.items], 1)
-            ok = _finite_rows(group.B) & _finite_rows(A)
-            terms = max(max(part.d_in, part.d_out) for part, _, _ in group.items)
-            solve = partial(core_spectra, policy=self.policy, terms=terms, metrics=self.metric_names)
-            (sigma, m), failed = _isolating_failures(solve, len(self.metric_names), _zero_rows(group.B, ok),
-                                                     _zero_rows(A, ok), group.lengths)
-            for j, (part, _, inner) in enumerate(group.items):
-                record(part, group.batch_rows, sigma[:, j], m[:, j], ok, failed)
-                frob2 = ordered_sum(sigma[:, j] ** 2)
-                rtol = max(FROBENIUS_CHECK_RTOL, 1e5 * self.policy.eps)
-                bad = ok & ~torch.isclose(frob2, inner.double().cpu(), rtol=rtol, atol=1e-30)
-                for row in torch.nonzero(bad).flatten().tolist():
-                    if row not in failed:
-                        flags[group.batch_rows[row]].add("frobenius_check_failed")
-        for part, rows, sigma, frob2 in self.sketched:
-            record(part, rows, sigma, lowrank_metrics(sigma, frob2, self.metric_names), torch.isfinite(frob2), set())
-        for part, rows, gram in self.materialised:
-            ok = _finite_rows(gram)
-            solve = partial(gram_spectra, policy=self.policy, terms=max(part.d_in, part.d_out),
-                            metrics=self.metric_names)
-            (sigma, m), failed = _isolating_failures(solve, len(self.metric_names), _zero_rows(gram, ok))
-            record(part, rows, sigma, m, ok, failed)
+        solved = self.solved + [r for group in self.core.values() for r in self._solve_core(group)]
+        solved += [_Solved(part, rows, sigma, lowrank_metrics(sigma, frob2, self.metric_names), torch.isfinite(frob2),
+                           set(), []) for part, rows, sigma, frob2 in self.sketched]
+        solved += [r for part, rows, gram in self.materialised for r in self._solve_gram(part, rows, gram)]
+        for r in solved:
+            record(r.part, r.batch_rows, r.sigma, r.metrics, r.ok, r.failed)
+            for row in r.frobenius_off:
+                flags[r.batch_rows[row]].add("frobenius_check_failed")
         for t in self.targets:
             for part in t.parts:
                 for i in range(N):
-                    if finite[i] and not part.routed and (part.name, i) not in reached:
+                    if not finite[i]:
+                        continue
+                    if part.name in self.batch.repeated:
+                        metrics[part.name][i] = nan
+                        flags[i].add("repeated_call")
+                    elif not part.routed and (part.name, i) not in reached:
                         flags[i].add("missing_gradient")
         return metrics, spectra
 

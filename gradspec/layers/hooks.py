@@ -28,6 +28,9 @@ class BatchLayout:
         self.lengths = lengths.cpu().to(torch.int64)
         self.device = torch.device(device)
         self.routed_tokens: dict[str, torch.Tensor] = {}
+        # Parts whose gradient came from more than one call or backward (a module used twice): a
+        # capture sees one of them, so their rows are flagged, not summed silently.
+        self.repeated: set[str] = set()
 
     @property
     def N(self) -> int:
@@ -125,6 +128,10 @@ class InputKey:
 
     def __hash__(self) -> int:
         return self._hash
+
+    def alive(self) -> bool:
+        """Whether the input's storage still exists (a module may still deliver a part reading it)."""
+        return self._storage() is not None
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, InputKey) or self._key != other._key:

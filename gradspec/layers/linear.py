@@ -46,7 +46,7 @@ class LinearTarget(Target):
             now = phase()
             if now.kind == RECOMPUTE:
                 pairing.recomputed(now.frame, args[0].detach(), arrived)
-            elif self.flat and not args[0].requires_grad:
+            if self.flat and not args[0].requires_grad:  # the recompute too: it must save what the first run saved
                 return (start_graph(args[0]), *args[1:])
             return None
 
@@ -54,22 +54,26 @@ class LinearTarget(Target):
             if not (isinstance(args[0], torch.Tensor) and torch.is_grad_enabled()):
                 return None
             now = phase()
-            if now.kind == RECOMPUTE:  # its gradient comes through the first run's output
-                return None
-            key = pairing.expect(now.frame) if now.kind == FIRST else None  # every call counts, as in the recompute
             tensor = output[0] if isinstance(output, tuple) else output
-            if not isinstance(output, tuple):
+            if not isinstance(output, tuple):  # the recompute too: it must save what the first run saved
                 tensor = output = start_graph(output)
+            if now.kind == RECOMPUTE:  # its gradient comes through the first run's output
+                return output
+            key = pairing.expect(now.frame) if now.kind == FIRST else None  # every call counts, as in the recompute
             if not tensor.requires_grad:
                 return output
             if key is not None:  # X comes again from the recompute: not held until the backward
                 tensor.register_hook(lambda grad: pairing.gradient(key, grad.detach(), arrived))
             else:
                 X = [args[0].detach()]  # released once delivered
-                tensor.register_hook(lambda grad: arrived(X.pop(), grad.detach()))
+                tensor.register_hook(lambda grad: arrived(X.pop(), grad.detach()) if X else self._again(batch))
             return output
 
         return [self.module.register_forward_pre_hook(before), self.module.register_forward_hook(after)]
+
+    def _again(self, batch) -> None:
+        """A second backward through one call (retain_graph): its input was released; flagged."""
+        batch.repeated.update(p.name for p in self.parts)
 
     def _arrived(self, batch, deliver: Callable, X: torch.Tensor, D: torch.Tensor) -> None:
         # The input is released once every part is reduced (its storage goes once every module

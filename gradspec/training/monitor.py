@@ -34,7 +34,10 @@ module's metrics.
 
 Capture. Hooks are on the model from ``begin`` to ``detach``: through the backward, so that under
 activation checkpointing each module's input is taken from its recomputed forward
-(``gradspec.layers.checkpointing``). Each grad-enabled forward is one micro-batch; its backward
+(``gradspec.layers.checkpointing``), and each input's eigen stage runs as soon as the input is
+gone, so the fp64 Grams of about one layer are held, not the whole step's (``eager``: memory is
+what checkpointing buys; without it the eigen stage runs at the step's end). Each grad-enabled
+forward is one micro-batch; its backward
 must run before the next forward under checkpointing. The file is rewritten whole at each step
 (written aside, then renamed): readable whatever stops the run. An exception inside ``step``
 removes every hook and drops that step's rows.
@@ -45,8 +48,10 @@ padded).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -69,7 +74,13 @@ from gradspec.linalg.policy import Policy
 from gradspec.runs.score_files import column, metric_columns
 from gradspec.training.wit import PROMPT_OFFSET, WITLoss
 
+log = logging.getLogger("gradspec")
 UNKNOWN = "unknown"
+COLUMN_TYPES = {  # the rest are metrics, float64
+    "step": pa.int64(), "micro_batch": pa.int64(), "row": pa.int64(), "sample_index": pa.int64(), "loss": pa.float64(),
+    "loss_kind": pa.string(), "num_tokens": pa.int64(), "num_response_tokens": pa.int64(),
+    "num_loss_tokens": pa.int64(), "scaled": pa.bool_(), "status": pa.string(),
+}
 # Keyword arguments of padding-free (packed) batches, as transformers' DataCollatorWithFlattening makes them.
 PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
@@ -94,6 +105,7 @@ class _Step(NamedTuple):
     num_items: torch.Tensor | int | None
     indices: list[int] | None
     loss_known: bool
+    most: int | None  # micro-batches the step can have (a callback's steps); more: a step an exception left
 
 
 class SpectralMonitor:
@@ -112,7 +124,7 @@ class SpectralMonitor:
         self._steps = 0  # steps seen by step() without a number
         self._table: pa.Table | None = None  # every row written so far
         self._started = False
-        self._targets: dict[int, list] = {}  # id(model) -> its targets
+        self._targets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its targets
         self._current: _Step | None = None
         self._stash: dict[str, Any] = {}  # what the model call passed, for its base model's forward
         self._micro: list[_MicroBatch] = []
@@ -151,16 +163,18 @@ class SpectralMonitor:
 
     def begin(self, model: nn.Module, step: int, accumulation: int = 1, processes: int = 1,
               num_items_in_batch: torch.Tensor | int | None = None, indices: Sequence[int] | None = None,
-              loss_known: bool = True) -> None:
+              loss_known: bool = True, most: int | None = None) -> None:
         """Hooks on the model: each grad-enabled forward from now on is a captured micro-batch.
-        loss_known=False: the trainer's loss is not the model's (rows unscaled, loss_kind unknown)."""
+        loss_known=False: the trainer's loss is not the model's (rows unscaled, loss_kind unknown).
+        most: the micro-batches a step has at most; a forward beyond them means the step was left
+        by an exception the caller could not see (a trainer's backward): the hooks come off then."""
         self.abort()
         if not self._started:
             self._start()
-        if id(model) not in self._targets:
-            self._targets[id(model)] = select_targets(model, self.modules)
+        if model not in self._targets:
+            self._targets[model] = select_targets(model, self.modules)
         self._current = _Step(step, model, accumulation, processes, num_items_in_batch,
-                              None if indices is None else [int(i) for i in indices], loss_known)
+                              None if indices is None else [int(i) for i in indices], loss_known, most)
         base = getattr(model, "base_model", model)
         self._handles = [model.register_forward_hook(self._call_ends, always_call=True),
                          base.register_forward_pre_hook(self._forward_begins, with_kwargs=True)]
@@ -180,7 +194,7 @@ class SpectralMonitor:
         try:
             self.detach()
             rows = self._rows()
-            self.summary = _summary(rows, self._targets[id(self._current.model)]) if self._current else {}
+            self.summary = _summary(rows, self._targets[self._current.model]) if self._current else {}
             if rows and self.out is not None:
                 self._write(rows)
             return rows
@@ -224,6 +238,12 @@ class SpectralMonitor:
         if not torch.is_grad_enabled():
             return (args, kwargs) if headless else None
         stash, self._stash = self._stash, {}
+        if self._current.most is not None and len(self._micro) >= self._current.most:
+            log.warning("SpectralMonitor: step %d has more forwards than its %d micro-batches; taking it for a "
+                        "step an exception left, its hooks off and its rows dropped", self._current.step,
+                        self._current.most)
+            self.abort()
+            return (args, kwargs) if headless else None
         self._layer_hooks.close()  # the previous micro-batch's backward has run
         _refuse_packing(kwargs)
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -234,8 +254,9 @@ class SpectralMonitor:
         scaled = labels is not None and weights is not None
         tokens = loss_tokens(labels, *weights) if scaled else lengths - 1
         model = self._current.model
-        capture = BatchCapture(self._targets[id(model)], BatchLayout(lengths, lengths.device), self.backend, None,
-                               metric_names(), self._scale(tokens, num_items) if scaled else None)
+        capture = BatchCapture(self._targets[model], BatchLayout(lengths, lengths.device), self.backend, None,
+                               metric_names(), self._scale(tokens, num_items) if scaled else None,
+                               eager=_checkpointing(model))
         self._layer_hooks.enter_context(attached(model, [capture]))
         rows = [None] * len(lengths) if indices is None else [int(i) for i in torch.as_tensor(indices).tolist()]
         if indices is None and self._current.indices is not None:
@@ -308,7 +329,9 @@ class SpectralMonitor:
 
     def _write(self, rows: list[dict[str, Any]]) -> None:
         """Every row so far, written aside and renamed over the file: whole at every step."""
-        table = pa.Table.from_pylist(rows, schema=None if self._table is None else self._table.schema)
+        schema = self._table.schema if self._table is not None else pa.schema(
+            [(name, COLUMN_TYPES.get(name, pa.float64())) for name in rows[0]])  # typed even where all null
+        table = pa.Table.from_pylist(rows, schema=schema)
         self._table = table if self._table is None else pa.concat_tables([self._table, table])
         self.out.parent.mkdir(parents=True, exist_ok=True)
         aside = self.out.with_name(f".{self.out.name}.writing")
@@ -347,6 +370,12 @@ def sample_losses(logits: torch.Tensor, labels: torch.Tensor, prompt_weight: flo
     nll = next_token_nll(logits[:, :-1][rows, cols], ids) * weight[rows, cols].float()
     total = torch.zeros(len(labels), device=logits.device).index_add_(0, rows, nll)
     return total.double() / loss_tokens(labels, prompt_weight, response_weight).double()
+
+
+def _checkpointing(model: nn.Module) -> bool:
+    """Whether the model checkpoints its activations (transformers' flag): memory is then scarce, and
+    each input's eigen stage runs as soon as its Grams are complete rather than after the backward."""
+    return model.training and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def _refuse_packing(kwargs: dict[str, Any]) -> None:

@@ -4,8 +4,10 @@ loop-independent monitor (gradspec.training.monitor), which holds what a row mea
 A monitored step is one whose number (1, 2, ...) is a multiple of ``every``, so rows land on the
 steps Trainer logs at with ``logging_steps = every``. Hooks go on at the step's start and off
 before the optimizer step (the backward is done); its rows are written at the step's end and their
-per-role means added to the log record of that step. What cannot be monitored is refused at
-``on_train_begin``, from the arguments: DataParallel, and packed or padding-free batches.
+per-role means added to the log record of that step. A step left by an exception Trainer does not
+report (in its backward) keeps its hooks until the next grad-enabled forward, which removes them.
+What cannot be monitored is refused at ``on_train_begin``, from the arguments: DataParallel, and
+packed or padding-free batches.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ class SpectralMonitorCallback(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         step = state.global_step + 1
         if self.monitor.wants(step):
-            self.monitor.begin(self.model, step, self.accumulation, self.processes, loss_known=self.loss_known)
+            self.monitor.begin(self.model, step, self.accumulation, self.processes, loss_known=self.loss_known,
+                               most=self.accumulation)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         self.monitor.detach()  # every micro-batch's backward has run: nothing stays on the model

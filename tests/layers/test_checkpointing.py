@@ -4,6 +4,7 @@ not): the same spectra as without it, the inputs taken from the recompute and no
 import pytest
 import torch
 from conftest import MOE_KINDS, padded_batch, random_sequences, tiny_model
+from torch import nn
 
 from gradspec.engine.capture import BatchCapture
 from gradspec.engine.loss import response_losses
@@ -16,14 +17,17 @@ VOCAB = 300
 LENGTHS = [9, 30, 41]  # on both sides of the parts' smaller sizes: the core and the materialised path
 
 
-def spectra(model, modules: str, batch) -> dict[str, torch.Tensor]:
-    """One training-mode forward and backward with the hooks on through the backward, as the monitor runs it."""
+def spectra(model, modules: str, batch, eager: bool = False, held: list | None = None) -> dict[str, torch.Tensor]:
+    """One training-mode forward and backward with the hooks on through the backward, as the monitor
+    runs it; held gets the number of core groups whose Grams are still held after the backward."""
     ids, mask, labels = batch
     targets = select_targets(model, modules)
-    capture = BatchCapture(targets, BatchLayout(mask.sum(1), "cpu"), "auto", None, metric_names())
+    capture = BatchCapture(targets, BatchLayout(mask.sum(1), "cpu"), "auto", None, metric_names(), eager=eager)
     with attached(model, [capture]):
         loss, count, _ = response_losses(model, ids, mask, labels)
         loss.sum().backward()
+    if held is not None:
+        held.append(len(capture.core))
     capture.to_host()
     metrics, _ = capture.reduce(torch.ones(len(ids), dtype=torch.bool), [set() for _ in ids], keep_spectra=False)
     return metrics
@@ -44,6 +48,35 @@ def test_checkpointed_rows_equal_plain_rows(family, reentrant):
     rtol = 1e-6 if family in MOE_KINDS else 1e-9
     for name, value in plain.items():
         torch.testing.assert_close(checkpointed[name], value, rtol=rtol, atol=0, equal_nan=True, msg=name)
+
+
+def test_eager_eigen_stage_frees_each_input_s_grams_during_the_backward():
+    """The monitor under checkpointing solves each input's parts once the input is gone: after the
+    backward only the first layer's groups (whose inputs live until the end) are left, same rows."""
+    model = tiny_model("llama", vocab=VOCAB).double().train()
+    batch = padded_batch(random_sequences(LENGTHS, VOCAB, seed=6))
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    held_late, held_eager = [], []
+    late = spectra(model, "all", batch, held=held_late)
+    eager = spectra(model, "all", batch, eager=True, held=held_eager)
+    layers = model.config.num_hidden_layers
+    assert held_eager[0] <= held_late[0] // layers < held_late[0]
+    for name, value in late.items():
+        torch.testing.assert_close(eager[name], value, rtol=1e-12, atol=0, equal_nan=True, msg=name)
+
+
+def test_frozen_lower_layers_under_checkpointing():
+    """Where a scored module's input needs no gradient (frozen embeddings and first layer), its output
+    starts the graph in the recompute as in the first run: both save the same tensors."""
+    model = tiny_model("llama", vocab=VOCAB).double().train()
+    for p in [*model.model.embed_tokens.parameters(), *model.model.layers[0].parameters()]:
+        p.requires_grad_(False)
+    batch = padded_batch(random_sequences(LENGTHS, VOCAB, seed=5))
+    plain = spectra(model, "all", batch)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    checkpointed = spectra(model, "all", batch)
+    for name, value in plain.items():
+        torch.testing.assert_close(checkpointed[name], value, rtol=1e-9, atol=0, equal_nan=True, msg=name)
 
 
 def test_the_first_run_holds_no_input_and_the_recompute_supplies_it(monkeypatch):
@@ -76,3 +109,35 @@ def test_a_recomputed_input_does_not_match_a_freed_one_at_the_same_address():
     if y.data_ptr() == ptr:  # the allocator reused the address: the dead key must not match
         assert key != input_key(y)
     assert key != input_key(torch.randn(4, 8))
+
+
+class _TwiceUsed(nn.Module):
+    """q_proj called twice in one forward: its gradient is a sum over both calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.o_proj = nn.Linear(6, 6).double(), nn.Linear(6, 6).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(torch.tanh(self.q_proj(torch.tanh(self.q_proj(x)))))
+
+
+@pytest.mark.parametrize("backwards", [1, 2], ids=["called twice", "two backwards"])
+def test_a_module_whose_gradient_sums_several_calls_is_flagged_not_half_scored(backwards):
+    torch.manual_seed(0)
+    model = _TwiceUsed() if backwards == 1 else nn.Sequential()
+    if backwards == 2:  # one call, two backwards through it (retain_graph)
+        model.q_proj = nn.Linear(6, 6).double()
+    capture = BatchCapture(select_targets(model, "q,o" if backwards == 1 else "q"), BatchLayout(torch.tensor([5, 5]),
+                           "cpu"), "auto", None, metric_names())
+    x = torch.randn(2, 5, 6, dtype=torch.double, requires_grad=True)
+    with attached(model, [capture]):
+        out = (model.q_proj(x) if backwards == 2 else model(x)).pow(2).sum()
+        for _ in range(backwards):
+            out.backward(retain_graph=True)
+    capture.to_host()
+    flags = [set(), set()]
+    metrics, _ = capture.reduce(torch.ones(2, dtype=torch.bool), flags, keep_spectra=False)
+    assert flags == [{"repeated_call"}] * 2 and metrics["q_proj"].isnan().all()
+    if backwards == 1:
+        assert metrics["o_proj"].isfinite().all()

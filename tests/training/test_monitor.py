@@ -239,6 +239,28 @@ def test_a_run_that_raises_leaves_no_hooks_and_a_readable_file(tokenizer, tmp_pa
     assert _hooks(model) == 0
 
 
+def test_a_backward_that_raises_under_trainer_leaves_hooks_until_the_next_forward(tokenizer, tmp_path):
+    """Trainer reports no exception to its callbacks: the step's hooks stay until the next
+    grad-enabled forward, which finds more forwards than the step's micro-batches and takes them off."""
+    model = tiny_model("llama")
+    calls = []
+
+    def fail_in_backward(module, args, output):
+        calls.append(1)
+        if len(calls) == 2:
+            output.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("backward failed")))
+
+    handle = model.lm_head.register_forward_hook(fail_in_backward)
+    with pytest.raises(RuntimeError, match="backward failed"):
+        _train(model, tokenizer, tmp_path, SpectralMonitorCallback(every=1, out=tmp_path / "m.parquet"))
+    handle.remove()
+    assert _hooks(model) > 0  # what no callback could take off
+    ids = torch.randint(3, 100, (1, 5))
+    model(input_ids=ids, labels=ids)
+    assert _hooks(model) == 0
+    assert pd.read_parquet(tmp_path / "m.parquet")["step"].unique().tolist() == [1]
+
+
 def test_a_forward_that_raises_in_a_monitored_step_leaves_no_hooks(tmp_path):
     model = tiny_model("llama")
     monitor = SpectralMonitor(every=1, modules="all", out=tmp_path / "m.parquet")
