@@ -145,7 +145,8 @@ class BatchCapture(Capture):
             self._solve_freed()
         X, D = captured.X, captured.D
         if self.scale is not None:
-            D = D * captured.of_rows(self.scale).to(D.dtype)
+            dtype = torch.promote_types(D.dtype, torch.float32)  # a bf16 product would round the scale
+            D = D.to(dtype) * captured.of_rows(self.scale).to(dtype)
         if self.sketch is not None:
             s = self.sketch
             omega = s.omega(part, part.d_in, X.device)

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradspec.layers.checkpointing import RECOMPUTE, phase
-from gradspec.layers.hooks import Captured
+from gradspec.layers.hooks import Captured, PackedLayout
 from gradspec.layers.linear import start_graph
 from gradspec.layers.registry import Part, Target, register
 
@@ -72,6 +72,9 @@ class ExpertsTarget(Target):
         m, E = self.module, self.num_experts
         hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
         NT, k = hidden.shape[0], top_k_index.shape[-1]
+        if isinstance(batch, PackedLayout):
+            raise ValueError(f"{self.name}: MoE experts in packed batches are not supported yet; "
+                             f"give one sequence per row")
         if NT % batch.N:
             raise ValueError(f"{self.name}: {NT} tokens do not split into the batch's {batch.N} samples")
         T = NT // batch.N

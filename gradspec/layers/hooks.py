@@ -45,9 +45,44 @@ class BatchLayout:
         """(N, longest) bool on the device: True at each sample's tokens."""
         return token_mask(self.lengths, int(self.lengths.max()) if self.N else 0, self.device)
 
+    @property
+    def rows(self) -> int:
+        """Rows of the model's input (one sample each here)."""
+        return self.N
+
     def whole(self, X: torch.Tensor, D: torch.Tensor) -> Captured:
         """The batch's own layout: every sample, its own tokens (dense layers)."""
         return Captured(X, D, self.lengths, None, self, layout="batch", input_key=input_key(X))
+
+
+class PackedLayout(BatchLayout):
+    """A packed (padding-free) batch: several sequences per row, each a sample, given as (row,
+    start, length) runs of the (rows, T) input. ``whole`` gathers them into right-padded
+    (sequences, longest, d) tensors, so every capture sees one sample per row as before."""
+
+    def __init__(self, sequences: list[tuple[int, int, int]], shape: tuple[int, int], device: torch.device | str
+                 ) -> None:
+        super().__init__(torch.tensor([n for _, _, n in sequences], dtype=torch.int64), device)
+        self.shape = shape
+        R, T = shape
+        longest = int(self.lengths.max()) if sequences else 0
+        steps = torch.arange(longest)
+        index = torch.stack([torch.where(steps < n, r * T + start + steps, R * T) for r, start, n in sequences]) \
+            if sequences else torch.zeros(0, 0, dtype=torch.int64)
+        self.index = index.to(self.device, non_blocking=True)  # (S, longest) into the rows' tokens; R*T: zero
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    def gather(self, Y: torch.Tensor) -> torch.Tensor:
+        """(rows, T, d) -> (sequences, longest, d), zero past each sequence's end."""
+        flat = Y.reshape(-1, Y.shape[-1])
+        return torch.cat([flat, flat.new_zeros(1, flat.shape[1])])[self.index]
+
+    def whole(self, X: torch.Tensor, D: torch.Tensor) -> Captured:
+        return Captured(self.gather(X), self.gather(D), self.lengths, None, self, layout="batch",
+                        input_key=input_key(X))
 
 
 @dataclass

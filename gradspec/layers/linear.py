@@ -79,10 +79,10 @@ class LinearTarget(Target):
         # The input is released once every part is reduced (its storage goes once every module
         # reading it is done), so only what the captures keep stays in flight.
         if self.flat:
-            X, D = X.reshape(batch.N, -1, X.shape[-1]), D.reshape(batch.N, -1, D.shape[-1])
+            X, D = X.reshape(batch.rows, -1, X.shape[-1]), D.reshape(batch.rows, -1, D.shape[-1])
         captured = batch.whole(X, D)
         for part in self.parts:
-            deliver(part, captured.with_D(part.output_features(D)))
+            deliver(part, captured.with_D(part.output_features(captured.D)))
 
 
 def linear_target(model: nn.Module, name: str, module: nn.Module, weight: str = "weight",

@@ -42,8 +42,13 @@ must run before the next forward under checkpointing. The file is rewritten whol
 (written aside, then renamed): readable whatever stops the run. An exception inside ``step``
 removes every hook and drops that step's rows.
 
-Refused with a ValueError: left-padded or packed batches (each row must be one sequence, right
-padded).
+Packed and padding-free batches (sequences delimited by position ids that restart within a row, or
+by flash attention's ``cu_seq_lens``): one row per packed sequence, its tokens gathered from the
+packed rows (``gradspec.layers.hooks.PackedLayout``); each sequence's first label must be -100, as
+DataCollatorWithFlattening makes it. Whether the sequences attend to each other is the model's
+attention's business (flash attention with cu_seq_lens, or an explicit block-diagonal mask,
+isolates them; sdpa and eager with position ids alone do not), and the rows are the gradients of
+what it computed. Refused with a ValueError: left-padded rows; MoE experts in packed batches.
 """
 
 from __future__ import annotations
@@ -65,9 +70,9 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from gradspec.data.errors import check_parquet_out
 from gradspec.engine.capture import BatchCapture
-from gradspec.engine.loss import next_token_nll
+from gradspec.engine.loss import IGNORE_INDEX, next_token_nll
 from gradspec.kernels import token_mask
-from gradspec.layers.hooks import BatchLayout, attached
+from gradspec.layers.hooks import BatchLayout, PackedLayout, attached
 from gradspec.layers.targets import select_targets
 from gradspec.linalg.metrics import metric_names
 from gradspec.linalg.policy import Policy
@@ -81,8 +86,6 @@ COLUMN_TYPES = {  # the rest are metrics, float64
     "loss_kind": pa.string(), "num_tokens": pa.int64(), "num_response_tokens": pa.int64(),
     "num_loss_tokens": pa.int64(), "scaled": pa.bool_(), "status": pa.string(),
 }
-# Keyword arguments of padding-free (packed) batches, as transformers' DataCollatorWithFlattening makes them.
-PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 class _MicroBatch(NamedTuple):
@@ -92,7 +95,8 @@ class _MicroBatch(NamedTuple):
     responses: torch.Tensor | None  # response targets per sample (None: no labels in the model call)
     scaled: bool
     indices: list[int | None]  # dataset index per row
-    labels: torch.Tensor | None
+    labels: torch.Tensor | None  # as the model got them: (rows, T)
+    owner: torch.Tensor | None  # packed: each position's sequence (rows, T); None: a sample per row
     weights: tuple[float, float] | None  # the loss's (prompt, response) token weights
     losses: list  # [l_i / n_i (N,)] once the forward has returned logits, where scaled
 
@@ -245,26 +249,36 @@ class SpectralMonitor:
             self.abort()
             return (args, kwargs) if headless else None
         self._layer_hooks.close()  # the previous micro-batch's backward has run
-        _refuse_packing(kwargs)
         ids = kwargs.get("input_ids", args[0] if args else None)
-        lengths = _lengths(kwargs.get("attention_mask"), ids if ids is not None else kwargs["inputs_embeds"])
+        tokens_in = ids if ids is not None else kwargs["inputs_embeds"]
         labels, indices = stash.get("labels"), stash.get("indices")
+        sequences = packed_sequences(kwargs, tokens_in.shape[:2])
+        if sequences is None:  # one sample per row, right-padded
+            lengths = _lengths(kwargs.get("attention_mask"), tokens_in)
+            layout, owner, own_labels = BatchLayout(lengths, lengths.device), None, labels
+        else:  # one sample per packed sequence
+            layout = PackedLayout(sequences, tuple(tokens_in.shape[:2]), tokens_in.device)
+            lengths, owner = layout.lengths, _owner(sequences, tokens_in.shape[:2], tokens_in.device)
+            own_labels = None if labels is None else _sequence_labels(labels, layout, sequences)
         num_items = stash.get("num_items") if stash.get("num_items") is not None else self._current.num_items
         kind, weights = model_loss(self._current.model) if self._current.loss_known else (UNKNOWN, None)
         scaled = labels is not None and weights is not None
-        tokens = loss_tokens(labels, *weights) if scaled else lengths - 1
+        tokens = loss_tokens(own_labels, *weights) if scaled else lengths.to(tokens_in.device) - 1
         model = self._current.model
-        capture = BatchCapture(self._targets[model], BatchLayout(lengths, lengths.device), self.backend, None,
+        capture = BatchCapture(self._targets[model], layout, self.backend, None,
                                metric_names(), self._scale(tokens, num_items) if scaled else None,
                                eager=_checkpointing(model))
         self._layer_hooks.enter_context(attached(model, [capture]))
         rows = [None] * len(lengths) if indices is None else [int(i) for i in torch.as_tensor(indices).tolist()]
+        if len(rows) != len(lengths):
+            raise ValueError(f"SpectralMonitor: {self.index_column} has {len(rows)} entries for this batch's "
+                             f"{len(lengths)} samples (a packed batch: one per sequence)")
         if indices is None and self._current.indices is not None:
             done = sum(len(m.indices) for m in self._micro)
             rows = (self._current.indices[done : done + len(lengths)] + rows)[: len(lengths)]
         self._micro.append(_MicroBatch(capture, kind if scaled else UNKNOWN, tokens,
-                                       None if labels is None else (labels[:, 1:] >= 0).sum(1), scaled, rows,
-                                       labels, weights, []))
+                                       None if labels is None else (own_labels[:, 1:] >= 0).sum(1), scaled, rows,
+                                       labels, owner, weights, []))
         return (args, kwargs) if headless else None
 
     def _call_ends(self, model: nn.Module, args: tuple, output: Any) -> None:
@@ -281,11 +295,15 @@ class SpectralMonitor:
             return
         logits, log_probs = getattr(output, "logits", None), getattr(output, "log_probs", None)
         with torch.no_grad():
+            owner = micro.owner if micro.owner is not None else \
+                torch.arange(len(micro.labels), device=micro.labels.device)[:, None].expand_as(micro.labels)
             if isinstance(logits, torch.Tensor) and logits.shape[:2] == micro.labels.shape:
-                micro.losses.append(sample_losses(logits.detach(), micro.labels, *micro.weights))
+                micro.losses.append(sample_losses(logits.detach(), micro.labels, *micro.weights, owner, micro.tokens))
             elif isinstance(log_probs, torch.Tensor) and micro.weights == (0.0, 1.0) \
                     and log_probs.shape == micro.labels[:, 1:].shape:  # TRL's fused head: zero off the labels
-                micro.losses.append(-log_probs.detach().double().sum(1) / micro.tokens.double())
+                total = torch.zeros(len(micro.tokens), dtype=torch.float64, device=log_probs.device)
+                total.index_add_(0, owner[:, 1:].flatten().clamp_min(0), -log_probs.detach().double().flatten())
+                micro.losses.append(total / micro.tokens.double())
 
     def _abort_within_forward(self, module: nn.Module) -> None:
         """abort() from a forward hook while torch, unwinding the forward's exception, iterates the
@@ -359,34 +377,70 @@ def loss_tokens(labels: torch.Tensor, prompt_weight: float, response_weight: flo
     return weighted.sum(1)
 
 
-def sample_losses(logits: torch.Tensor, labels: torch.Tensor, prompt_weight: float,
-                  response_weight: float) -> torch.Tensor:
-    """l_i / n_i per sample (NaN where n_i = 0), in fp32 at the weighted positions alone."""
+def sample_losses(logits: torch.Tensor, labels: torch.Tensor, prompt_weight: float, response_weight: float,
+                  owner: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """l_i / n_i per sample (NaN where n_i = 0), in fp32 at the weighted positions alone. owner
+    (rows, T): the sample each position belongs to (a row, or a packed sequence); tokens: n_i."""
     target = labels[:, 1:]
     weight = torch.where(target <= -PROMPT_OFFSET, prompt_weight, torch.where(target >= 0, response_weight, 0.0))
     rows, cols = torch.nonzero(weight != 0, as_tuple=True)
     ids = target[rows, cols]
     ids = torch.where(ids < 0, -ids - PROMPT_OFFSET, ids)
     nll = next_token_nll(logits[:, :-1][rows, cols], ids) * weight[rows, cols].float()
-    total = torch.zeros(len(labels), device=logits.device).index_add_(0, rows, nll)
-    return total.double() / loss_tokens(labels, prompt_weight, response_weight).double()
+    total = torch.zeros(len(tokens), device=logits.device).index_add_(0, owner[rows, cols + 1], nll)
+    return total.double() / tokens.double()
+
+
+def packed_sequences(kwargs: dict[str, Any], shape: tuple[int, int]) -> list[tuple[int, int, int]] | None:
+    """(row, start, length) of each sequence where a batch packs several per row: from position ids
+    that restart within a row, or flash-attention's cu_seq_lens (DataCollatorWithFlattening); None
+    where each row is one sample."""
+    R, T = shape
+    positions, bounds = kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q")
+    mask = kwargs.get("attention_mask")
+    valid = mask.sum(1).tolist() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else [T] * R
+    if positions is not None and _restarts(positions, mask if isinstance(mask, torch.Tensor) else None):
+        positions = positions.expand(R, T).cpu()
+        sequences = []
+        for r in range(R):
+            n = int(valid[r])
+            starts = [0, *(1 + torch.nonzero(positions[r, 1:n] <= positions[r, : n - 1]).flatten()).tolist(), n]
+            sequences += [(r, a, b - a) for a, b in zip(starts[:-1], starts[1:], strict=True) if b > a]
+        return sequences
+    if bounds is not None and R == 1:
+        edges = bounds.cpu().tolist()
+        return [(0, a, b - a) for a, b in zip(edges[:-1], edges[1:], strict=True) if b > a] if len(edges) > 2 else None
+    return None
+
+
+def _owner(sequences: list[tuple[int, int, int]], shape: tuple[int, int], device) -> torch.Tensor:
+    """(rows, T): each position's sequence (0 where none: padding, whose targets are ignored)."""
+    owner = torch.zeros(shape, dtype=torch.int64)
+    for j, (r, start, n) in enumerate(sequences):
+        owner[r, start : start + n] = j
+    return owner.to(device)
+
+
+def _sequence_labels(labels: torch.Tensor, layout: PackedLayout, sequences: list[tuple[int, int, int]]
+                     ) -> torch.Tensor:
+    """Each packed sequence's labels, right-padded with IGNORE_INDEX. A sequence after the first of
+    its row must have no target at its first token: that would be a loss across the boundary, from
+    the previous sequence's last position (DataCollatorWithFlattening puts -100 there)."""
+    heads = [(r, start) for r, start, _ in sequences if start > 0]
+    if heads:
+        rows, cols = torch.tensor(heads).T
+        if (labels[rows.to(labels.device), cols.to(labels.device)] != IGNORE_INDEX).any():
+            raise ValueError("SpectralMonitor: a packed sequence's first label is not -100, so the loss runs across "
+                             "the sequences' boundary; label each sequence's first token -100 (as "
+                             "DataCollatorWithFlattening does)")
+    flat = labels.reshape(-1)
+    return torch.cat([flat, flat.new_full((1,), IGNORE_INDEX)])[layout.index]
 
 
 def _checkpointing(model: nn.Module) -> bool:
     """Whether the model checkpoints its activations (transformers' flag): memory is then scarce, and
     each input's eigen stage runs as soon as its Grams are complete rather than after the backward."""
     return model.training and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
-
-
-def _refuse_packing(kwargs: dict[str, Any]) -> None:
-    """A packed row holds several samples; the monitor's rows are one sample each."""
-    packing = [k for k in PACKING_KWARGS if kwargs.get(k) is not None]
-    positions = kwargs.get("position_ids")
-    if positions is not None and _restarts(positions, kwargs.get("attention_mask")):
-        packing.append("position_ids restarting within a row")
-    if packing:
-        raise ValueError(f"SpectralMonitor needs one sample per row, right-padded: packed batches "
-                         f"({', '.join(packing)}) are not supported")
 
 
 def _restarts(positions: torch.Tensor, mask: torch.Tensor | None) -> bool:

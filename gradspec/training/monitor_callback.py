@@ -6,8 +6,8 @@ steps Trainer logs at with ``logging_steps = every``. Hooks go on at the step's 
 before the optimizer step (the backward is done); its rows are written at the step's end and their
 per-role means added to the log record of that step. A step left by an exception Trainer does not
 report (in its backward) keeps its hooks until the next grad-enabled forward, which removes them.
-What cannot be monitored is refused at ``on_train_begin``, from the arguments: DataParallel, and
-packed or padding-free batches.
+DataParallel is refused at ``on_train_begin``. Packed and padding-free batches (TRL's ``packing``,
+``padding_free``; DataCollatorWithFlattening) give one row per packed sequence.
 """
 
 from __future__ import annotations
@@ -18,21 +18,20 @@ from transformers import TrainerCallback
 
 from gradspec.training.monitor import SpectralMonitor
 
-PACKING_ARGS = ("packing", "padding_free")  # TRL's SFTConfig
-
 
 class SpectralMonitorCallback(TrainerCallback):
     """Rows of every N-th optimizer step to ``out`` (Parquet), per-role means to the logs."""
 
     def __init__(self, every: int = 50, modules: str | list[str] = "attn", out: str | Path | None = None,
-                 backend: str = "auto", overwrite: bool = False) -> None:
-        # Trainer calls the model with every batch key, also on steps not monitored: no index column here.
-        self.monitor = SpectralMonitor(every, modules, out, backend, overwrite, index_column=None)
+                 backend: str = "auto", overwrite: bool = False, index_column: str | None = "sample_index") -> None:
+        # A batch column of dataset indices (remove_unused_columns=False, a collator that passes it):
+        # taken out of monitored calls; on other steps the model gets it (transformers' take **kwargs).
+        self.monitor = SpectralMonitor(every, modules, out, backend, overwrite, index_column)
         self.pending_logs: dict[str, float] = {}
 
-    def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.monitor.restart()  # a new run: hooks a raised run left are gone, a new file
-        refuse_unmonitorable(args, train_dataloader)
+        refuse_unmonitorable(args)
         self.model = model
         self.accumulation = args.gradient_accumulation_steps
         self.processes = args.world_size if getattr(args, "average_tokens_across_devices", False) else 1
@@ -65,17 +64,8 @@ class SpectralMonitorCallback(TrainerCallback):
         self.monitor.close()
 
 
-def refuse_unmonitorable(args, dataloader=None) -> None:
+def refuse_unmonitorable(args) -> None:
     """A ValueError before the first step for what the monitor cannot capture."""
     if getattr(args, "n_gpu", 1) > 1:
         raise ValueError("SpectralMonitor hooks one model copy: DataParallel (n_gpu > 1) is not supported; "
                          "run one process per device (torchrun)")
-    packed = [f"{name}=True" for name in PACKING_ARGS if getattr(args, name, False) is True]
-    collator = getattr(dataloader, "collate_fn", None)
-    while hasattr(collator, "data_collator"):  # Trainer's RemoveColumnsCollator wraps the user's
-        collator = collator.data_collator
-    if type(collator).__name__ == "DataCollatorWithFlattening" or getattr(collator, "padding_free", False) is True:
-        packed.append(f"the data collator ({type(collator).__name__}) flattens each batch")
-    if packed:
-        raise ValueError(f"SpectralMonitor needs one sample per row, right-padded: packed batches "
-                         f"({', '.join(packed)}) are not supported")

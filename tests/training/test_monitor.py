@@ -123,6 +123,25 @@ def test_monitor_rows_under_wit_are_each_samples_own_wit_gradient(tokenizer, tmp
     _assert_rows_equal(rows, batch, want, 1e-4)
 
 
+def test_trainer_rows_carry_the_dataset_index_a_collator_passes(tokenizer, tmp_path):
+    """A sample_index column through the collator: the monitored steps' rows carry it; on the
+    others the model takes it as an ignored keyword."""
+    rows = [{**r, "sample_index": 100 + i} for i, r in enumerate(ROWS)]
+
+    def collate(batch):
+        return {**WITCollator(tokenizer)(batch), "sample_index": torch.tensor([r["sample_index"] for r in batch])}
+
+    from transformers import Trainer, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=4,
+                             learning_rate=0.0, remove_unused_columns=False, report_to=[], save_strategy="no",
+                             use_cpu=True, logging_steps=2, train_sampling_strategy="sequential")
+    Trainer(model=tiny_model("llama"), args=args, train_dataset=rows, data_collator=collate,
+            callbacks=[SpectralMonitorCallback(every=2, out=tmp_path / "m.parquet")]).train()
+    got = pd.read_parquet(tmp_path / "m.parquet")
+    assert got[["step", "sample_index"]].values.tolist() == [[2, 102], [2, 103], [4, 102], [4, 103]]
+
+
 def test_monitor_every_n_steps_records_the_steps_trainer_logs(tokenizer, tmp_path):
     monitor = SpectralMonitorCallback(every=2, out=tmp_path / "m.parquet")
     trainer = _train(tiny_model("llama"), tokenizer, tmp_path, monitor, wit=WITLoss(0.5, 1.0), logging_steps=2)
@@ -155,30 +174,47 @@ def _flash_packed(batch: dict) -> dict:
     return {**packed, "cu_seq_lens_q": bounds, "cu_seq_lens_k": bounds}
 
 
-@pytest.mark.parametrize(("collate", "message"), [
-    (_left_padded, "left-padded"),
-    (_packed, "packed batches \\(position_ids restarting within a row\\)"),
-    (_flash_packed, "packed batches \\(cu_seq_lens_q, cu_seq_lens_k, position_ids restarting"),
-])
-def test_monitor_refuses_left_padded_and_packed_batches(tokenizer, tmp_path, collate, message):
+def test_monitor_refuses_left_padded_batches(tokenizer, tmp_path):
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match=message):
-        _train(model, tokenizer, tmp_path, SpectralMonitorCallback(every=1), collate=collate)
+    with pytest.raises(ValueError, match="left-padded"):
+        _train(model, tokenizer, tmp_path, SpectralMonitorCallback(every=1), collate=_left_padded)
     assert _hooks(model) == 0
 
 
-def test_monitor_refuses_a_flattening_collator_before_the_first_step(tokenizer, tmp_path):
-    from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
+def _block_diagonal(packed: dict) -> dict:
+    """The packed row's causal mask, block-diagonal over its sequences: the CPU attention kernels do
+    not isolate packed sequences from position ids alone."""
+    positions = packed["position_ids"][0]
+    sequence = torch.cumsum(positions == 0, 0)
+    T = len(positions)
+    mask = torch.tril(torch.ones(T, T, dtype=torch.bool)) & (sequence[:, None] == sequence[None, :])
+    return {**packed, "attention_mask": mask[None, None]}
 
+
+@pytest.mark.parametrize("collate", [lambda b: _block_diagonal(_packed(b)),
+                                     lambda b: _block_diagonal(_flash_packed(b))], ids=["position ids", "cu_seq_lens"])
+def test_packed_batches_give_one_row_per_sequence_equal_to_the_unpacked_batch(tokenizer, tmp_path, collate):
+    """The 4 samples packed into one row (sequences isolated by a block-diagonal mask): one row per
+    sequence, equal to gradspec score of the same samples unpacked, loss included."""
+    out = tmp_path / "m.parquet"
+    _train(tiny_model("llama"), tokenizer, tmp_path, SpectralMonitorCallback(every=1, modules="all", out=out),
+           collate=collate)
+    rows = pd.read_parquet(out)
+    assert len(rows) == 8 and (rows["status"] == "ok").all() and rows["micro_batch"].eq(0).all()
+    batch = WITCollator(tokenizer)(ROWS)
+    want = SpectralEngine(tiny_model("llama"), "all").score(batch["input_ids"], batch["attention_mask"],
+                                                             batch["labels"])
+    _assert_rows_equal(rows, batch, {i: {n: v[i] for n, v in want.metrics.items()} for i in range(4)}, 1e-4)
+    _assert_losses_equal(rows, batch, want.loss)
+
+
+def test_a_packed_label_across_a_boundary_is_refused(tmp_path):
     model = tiny_model("llama")
-    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=1,
-                             report_to=[], save_strategy="no", use_cpu=True)
-    rows = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}]
-    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=DataCollatorWithFlattening(),
-                      callbacks=[SpectralMonitorCallback(every=1)])
-    with pytest.raises(ValueError, match="the data collator \\(DataCollatorWithFlattening\\) flattens"):
-        trainer.train()
-    assert _hooks(model) == 0 and trainer.state.global_step == 0
+    ids = torch.randint(3, 100, (1, 10))
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]])
+    with pytest.raises(ValueError, match="first label is not -100"), SpectralMonitor(every=1).step(model):
+        model(input_ids=ids, position_ids=positions, labels=ids).loss.backward()
+    assert _hooks(model) == 0
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
@@ -280,6 +316,24 @@ def test_a_forward_that_raises_in_a_monitored_step_leaves_no_hooks(tmp_path):
     assert rows["step"].tolist() == [2, 2] and (rows["status"] == "ok").all() and _hooks(model) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_low_precision_model_s_rows_equal_gradspec_score_of_the_same_model(tokenizer, tmp_path, dtype):
+    """Both form fp64 Grams from the activations as they are. The training backward carries l_i / N
+    where score's carries l_i / n_i, and in bf16/fp16 every op of the backward rounds differently
+    at another scale: the rows agree to the dtype's rounding (measured: bf16 <= 2e-2, fp16 <= 3e-3)."""
+    model = tiny_model("llama").to(dtype)
+    monitor = SpectralMonitor(every=1, modules="all", out=tmp_path / "m.parquet")
+    batch = WITCollator(tokenizer)(ROWS)
+    with monitor.step(model):
+        model(**batch).loss.backward()
+    rows = pd.read_parquet(tmp_path / "m.parquet")
+    assert (rows["status"] == "ok").all()
+    want = SpectralEngine(tiny_model("llama").to(dtype), "all").score(batch["input_ids"], batch["attention_mask"],
+                                                                       batch["labels"])
+    rel = 5e-2 if dtype == torch.bfloat16 else 1e-2
+    _assert_rows_equal(rows, batch, {i: {n: v[i] for n, v in want.metrics.items()} for i in range(4)}, rel)
+
+
 def test_a_plain_loop_s_rows_equal_gradspec_score(tokenizer, tmp_path):
     """Any loop: ``with monitor.step(model)`` around its forward and backward, a mean loss over
     micro-batches of 2 accumulated, dataset indices from a batch column the monitor takes out."""
@@ -317,3 +371,15 @@ def test_bad_arguments_are_named_when_given(make, message):
     """Not at the first monitored step or the first loss, in the middle of the user's training."""
     with pytest.raises(ValueError, match=re.escape(message)):
         make()
+
+
+def test_packed_sequences_from_position_ids_or_cu_seq_lens():
+    from gradspec.training.monitor import packed_sequences
+
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [0, 1, 0, 1, 2, 3, 9, 9, 9]])
+    mask = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])  # the second row right-padded after its sequences
+    assert packed_sequences({"position_ids": positions, "attention_mask": mask}, (2, 9)) == [
+        (0, 0, 3), (0, 3, 2), (0, 5, 4), (1, 0, 2), (1, 2, 4)]
+    bounds = torch.tensor([0, 4, 6, 9], dtype=torch.int32)
+    assert packed_sequences({"cu_seq_lens_q": bounds}, (1, 9)) == [(0, 0, 4), (0, 4, 2), (0, 6, 3)]
+    assert packed_sequences({"position_ids": torch.arange(9)[None].expand(2, 9)}, (2, 9)) is None
