@@ -168,8 +168,7 @@ class BatchCapture(Capture):
             G = materialised.take(D).to(dtype).transpose(1, 2) @ Xs  # (n, d_out, d_in)
             gram = G @ G.transpose(1, 2) if part.d_out <= part.d_in else G.transpose(1, 2) @ G
             if self.eager:
-                gram = gram.cpu() if eigen_path(gram, self.policy, "gram") == "cpp" else gram
-                self.solved.extend(self._solve_gram(part, materialised.batch_rows, gram))
+                self.solved.extend(self._solve_gram(part, materialised.batch_rows, self._for_eigen(gram, "gram")))
             else:
                 self.materialised.append((part, materialised.batch_rows, gram))
 
@@ -249,10 +248,13 @@ class BatchCapture(Capture):
             del self.x_grams[key]
         for key in [k for k in self.core if isinstance(k[0], InputKey) and not k[0].alive()]:
             group = self.core.pop(key)
-            if eigen_path(group.B, self.policy, "core") == "cpp":
-                group.B = group.B.cpu()
-                group.items = [(part, A.cpu(), inner) for part, A, inner in group.items]
+            group.B = self._for_eigen(group.B, "core")
+            group.items = [(part, A.to(group.B.device), inner) for part, A, inner in group.items]
             self.solved.extend(self._solve_core(group))
+
+    def _for_eigen(self, grams: torch.Tensor, stage: str) -> torch.Tensor:
+        """Eager: on the host where this stage's eigen path runs there (a synchronous copy)."""
+        return grams.cpu() if eigen_path(grams, self.policy, stage) == "cpp" else grams
 
     def reduce(self, finite: torch.Tensor, flags: list[set[str]], keep_spectra: bool):
         """({part: (N, metrics)}, {part: [sigma per sample]}) for the samples with a finite loss; a

@@ -63,7 +63,7 @@ class PackedLayout(BatchLayout):
     def __init__(self, sequences: list[tuple[int, int, int]], shape: tuple[int, int], device: torch.device | str
                  ) -> None:
         super().__init__(torch.tensor([n for _, _, n in sequences], dtype=torch.int64), device)
-        self.shape = shape
+        self.shape, self.sequences = shape, sequences
         R, T = shape
         longest = int(self.lengths.max()) if sequences else 0
         steps = torch.arange(longest)
@@ -75,10 +75,18 @@ class PackedLayout(BatchLayout):
     def rows(self) -> int:
         return self.shape[0]
 
-    def gather(self, Y: torch.Tensor) -> torch.Tensor:
-        """(rows, T, d) -> (sequences, longest, d), zero past each sequence's end."""
-        flat = Y.reshape(-1, Y.shape[-1])
-        return torch.cat([flat, flat.new_zeros(1, flat.shape[1])])[self.index]
+    @cached_property
+    def owner(self) -> torch.Tensor:
+        """(rows, T) on the device: each position's sequence (0 where none)."""
+        owner = torch.zeros(self.shape, dtype=torch.int64)
+        for j, (r, start, n) in enumerate(self.sequences):
+            owner[r, start : start + n] = j
+        return owner.to(self.device)
+
+    def gather(self, Y: torch.Tensor, fill: float = 0) -> torch.Tensor:
+        """(rows, T, ...) -> (sequences, longest, ...), `fill` past each sequence's end."""
+        flat = Y.reshape(-1, *Y.shape[2:])
+        return torch.cat([flat, flat.new_full((1, *flat.shape[1:]), fill)])[self.index]
 
     def whole(self, X: torch.Tensor, D: torch.Tensor) -> Captured:
         return Captured(self.gather(X), self.gather(D), self.lengths, None, self, layout="batch",

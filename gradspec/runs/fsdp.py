@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradspec.engine.loss import IGNORE_INDEX
 
-def shard(model: nn.Module) -> dict[str, Any]:
+
+def shard_model(model: nn.Module) -> dict[str, Any]:
     """Shards the model's decoder layers and its base model across the process group, in place
     (frozen first: the unsharded weights then need no gradients); returns the sharding, for
     the score file's metadata."""
@@ -36,6 +38,15 @@ def shard(model: nn.Module) -> dict[str, Any]:
     fully_shard(getattr(model, "base_model", model))
     return {"mode": "fsdp2", "world_size": dist.get_world_size(), "sharded_layers": len(layers),
             "parameter_bytes": {"unsharded": before, "this_rank": parameter_bytes(model)}}
+
+
+def shard_engine(engine, device: str) -> dict[str, Any]:
+    """The engine's model sharded, its passes in lockstep across the ranks; returns the sharding."""
+    sharding = shard_model(engine.model)
+    idle = [torch.tensor([[0, 0]], device=device), torch.ones(1, 2, dtype=torch.int64, device=device),
+            torch.tensor([[IGNORE_INDEX, 0]], device=device)]  # one response token, its rows dropped
+    engine.lockstep = Lockstep(lambda: engine.score(*idle))
+    return sharding
 
 
 def parameter_bytes(model: nn.Module) -> int:

@@ -39,10 +39,9 @@ from gradspec.data.readers import (
     read_samples,
 )
 from gradspec.data.templates import check_response_tokens, tokenize
-from gradspec.engine.loss import IGNORE_INDEX
 from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
-from gradspec.runs.fsdp import Lockstep, shard
+from gradspec.runs.fsdp import shard_engine
 from gradspec.runs.run_folder import CHUNK_ROWS, INPUT_ERROR, RunFolder, Shard
 from gradspec.runs.score_files import (
     METADATA_KEY,
@@ -378,7 +377,7 @@ def run(
         # A torchrun rank makes its own GPU current before anything touches CUDA (bind_device)
         device = bind_device(device) if ranks else device
         engine, tokenizer = _engine(config, device, backend, trust_remote_code, batch_tokens, progress)
-        sharding = sharded(engine, device) if fsdp else None
+        sharding = shard_engine(engine, device) if fsdp else None
         folder, info = RunFolder(out), config.describe()
         created = False  # whether this process made the run folder (torchrun's rank 0 keeps it)
         if group is None:
@@ -431,15 +430,6 @@ def run(
         if merge and mine.index == 0 and (group is not None or mine.count == 1):
             folder.merge(records, config.chunk_rows)
     return statuses
-
-
-def sharded(engine: SpectralEngine, device: str) -> dict[str, Any]:
-    """The engine's model sharded with FSDP2, its passes in lockstep across the ranks; the sharding."""
-    sharding = shard(engine.model)
-    idle = [torch.tensor([[0, 0]], device=device), torch.ones(1, 2, dtype=torch.int64, device=device),
-            torch.tensor([[IGNORE_INDEX, 0]], device=device)]  # one response token, its rows dropped
-    engine.lockstep = Lockstep(lambda: engine.score(*idle))
-    return sharding
 
 
 def score(

@@ -96,7 +96,7 @@ class _MicroBatch(NamedTuple):
     scaled: bool
     indices: list[int | None]  # dataset index per row
     labels: torch.Tensor | None  # as the model got them: (rows, T)
-    owner: torch.Tensor | None  # packed: each position's sequence (rows, T); None: a sample per row
+    owner: torch.Tensor  # (rows, T): each position's sample (its row, or its packed sequence)
     weights: tuple[float, float] | None  # the loss's (prompt, response) token weights
     losses: list  # [l_i / n_i (N,)] once the forward has returned logits, where scaled
 
@@ -255,30 +255,32 @@ class SpectralMonitor:
         sequences = packed_sequences(kwargs, tokens_in.shape[:2])
         if sequences is None:  # one sample per row, right-padded
             lengths = _lengths(kwargs.get("attention_mask"), tokens_in)
-            layout, owner, own_labels = BatchLayout(lengths, lengths.device), None, labels
+            layout, own_labels = BatchLayout(lengths, lengths.device), labels
+            owner = torch.arange(len(lengths), device=tokens_in.device)[:, None].expand(tokens_in.shape[:2])
         else:  # one sample per packed sequence
             layout = PackedLayout(sequences, tuple(tokens_in.shape[:2]), tokens_in.device)
-            lengths, owner = layout.lengths, _owner(sequences, tokens_in.shape[:2], tokens_in.device)
-            own_labels = None if labels is None else _sequence_labels(labels, layout, sequences)
+            lengths, owner = layout.lengths, layout.owner
+            own_labels = None if labels is None else _sequence_labels(labels, layout)
         num_items = stash.get("num_items") if stash.get("num_items") is not None else self._current.num_items
         kind, weights = model_loss(self._current.model) if self._current.loss_known else (UNKNOWN, None)
         scaled = labels is not None and weights is not None
         tokens = loss_tokens(own_labels, *weights) if scaled else lengths.to(tokens_in.device) - 1
+        sample_indices = [None] * len(lengths) if indices is None else \
+            [int(i) for i in torch.as_tensor(indices).tolist()]
+        if len(sample_indices) != len(lengths):
+            raise ValueError(f"SpectralMonitor: {self.index_column} has {len(sample_indices)} entries for this "
+                             f"batch's {len(lengths)} samples (a packed batch: one per sequence)")
+        if indices is None and self._current.indices is not None:
+            done = sum(len(m.indices) for m in self._micro)
+            sample_indices = (self._current.indices[done : done + len(lengths)] + sample_indices)[: len(lengths)]
         model = self._current.model
         capture = BatchCapture(self._targets[model], layout, self.backend, None,
                                metric_names(), self._scale(tokens, num_items) if scaled else None,
                                eager=_checkpointing(model))
         self._layer_hooks.enter_context(attached(model, [capture]))
-        rows = [None] * len(lengths) if indices is None else [int(i) for i in torch.as_tensor(indices).tolist()]
-        if len(rows) != len(lengths):
-            raise ValueError(f"SpectralMonitor: {self.index_column} has {len(rows)} entries for this batch's "
-                             f"{len(lengths)} samples (a packed batch: one per sequence)")
-        if indices is None and self._current.indices is not None:
-            done = sum(len(m.indices) for m in self._micro)
-            rows = (self._current.indices[done : done + len(lengths)] + rows)[: len(lengths)]
         self._micro.append(_MicroBatch(capture, kind if scaled else UNKNOWN, tokens,
-                                       None if labels is None else (own_labels[:, 1:] >= 0).sum(1), scaled, rows,
-                                       labels, owner, weights, []))
+                                       None if labels is None else (own_labels[:, 1:] >= 0).sum(1), scaled,
+                                       sample_indices, labels, owner, weights, []))
         return (args, kwargs) if headless else None
 
     def _call_ends(self, model: nn.Module, args: tuple, output: Any) -> None:
@@ -295,14 +297,13 @@ class SpectralMonitor:
             return
         logits, log_probs = getattr(output, "logits", None), getattr(output, "log_probs", None)
         with torch.no_grad():
-            owner = micro.owner if micro.owner is not None else \
-                torch.arange(len(micro.labels), device=micro.labels.device)[:, None].expand_as(micro.labels)
             if isinstance(logits, torch.Tensor) and logits.shape[:2] == micro.labels.shape:
-                micro.losses.append(sample_losses(logits.detach(), micro.labels, *micro.weights, owner, micro.tokens))
+                micro.losses.append(sample_losses(logits.detach(), micro.labels, *micro.weights, micro.owner,
+                                                  micro.tokens))
             elif isinstance(log_probs, torch.Tensor) and micro.weights == (0.0, 1.0) \
                     and log_probs.shape == micro.labels[:, 1:].shape:  # TRL's fused head: zero off the labels
                 total = torch.zeros(len(micro.tokens), dtype=torch.float64, device=log_probs.device)
-                total.index_add_(0, owner[:, 1:].flatten().clamp_min(0), -log_probs.detach().double().flatten())
+                total.index_add_(0, micro.owner[:, 1:].flatten(), -log_probs.detach().double().flatten())
                 micro.losses.append(total / micro.tokens.double())
 
     def _abort_within_forward(self, module: nn.Module) -> None:
@@ -413,28 +414,18 @@ def packed_sequences(kwargs: dict[str, Any], shape: tuple[int, int]) -> list[tup
     return None
 
 
-def _owner(sequences: list[tuple[int, int, int]], shape: tuple[int, int], device) -> torch.Tensor:
-    """(rows, T): each position's sequence (0 where none: padding, whose targets are ignored)."""
-    owner = torch.zeros(shape, dtype=torch.int64)
-    for j, (r, start, n) in enumerate(sequences):
-        owner[r, start : start + n] = j
-    return owner.to(device)
-
-
-def _sequence_labels(labels: torch.Tensor, layout: PackedLayout, sequences: list[tuple[int, int, int]]
-                     ) -> torch.Tensor:
+def _sequence_labels(labels: torch.Tensor, layout: PackedLayout) -> torch.Tensor:
     """Each packed sequence's labels, right-padded with IGNORE_INDEX. A sequence after the first of
     its row must have no target at its first token: that would be a loss across the boundary, from
     the previous sequence's last position (DataCollatorWithFlattening puts -100 there)."""
-    heads = [(r, start) for r, start, _ in sequences if start > 0]
+    heads = [(r, start) for r, start, _ in layout.sequences if start > 0]
     if heads:
         rows, cols = torch.tensor(heads).T
         if (labels[rows.to(labels.device), cols.to(labels.device)] != IGNORE_INDEX).any():
             raise ValueError("SpectralMonitor: a packed sequence's first label is not -100, so the loss runs across "
                              "the sequences' boundary; label each sequence's first token -100 (as "
                              "DataCollatorWithFlattening does)")
-    flat = labels.reshape(-1)
-    return torch.cat([flat, flat.new_full((1,), IGNORE_INDEX)])[layout.index]
+    return layout.gather(labels, IGNORE_INDEX)
 
 
 def _checkpointing(model: nn.Module) -> bool:
