@@ -20,7 +20,7 @@ judged_rows); low-rank on the samples its rank covers. The paths that ran
 (engine.policy.describe()) must be the forced ones. The measured configurations also go through
 submit(), whose eigen stage runs on the engine's worker thread. With two GPUs, the Triton kernels
 and CuPy run on tensors of the GPU that is not current (gradspec.kernels.launch); with one, that
-check is skipped.
+check is skipped. --device-map's check splits a model over two GPUs, or a GPU and the host.
 
 A check that fails or raises is recorded and the run goes on; acceptance.json and acceptance.md in
 --out are rewritten after each check. The verdict line (``ACCEPTANCE: PASS (n checks)`` or
@@ -378,6 +378,62 @@ def device_check(device: str) -> dict:
     return {"status": "fail" if problems else "pass", "max_rel_err": errors, "problems": problems}
 
 
+def split_devices(device: str) -> tuple[str, str]:
+    """The two devices a dispatched model is split over: two GPUs, else a GPU and the host (the
+    host's modules run there: accelerate's main device is the CPU), else the host twice (--smoke)."""
+    if not device.startswith("cuda"):
+        return "cpu", "cpu"
+    return ("cuda:0", "cuda:1") if torch.cuda.device_count() >= 2 else ("cuda:0", "cpu")
+
+
+def device_map_check(device: str) -> dict:
+    """--device-map: a tiny fp64 Llama and Qwen3-MoE, layer 0 and the embeddings on one device, layer 1,
+    the norm and the LM head on the other (accelerate's dispatch), scored with spectra, alignment and
+    projection of every module (experts and routers too); every value equals the undispatched model's
+    on the host (rtol 1e-6). Each module's X and D, Grams and eigen work stay on its own device."""
+    import transformers
+    from accelerate import dispatch_model
+
+    first, second = split_devices(device)
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=VOCAB)
+    models = {"llama": (transformers.LlamaConfig(**shape), transformers.LlamaForCausalLM),
+              "qwen3_moe": (transformers.Qwen3MoeConfig(**shape, moe_intermediate_size=32, num_experts=4,
+                                                        num_experts_per_tok=2), transformers.Qwen3MoeForCausalLM)}
+    g = torch.Generator().manual_seed(3)
+    samples = []
+    for n in (21, 9, 40):
+        ids = torch.randint(3, VOCAB, (n,), generator=g)
+        samples.append((ids, torch.where(torch.arange(n) >= n // 2, ids, IGNORE_INDEX)))
+    errors, problems = {}, []
+    for kind, (config, model_class) in models.items():
+        torch.manual_seed(0)
+        host = model_class(config).double().eval()
+        if hasattr(host, "set_experts_implementation"):  # the outside of the pass (check_head_shortcut): no fp64
+            host.set_experts_implementation("eager")     # grouped_mm
+        placed = dispatch_model(copy.deepcopy(host), main_device="cpu" if "cpu" in (first, second) else first,
+                                device_map={"model.embed_tokens": first, "model.rotary_emb": first,
+                                            "model.layers.0": first, "model.layers.1": second, "model.norm": second,
+                                            "lm_head": second})
+        results = []
+        for model, on in ((placed, first), (host, "cpu")):
+            with SpectralEngine(model, "all", project=4) as engine:
+                engine.set_task([padded_batch(samples[:2], on)])
+                results.append(engine.score(*padded_batch(samples, on)))
+        got, want = results
+        worst = max((relative_error(a, b) for name in want.metrics
+                     for a, b in zip(got.metrics[name].flatten().tolist(), want.metrics[name].flatten().tolist(),
+                                     strict=True) if not (math.isnan(a) and math.isnan(b))), default=math.inf)
+        worst = max(worst, *(relative_error(float(got.alignment[k][i]), float(want.alignment[k][i]))
+                             for k in want.alignment for i in range(len(samples))))
+        errors[kind] = worst
+        statuses = [got.status(i) for i in range(len(samples))]
+        if not worst <= 1e-6 or statuses != ["ok"] * len(samples):
+            problems.append(f"{kind} over {first}+{second}: worst rel err {worst:.1e}, statuses {statuses}")
+    return {"status": "fail" if problems else "pass", "devices": [first, second], "max_rel_err": errors,
+            "problems": problems}
+
+
 # ----------------------------------------------------------------------------- report
 
 
@@ -578,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     device, info = guarded(lambda: [device_check(args.device)])
     report.add({"check": "device/launch-on-tensors-gpu", **info, **(device[0] if device else {"status": "error"})})
+    placed, info = guarded(lambda: [device_map_check(args.device)])
+    report.add({"check": "device/device-map", **info, **(placed[0] if placed else {"status": "error"})})
     line = verdict(report.checks)
     print(line, flush=True)
     if not args.no_suite:

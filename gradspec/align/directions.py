@@ -67,10 +67,19 @@ class PartDirections:
     owner: torch.Tensor | None = None
     device_coefficients: torch.Tensor | None = None
 
+    def follow(self, device: torch.device) -> None:
+        """The held tensors moved to device, where the part's module runs (a dispatched model's
+        modules run on several); once, at the first batch there."""
+        for name in ("device_coefficients", "W", "X", "D", "owner"):
+            t = getattr(self, name)
+            if t is not None and t.device != device:
+                setattr(self, name, t.to(device))
+
     def inner(self, X: torch.Tensor, D: torch.Tensor, mask: torch.Tensor, lengths: list[int],
               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """A padded batch X (N, T, d_in), D (N, T, d_out), its mask and host lengths -> <G_i, W_k>
         (N, K) and ||G_i||^2 (N,), at dtype, on X's device."""
+        self.follow(X.device)
         if self.route == "dense":
             flat = per_sample_gradients(X, D, mask, dtype).flatten(1)
             return flat @ self.W.flatten(1).T, flat.pow(2).sum(1)

@@ -103,6 +103,7 @@ class _Directions(KeptCapture):
         examples = [examples[k] for k in local]
         if not local:
             return
+        p.follow(captured.X.device)
         if p.route == "dense":
             take = torch.tensor(local).to(captured.X.device, non_blocking=True)
             G = per_sample_gradients(captured.X[take], captured.D[take], captured.mask[take], self.dtype).flatten(1)
@@ -167,8 +168,9 @@ def collect_task(
         if d.route == "cross":
             rows = kept_rows[name]
             d.X, d.D = torch.cat([x for _, x, _ in rows]), torch.cat([dd for _, _, dd in rows])
-            d.owner = torch.cat([torch.full((len(x),), j, dtype=torch.long) for j, x, _ in rows]).to(device)
-            d.mean_norm2 = float(mean @ d.task_inner() @ mean)
+            d.owner = torch.cat([torch.full((len(x),), j, dtype=torch.long) for j, x, _ in rows]).to(d.X.device)
+            inner = d.task_inner()
+            d.mean_norm2 = float(mean.to(inner.device) @ inner @ mean.to(inner.device))
         elif "max" in aggregates:
             d.mean_norm2 = float(d.W.mean(0).pow(2).sum())
         else:

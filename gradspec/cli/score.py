@@ -8,7 +8,7 @@ from pathlib import Path
 from gradspec.align.task import check_aggregates
 from gradspec.cli.given import refuse_unused
 from gradspec.data.batching import BATCH_TOKENS
-from gradspec.data.models import DTYPES
+from gradspec.data.models import DEVICE_MAPS, DTYPES
 from gradspec.data.readers import ON_ERROR, Fields, Hub
 from gradspec.data.templates import TEMPLATES
 from gradspec.runs.run_folder import INPUT_ERROR, RunFolder, Shard
@@ -74,6 +74,10 @@ def add_run_arguments(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--max-length", type=int, default=ScoreConfig.max_length)
     p.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS, help="padded tokens per batch")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
+    p.add_argument("--device-map", choices=DEVICE_MAPS,
+                   help="one process, the model's layers spread over every visible GPU (then host memory) by "
+                        "accelerate, for a model larger than one GPU; hooks, Grams and eigen work run on each "
+                        "layer's own device (instead of --device)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=ScoreConfig.dtype)
     p.add_argument("--limit", type=int, help="score only the first N samples")
     p.add_argument("--save-spectra", action="store_true", help="also store each module's singular values")
@@ -120,6 +124,7 @@ def run(args: argparse.Namespace, task: str | None = None, aggregate: str = "", 
     statuses = run_scoring(
         config, args.out, device=args.device, backend=args.backend, batch_tokens=args.batch_tokens,
         progress=not args.quiet, trust_remote_code=args.trust_remote_code, resume=args.resume, fsdp=args.fsdp,
+        device_map=args.device_map,
         overwrite=args.overwrite, shard=args.shard, on_error=args.on_error, merge=args.merge,
     )
     folder = RunFolder(args.out)

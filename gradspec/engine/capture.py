@@ -54,16 +54,22 @@ class LowRankSketch:
 @dataclass
 class _Samples:
     """Some samples of a Captured: their rows in it and in the batch, their lengths on the host, a gather
-    index on the device (None when they are all of it: a slice, no copy); T is the longest of them."""
+    index (None when they are all of it: a slice, no copy), copied to each device it is taken on;
+    T is the longest of them."""
 
     rows: tuple[int, ...]
     batch_rows: tuple[int, ...]
     lengths: torch.Tensor
     index: torch.Tensor | None
     T: int
+    _on: dict = field(default_factory=dict)
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self.index is None else t[self.index]
+        if self.index is None:
+            return t
+        if t.device not in self._on:
+            self._on[t.device] = self.index.to(t.device, non_blocking=True)
+        return t[self._on[t.device]]
 
 
 class _Solved(NamedTuple):
@@ -123,7 +129,7 @@ class BatchCapture(Capture):
     def _samples(self, captured: Captured, rows: list[int]) -> _Samples:
         T = max((int(captured.lengths[i]) for i in rows), default=0)
         whole = rows == list(range(len(captured.lengths)))
-        index = None if whole else torch.tensor(rows).to(self.device, non_blocking=True)
+        index = None if whole else torch.tensor(rows)
         return _Samples(tuple(rows), tuple(captured.batch_row(i) for i in rows), captured.lengths[rows], index, T)
 
     def _split(self, captured: Captured, n: int) -> tuple[_Samples, _Samples]:
@@ -146,7 +152,7 @@ class BatchCapture(Capture):
         X, D = captured.X, captured.D
         if self.scale is not None:
             dtype = torch.promote_types(D.dtype, torch.float32)  # a bf16 product would round the scale
-            D = D.to(dtype) * captured.of_rows(self.scale).to(dtype)
+            D = D.to(dtype) * captured.of_rows(self.scale).to(D.device, dtype)
         if self.sketch is not None:
             s = self.sketch
             omega = s.omega(part, part.d_in, X.device)

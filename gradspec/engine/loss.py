@@ -53,8 +53,13 @@ _HEAD_SHORTCUT: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDict
 
 
 def _shortcut_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows, cols):
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    return model.get_output_embeddings()(hidden.last_hidden_state[rows, cols])
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    return model.get_output_embeddings()(hidden[rows.to(hidden.device), cols.to(hidden.device)])
+
+
+def _full_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows, cols):
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    return logits[rows.to(logits.device), cols.to(logits.device)]
 
 
 @torch.no_grad()
@@ -77,8 +82,8 @@ def check_head_shortcut(
     i = labelled[:1]
     ids, mask = input_ids[i], attention_mask[i]
     rows, cols, _ = next_token_positions(labels[i])
-    full = model(input_ids=ids, attention_mask=mask, use_cache=False).logits[rows, cols].float()
-    short = _shortcut_logits(model, ids, mask, rows, cols).float()
+    full = _full_logits(model, ids, mask, rows, cols).float()
+    short = _shortcut_logits(model, ids, mask, rows, cols).float().to(full.device)
     tol = max(1e-4, 16 * torch.finfo(model.get_output_embeddings().weight.dtype).eps)
     ok = bool((short - full).abs().max() <= tol * full.abs().max().clamp_min(1e-30))
     if not ok:
@@ -98,14 +103,12 @@ def response_losses(
 
     Prompt positions need no logits: skipping them saves the head's forward and backward
     there. A model whose logits are more than its head of its hidden states takes the full
-    path (check_head_shortcut).
+    path (check_head_shortcut). The values lie on the logits' device (a dispatched model's head's).
     """
     rows, cols, wanted = next_token_positions(labels)
-    if check_head_shortcut(model, input_ids, attention_mask, labels):
-        logits = _shortcut_logits(model, input_ids, attention_mask, rows, cols)
-    else:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits[rows, cols]
-    logits = logits.float()
+    logits = (_shortcut_logits if check_head_shortcut(model, input_ids, attention_mask, labels) else _full_logits)(
+        model, input_ids, attention_mask, rows, cols).float()
+    rows, wanted = rows.to(logits.device), wanted.to(logits.device)
     count = torch.bincount(rows, minlength=len(labels))
 
     def per_sample(values: torch.Tensor) -> torch.Tensor:

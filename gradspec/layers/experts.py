@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from gradspec.layers.checkpointing import RECOMPUTE, phase
-from gradspec.layers.hooks import Captured, PackedLayout
+from gradspec.layers.hooks import Captured
 from gradspec.layers.linear import start_graph
 from gradspec.layers.registry import Part, Target, register
 
@@ -53,7 +53,11 @@ class ExpertsTarget(Target):
                                            "model": getattr(config, "_experts_implementation", None)}}
 
     def attach(self, batch, deliver: Callable) -> list:
-        module, previous = self.module, self.module.__dict__.get("forward")
+        module = self.module
+        # A dispatched model's module (accelerate) runs its own forward as _old_forward, between the hook
+        # that brings its weights and inputs to its device and the one that offloads them again.
+        slot = "_old_forward" if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__ else "forward"
+        previous = module.__dict__.get(slot)
         signature = inspect.signature(type(module).forward)
         own = previous if previous is not None else type(module).forward.__get__(module)
 
@@ -64,32 +68,29 @@ class ExpertsTarget(Target):
             hidden, index, weights = list(bound.arguments.values())[1:4]
             return self._forward(batch, deliver, hidden, index, weights)
 
-        module.forward = forward
-        return [_Forward(module, previous)]
+        setattr(module, slot, forward)
+        return [_Forward(module, slot, previous)]
 
     def _forward(self, batch, deliver: Callable, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         m, E = self.module, self.num_experts
         hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
-        NT, k = hidden.shape[0], top_k_index.shape[-1]
-        if isinstance(batch, PackedLayout):
-            raise ValueError(f"{self.name}: MoE experts in packed batches are not supported yet; "
-                             f"give one sequence per row")
-        if NT % batch.N:
-            raise ValueError(f"{self.name}: {NT} tokens do not split into the batch's {batch.N} samples")
-        T = NT // batch.N
-        # (token, expert) pairs sorted by expert, then sample, then position: each expert's a run of rows.
-        expert, order = torch.sort(top_k_index.reshape(-1) * NT + torch.arange(NT, device=hidden.device)
-                                   .repeat_interleave(k), stable=True)
-        token, expert = expert % NT, expert // NT
+        NT, k, N = hidden.shape[0], top_k_index.shape[-1], batch.N
+        owner = batch.token_owner(hidden.device)  # each token's sample; N: padding, in no sample
+        if NT != len(owner):
+            raise ValueError(f"{self.name}: {NT} tokens, where the batch's input has {len(owner)}")
+        # (token, expert) pairs sorted by expert, then sample, then position: each (expert, sample) a run
+        # of rows, padding last within its expert. E: a sentinel (expert parallel), never computed.
+        pairs = torch.arange(NT, device=hidden.device).repeat_interleave(k)
+        group = top_k_index.reshape(-1).clamp(max=E) * (N + 1) + owner[pairs]
+        key, order = torch.sort(group * NT + pairs, stable=True)
+        token, group = key % NT, key // NT
         weight = top_k_weights.reshape(-1)[order]
-        sample = token // T
-        valid = (token % T) < batch.device_lengths[sample]
-        group = expert.clamp(max=E) * batch.N + sample  # E: a sentinel (expert parallel), never computed
-        counts = torch.zeros(2, (E + 1) * batch.N, dtype=torch.int64, device=hidden.device)
+        counts = torch.zeros(2, (E + 1) * (N + 1), dtype=torch.int64, device=hidden.device)
         counts[0].index_add_(0, group, torch.ones_like(group))
-        counts[1].index_add_(0, group, valid.to(torch.int64))
-        total, routed = counts.cpu().view(2, E + 1, batch.N).unbind(0)  # the layer's one host sync
+        counts[1].index_add_(0, group, (group % (N + 1) < N).to(torch.int64))
+        total, routed = counts.cpu().view(2, E + 1, N + 1).unbind(0)  # the layer's one host sync
+        routed = routed[:, :N]
         ends = total[:E].sum(1).cumsum(0).tolist()
         S = ends[-1] if ends else 0
         X = hidden[token[:S]]
@@ -99,7 +100,7 @@ class ExpertsTarget(Target):
         # the recompute, whose graph no gradient reaches, is not captured.
         capturing = phase().kind != RECOMPUTE
         if capturing:
-            layout = _Layout(self, batch, total, routed, S)
+            layout = _Layout(self, batch, total, routed, S, hidden.device)
             for e in layout.parts:
                 batch.routed_tokens[f"{self.name}.{e}"] = routed[e].clone()
             gate_up = start_graph(gate_up)
@@ -120,7 +121,8 @@ class _Layout:
     samples that reached it (those with tokens within their length), their counts, and a gather index
     (n_e, t_e) into the pairs (S: a zero row), built on the host and copied to the device once."""
 
-    def __init__(self, target: ExpertsTarget, batch, total: torch.Tensor, routed: torch.Tensor, S: int) -> None:
+    def __init__(self, target: ExpertsTarget, batch, total: torch.Tensor, routed: torch.Tensor, S: int,
+                 device: torch.device) -> None:
         self.target, self.batch, self.S = target, batch, S
         self.parts: dict[int, dict[str, list[Part]]] = {}  # expert -> {"up": gate and up parts, "down": ...}
         for p in target.parts:
@@ -140,7 +142,6 @@ class _Layout:
             self.experts.append((e, tuple(reached.tolist()), torch.from_numpy(n), len(reached), int(n.max())))
             lengths.append(n)
             rows.append(reached)
-        device = batch.device
         cat = (lambda arrays: torch.from_numpy(np.concatenate(arrays)).to(device, non_blocking=True)) \
             if pieces else (lambda arrays: None)
         self.index, self.device_lengths, self.device_rows = cat(pieces), cat(lengths), cat(rows)
@@ -179,14 +180,14 @@ def _per_expert(module: nn.Module, name: str, X: torch.Tensor, bounds: list[tupl
 class _Forward:
     """Puts a module's own forward back (a handle, like a hook's)."""
 
-    def __init__(self, module: nn.Module, previous) -> None:
-        self.module, self.previous = module, previous
+    def __init__(self, module: nn.Module, slot: str, previous) -> None:
+        self.module, self.slot, self.previous = module, slot, previous
 
     def remove(self) -> None:
         if self.previous is None:
-            self.module.__dict__.pop("forward", None)
+            self.module.__dict__.pop(self.slot, None)
         else:
-            self.module.forward = self.previous
+            setattr(self.module, self.slot, self.previous)
 
 
 @register

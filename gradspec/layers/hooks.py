@@ -21,13 +21,15 @@ from gradspec.layers.registry import Part, Target
 
 class BatchLayout:
     """A right-padded batch as the hooks see it: each sample's length on the host (decided before
-    the forward, so no hook waits for the device) and on the device; kinds that route tokens record
-    each sample's routed-token count per expert in routed_tokens ({"<experts>.<e>": (N,)})."""
+    the forward, so no hook waits for the device) and on each device a module runs on (a model
+    dispatched over several devices: each module's X and D lie on its own); kinds that route
+    tokens record each sample's routed-token count per expert in routed_tokens ({"<experts>.<e>": (N,)})."""
 
     def __init__(self, lengths: torch.Tensor, device: torch.device | str) -> None:
         self.lengths = lengths.cpu().to(torch.int64)
-        self.device = torch.device(device)
+        self.device = torch.device(device)  # the batch's input's
         self.routed_tokens: dict[str, torch.Tensor] = {}
+        self._on: dict[tuple[str, torch.device], torch.Tensor] = {}
         # Parts whose gradient came from more than one call or backward (a module used twice): a
         # capture sees one of them, so their rows are flagged, not summed silently.
         self.repeated: set[str] = set()
@@ -36,19 +38,39 @@ class BatchLayout:
     def N(self) -> int:
         return len(self.lengths)
 
-    @cached_property
-    def device_lengths(self) -> torch.Tensor:
-        return self.lengths.to(self.device, non_blocking=True)
+    def cached_on(self, what: str, device: torch.device, make) -> torch.Tensor:
+        """make(device), once per batch and device."""
+        key = (what, torch.device(device))
+        if key not in self._on:
+            self._on[key] = make(key[1])
+        return self._on[key]
 
-    @cached_property
+    def lengths_on(self, device: torch.device) -> torch.Tensor:
+        return self.cached_on("lengths", device, lambda d: self.lengths.to(d, non_blocking=True))
+
+    def mask_on(self, device: torch.device) -> torch.Tensor:
+        """(N, longest) bool on device: True at each sample's tokens."""
+        longest = int(self.lengths.max()) if self.N else 0
+        return self.cached_on("mask", device, lambda d: token_mask(self.lengths, longest, d))
+
+    @property
+    def device_lengths(self) -> torch.Tensor:
+        return self.lengths_on(self.device)
+
+    @property
     def mask(self) -> torch.Tensor:
-        """(N, longest) bool on the device: True at each sample's tokens."""
-        return token_mask(self.lengths, int(self.lengths.max()) if self.N else 0, self.device)
+        return self.mask_on(self.device)
 
     @property
     def rows(self) -> int:
         """Rows of the model's input (one sample each here)."""
         return self.N
+
+    def token_owner(self, device: torch.device) -> torch.Tensor:
+        """(rows x T,) on device: each input position's sample, N where none (padding); for kinds
+        that route tokens (MoE experts)."""
+        return self.cached_on("token_owner", device, lambda d: torch.where(
+            self.mask_on(d), torch.arange(self.N, device=d)[:, None], self.N).flatten())
 
     def whole(self, X: torch.Tensor, D: torch.Tensor) -> Captured:
         """The batch's own layout: every sample, its own tokens (dense layers)."""
@@ -67,9 +89,8 @@ class PackedLayout(BatchLayout):
         R, T = shape
         longest = int(self.lengths.max()) if sequences else 0
         steps = torch.arange(longest)
-        index = torch.stack([torch.where(steps < n, r * T + start + steps, R * T) for r, start, n in sequences]) \
-            if sequences else torch.zeros(0, 0, dtype=torch.int64)
-        self.index = index.to(self.device, non_blocking=True)  # (S, longest) into the rows' tokens; R*T: zero
+        self.index = torch.stack([torch.where(steps < n, r * T + start + steps, R * T) for r, start, n in sequences]) \
+            if sequences else torch.zeros(0, 0, dtype=torch.int64)  # (S, longest) into the rows' tokens; R*T: zero
 
     @property
     def rows(self) -> int:
@@ -83,10 +104,20 @@ class PackedLayout(BatchLayout):
             owner[r, start : start + n] = j
         return owner.to(self.device)
 
+    def token_owner(self, device: torch.device) -> torch.Tensor:
+        def make(d: torch.device) -> torch.Tensor:
+            owner = torch.full(self.shape, self.N, dtype=torch.int64)
+            for j, (r, start, n) in enumerate(self.sequences):
+                owner[r, start : start + n] = j
+            return owner.flatten().to(d)
+
+        return self.cached_on("token_owner", device, make)
+
     def gather(self, Y: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """(rows, T, ...) -> (sequences, longest, ...), `fill` past each sequence's end."""
         flat = Y.reshape(-1, *Y.shape[2:])
-        return torch.cat([flat, flat.new_full((1, *flat.shape[1:]), fill)])[self.index]
+        index = self.cached_on("index", Y.device, lambda d: self.index.to(d, non_blocking=True))
+        return torch.cat([flat, flat.new_full((1, *flat.shape[1:]), fill)])[index]
 
     def whole(self, X: torch.Tensor, D: torch.Tensor) -> Captured:
         return Captured(self.gather(X), self.gather(D), self.lengths, None, self, layout="batch",
@@ -122,17 +153,18 @@ class Captured:
 
     @property
     def device_lengths(self) -> torch.Tensor:
+        """On X's device."""
         if self.rows is None:
-            return self.batch.device_lengths
+            return self.batch.lengths_on(self.X.device)
         if self.device_lengths_ is None:
             self.device_lengths_ = self.lengths.to(self.X.device, non_blocking=True)
         return self.device_lengths_
 
     @property
     def mask(self) -> torch.Tensor:
-        """(n, longest here) bool on the device."""
+        """(n, longest here) bool on X's device."""
         if self.rows is None:
-            return self.batch.mask
+            return self.batch.mask_on(self.X.device)
         return token_mask(self.device_lengths, int(self.lengths.max()) if len(self.lengths) else 0, self.X.device)
 
     def _index(self, device: torch.device) -> torch.Tensor:

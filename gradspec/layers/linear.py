@@ -78,6 +78,8 @@ class LinearTarget(Target):
     def _arrived(self, batch, deliver: Callable, X: torch.Tensor, D: torch.Tensor) -> None:
         # The input is released once every part is reduced (its storage goes once every module
         # reading it is done), so only what the captures keep stays in flight.
+        if X.device != D.device:  # a dispatched model's hook moved the input after ours saw it
+            X = X.to(D.device)
         if self.flat:
             X, D = X.reshape(batch.rows, -1, X.shape[-1]), D.reshape(batch.rows, -1, D.shape[-1])
         captured = batch.whole(X, D)

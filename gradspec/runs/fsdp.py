@@ -1,6 +1,10 @@
 """Scoring a model larger than one device: its parameters sharded across the torchrun ranks with
 FSDP2 (``fully_shard`` per decoder layer, then the base model), each rank scoring its own chunks.
 
+No rank holds the whole model on its device, and only rank 0 reads the weights (into host memory):
+every rank builds the model on the meta device and shards it, then allocates its own shards on its
+device and receives them from rank 0 (``load_sharded``).
+
 FSDP makes every forward and backward collective (each layer's weights are gathered from all
 ranks as it runs), so the ranks must run their passes together although each has its own data:
 before each pass they agree whether any still has work (``Lockstep``), and one that has none runs
@@ -11,6 +15,7 @@ positions alone, outside the base model's forward).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,6 +23,29 @@ import torch.distributed as dist
 from torch import nn
 
 from gradspec.engine.loss import IGNORE_INDEX
+
+
+def load_sharded(load: Callable[[str], tuple[nn.Module, Any]], device: str) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """(model, tokenizer, sharding): load(where) -> (model, tokenizer) on "cpu", or without weights on
+    "meta". Rank 0 reads the weights into host memory; every rank shards the meta model, allocates
+    its shards (and the unsharded rest: the LM head, the buffers) on device, and takes rank 0's values."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = tokenizer = None
+    if dist.get_rank() == 0:
+        full, tokenizer = load("cpu")
+    dist.barrier()  # the default model is converted once, by rank 0, before the others read its config
+    model, own_tokenizer = load("meta")
+    tokenizer = tokenizer or own_tokenizer
+    sharding = shard_model(model)
+    model.to_empty(device=device)
+    state = {} if full is None else full.state_dict()
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buffer in model.named_buffers():  # not in a state dict where not persistent (rotary frequencies)
+        if full is not None:
+            buffer.copy_(full.get_buffer(name))
+        dist.broadcast(buffer, 0)
+    return model, tokenizer, sharding
 
 
 def shard_model(model: nn.Module) -> dict[str, Any]:
@@ -40,24 +68,20 @@ def shard_model(model: nn.Module) -> dict[str, Any]:
             "parameter_bytes": {"unsharded": before, "this_rank": parameter_bytes(model)}}
 
 
-def shard_engine(engine, device: str) -> dict[str, Any]:
-    """The engine's model sharded, its passes in lockstep across the ranks; returns the sharding."""
-    sharding = shard_model(engine.model)
+def lockstep_engine(engine, device: str) -> None:
+    """The engine's passes (on a sharded model) in lockstep across the ranks."""
     idle = [torch.tensor([[0, 0]], device=device), torch.ones(1, 2, dtype=torch.int64, device=device),
             torch.tensor([[IGNORE_INDEX, 0]], device=device)]  # one response token, its rows dropped
     engine.lockstep = Lockstep(lambda: engine.score(*idle))
-    return sharding
 
 
 def parameter_bytes(model: nn.Module) -> int:
-    """Bytes of the parameters this rank holds (a sharded parameter's local shard; a tensor
+    """Bytes of the parameters this rank holds (a sharded parameter's local shard; a parameter
     shared by two modules, as tied embeddings, once)."""
-    seen, total = set(), 0
+    total = 0
     for p in model.parameters():
         local = p.to_local() if hasattr(p, "to_local") else p
-        if local.data_ptr() not in seen:
-            seen.add(local.data_ptr())
-            total += local.numel() * local.element_size()
+        total += local.numel() * local.element_size()
     return total
 
 

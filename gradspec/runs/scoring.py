@@ -27,7 +27,15 @@ from gradspec.analysis.classic_scores import CLASSIC_COLUMNS, loss_ratios, losse
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
 from gradspec.data.errors import check_at_least, check_parquet_out, check_writable
 from gradspec.data.hub import is_dataset_name, loaded_once
-from gradspec.data.models import DEFAULT_MODEL, check_device, check_model, load_model
+from gradspec.data.models import (
+    DEFAULT_MODEL,
+    check_device,
+    check_device_map,
+    check_model,
+    input_device,
+    load_model,
+    placement,
+)
 from gradspec.data.readers import (
     HUMANEVAL_SIZE,
     Fields,
@@ -41,7 +49,7 @@ from gradspec.data.readers import (
 from gradspec.data.templates import check_response_tokens, tokenize
 from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
-from gradspec.runs.fsdp import shard_engine
+from gradspec.runs.fsdp import load_sharded, lockstep_engine
 from gradspec.runs.run_folder import CHUNK_ROWS, INPUT_ERROR, RunFolder, Shard
 from gradspec.runs.score_files import (
     METADATA_KEY,
@@ -118,7 +126,7 @@ def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, templ
     """Output rows of consecutive samples, in their order; batches within are sorted by length.
     seen: the tokenizer's statuses of the rows read so far (a run where most have no response
     tokens stops here)."""
-    device = next(engine.model.parameters()).device
+    device = input_device(engine.model)
     pad_id = pad_id_of(tokenizer)
     items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples if s.error is None]
     seen.update(item.tokens.status for item in items)
@@ -313,23 +321,35 @@ class ScoreConfig:
         return data_samples(self.data, self.fields, self.limit, wanted, on_error, self.hub)
 
 
-def _check(config: ScoreConfig, device: str, batch_tokens: int) -> None:
+def _check(config: ScoreConfig, device: str, batch_tokens: int, device_map: str | None = None) -> None:
     config.check()
+    check_device_map(device_map, device)
     check_device(device)
     check_at_least({"--batch-tokens": batch_tokens})
 
 
 def _engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: bool,
-            batch_tokens: int = BATCH_TOKENS, progress: bool = True):
-    net, tokenizer = load_model(config.model, device, config.dtype, trust_remote_code, progress)
+            batch_tokens: int = BATCH_TOKENS, progress: bool = True, device_map: str | None = None,
+            fsdp: bool = False):
+    """(engine, tokenizer, how the model was placed: None, or its sharding or device map)."""
+    def load(where: str):
+        return load_model(config.model, where, config.dtype, trust_remote_code, progress, device_map)
+
+    if fsdp:
+        net, tokenizer, placed = load_sharded(load, device)
+    else:
+        (net, tokenizer), placed = load(device), None
     engine = SpectralEngine(net, config.modules, backend=backend, keep_spectra=config.save_spectra,
                             precision=config.precision, method=config.method, rank=config.rank, seed=config.seed,
                             token_stats=config.classic, spectra=config.spectra, project=config.project)
-    if config.task is not None:
+    if fsdp:
+        lockstep_engine(engine, device)
+    placed = placed or placement(net, device_map)
+    if config.task is not None:  # under FSDP in lockstep: every rank runs the task's passes
         batches = task_batches(config.task, tokenizer, config.fields, config.template, config.max_length,
-                               batch_tokens, next(net.parameters()).device)
+                               batch_tokens, input_device(net))
         engine.set_task(batches, config.aggregate)
-    return engine, tokenizer
+    return engine, tokenizer, placed
 
 
 @loaded_once()
@@ -337,7 +357,7 @@ def run(
     config: ScoreConfig, out: str | Path, *, device: str = "cpu", backend: str = "auto",
     batch_tokens: int = BATCH_TOKENS, progress: bool = True, trust_remote_code: bool = False,
     resume: bool = False, overwrite: bool = False, shard: Shard | None = None, on_error: str = "fail",
-    merge: bool = True, fsdp: bool = False,
+    merge: bool = True, fsdp: bool = False, device_map: str | None = None,
 ) -> Counter[str]:
     """Scores this process's chunks into the run folder of out, then merges them into out when
     this process is the whole run (or rank 0 of torchrun's) and merge is on.
@@ -345,6 +365,7 @@ def run(
     Under torchrun every rank takes its own shard; shard splits the data between independent
     processes (e.g. a Slurm array) that share the folder; `gradspec merge` joins their parts.
     fsdp: under torchrun, the model's parameters sharded across the ranks (gradspec.runs.fsdp).
+    device_map: one process, the model dispatched over the visible devices (data.models.DEVICE_MAPS).
     Returns how many rows of each status this process wrote.
     """
     ranks = torchrun_shard()
@@ -356,8 +377,11 @@ def run(
     if fsdp and config.classic:
         raise ValueError("--fsdp and --classic: the classic scores' extra passes are not run in lockstep; "
                          "score them in a run without --fsdp")
+    if device_map is not None and ranks is not None:
+        raise ValueError("--device-map spreads one process's model over the visible GPUs; under torchrun each "
+                         "rank has its own GPU: use --fsdp to shard a model too large for one")
     mine = ranks or shard or Shard()
-    _check(config, device, batch_tokens)
+    _check(config, device, batch_tokens, device_map)
     if resume and overwrite:
         raise ValueError("--resume continues a run, --overwrite starts it again: pass one of them")
     check_parquet_out(out)
@@ -376,8 +400,8 @@ def run(
     with Group(collectives=fsdp and device.startswith("cuda")) if ranks else nullcontext() as group:
         # A torchrun rank makes its own GPU current before anything touches CUDA (bind_device)
         device = bind_device(device) if ranks else device
-        engine, tokenizer = _engine(config, device, backend, trust_remote_code, batch_tokens, progress)
-        sharding = shard_engine(engine, device) if fsdp else None
+        engine, tokenizer, sharding = _engine(config, device, backend, trust_remote_code, batch_tokens, progress,
+                                              device_map, fsdp)
         folder, info = RunFolder(out), config.describe()
         created = False  # whether this process made the run folder (torchrun's rank 0 keeps it)
         if group is None:
@@ -441,7 +465,7 @@ def score(
     rank: int = 64, seed: int = 0, classic: bool = False, on_error: str = "fail", chunk_rows: int = CHUNK_ROWS,
     precision: str = "fp64", task: str | Path | None = None, aggregate: str | list[str] = DEFAULT_AGGREGATES,
     spectra: bool = True, project: int = 0, split: str = "train", config_name: str | None = None,
-    streaming: bool = False, fsdp: bool = False,
+    streaming: bool = False, fsdp: bool = False, device_map: str | None = None,
 ) -> pd.DataFrame:
     """Scores a dataset file (default: HumanEval) with a model (default: SmolLM2-135M-Instruct).
 
@@ -461,14 +485,14 @@ def score(
         ",".join(check_aggregates(aggregate)), spectra, project, Hub(split, config_name, streaming),
     )
     settings = {"device": device, "backend": backend, "batch_tokens": batch_tokens, "progress": progress,
-                "trust_remote_code": trust_remote_code}
+                "trust_remote_code": trust_remote_code, "device_map": device_map}
     if fsdp and out is None:
         raise ValueError("fsdp: give out (a Parquet file): the ranks write their rows there")
     if out is not None:
         run(config, out, resume=resume, overwrite=overwrite, on_error=on_error, fsdp=fsdp, **settings)
         return read_scores(out)[0]
-    _check(config, device, batch_tokens)
-    engine, tokenizer = _engine(config, device, backend, trust_remote_code, batch_tokens, progress)
+    _check(config, device, batch_tokens, device_map)
+    engine, tokenizer, _ = _engine(config, device, backend, trust_remote_code, batch_tokens, progress, device_map)
     rows: list[dict[str, Any]] = []
     with engine:
         score_samples(config.samples(on_error=on_error), engine, tokenizer, lambda _, chunk: rows.extend(chunk),

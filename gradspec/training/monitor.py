@@ -48,7 +48,7 @@ packed rows (``gradspec.layers.hooks.PackedLayout``); each sequence's first labe
 DataCollatorWithFlattening makes it. Whether the sequences attend to each other is the model's
 attention's business (flash attention with cu_seq_lens, or an explicit block-diagonal mask,
 isolates them; sdpa and eager with position ids alone do not), and the rows are the gradients of
-what it computed. Refused with a ValueError: left-padded rows; MoE experts in packed batches.
+what it computed. Refused with a ValueError: left-padded rows.
 """
 
 from __future__ import annotations

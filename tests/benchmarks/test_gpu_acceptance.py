@@ -33,7 +33,7 @@ def test_smoke_passes_with_every_check_recorded(smoke):
     run, result, md = smoke
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     last = run.stdout.strip().splitlines()[-1]
-    assert last == result["verdict"] == "ACCEPTANCE: PASS (20 checks)"
+    assert last == result["verdict"] == "ACCEPTANCE: PASS (21 checks)"
     assert last in md
     checks = {c["check"]: c for c in result["checks"]}
     for model in ("tiny-llama", "tiny-qwen2"):
@@ -45,6 +45,8 @@ def test_smoke_passes_with_every_check_recorded(smoke):
             calls = ("score", "submit") if config.submit else ("score",)
             assert all(checks[f"{name}/{call}"]["status"] == "pass" for call in calls), name
     assert checks["device/launch-on-tensors-gpu"]["status"] == "skipped"
+    placed = checks["device/device-map"]  # the host twice here: the dispatch's logic, not two devices
+    assert placed["status"] == "pass" and placed["devices"] == ["cpu", "cpu"] and len(placed["max_rel_err"]) == 2
     assert result["suite"] is None and set(result["setup"]) == {"tiny-llama", "tiny-qwen2"}
 
 

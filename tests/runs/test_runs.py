@@ -151,24 +151,38 @@ def test_torchrun_two_processes_equal_one_run(tmp_path, tiny_model_dir, data, re
     _same(out, reference)
 
 
-def test_torchrun_fsdp_two_processes_equal_one_run(tmp_path, tiny_model_dir, data):
-    """--fsdp: the weights sharded across 2 gloo processes, each scoring its own chunks (here 32 and
-    28 rows, so one rank runs idle passes while the other finishes): every row once, equal to one
-    process's to summation order, the sharding in the metadata."""
+def test_torchrun_fsdp_resumes_a_run_with_two_processes_equal_to_one(tmp_path, tiny_model_dir, data):
+    """--fsdp: the weights sharded across 2 gloo processes, read by rank 0 alone (the others build the
+    model on the meta device and receive their shards). It resumes a run whose chunks 0, 4 and 8 are
+    done (--shard 0/4): rank 0 scores chunks 2 and 6, rank 1 chunks 1, 3, 5 and 7, so rank 0 runs idle
+    passes while rank 1 finishes. Every row once, equal to one process's to summation order, the
+    sharding in the parts' metadata."""
     out = tmp_path / "s.parquet"
+    _finish(_cli(_args(tiny_model_dir, data, out, "--chunk-rows", "7", "--shard", "0/4")))
+    launch = tmp_path / "launch.py"  # the CLI, noting which ranks read weights from disk
+    launch.write_text(
+        "import os, sys, transformers\n"
+        "read = transformers.AutoModelForCausalLM.from_pretrained.__func__\n"
+        "def from_pretrained(cls, *args, **kwargs):\n"
+        f"    open({str(tmp_path)!r} + '/read-by-' + os.environ['RANK'], 'w').close()\n"
+        "    return read(cls, *args, **kwargs)\n"
+        "transformers.AutoModelForCausalLM.from_pretrained = classmethod(from_pretrained)\n"
+        "from gradspec.cli import main; sys.exit(main(sys.argv[1:]))\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "gradspec", *_args(tiny_model_dir, data, out, "--fsdp", "--chunk-rows", "7")],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(launch),
+         *_args(tiny_model_dir, data, out, "--fsdp", "--chunk-rows", "7", "--resume", "--no-merge")],
         env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     printed = _finish(proc)
-    assert "wrote 32 rows" in printed and "wrote 28 rows" in printed
+    assert "wrote 14 rows" in printed and "wrote 28 rows" in printed
+    assert sorted(p.name for p in tmp_path.glob("read-by-*")) == ["read-by-0"]
+    sharding = read_metadata(tmp_path / "s.parquet.parts" / "00000001.parquet")["sharding"]
+    assert main(["merge", "--out", str(out)]) == 0
     alone = tmp_path / "alone.parquet"  # the same chunks, so the same batches (fp32 weights: batch mates matter)
     _finish(_cli(_args(tiny_model_dir, data, alone, "--chunk-rows", "7")))
     got, want = pq.read_table(out).to_pandas(), pq.read_table(alone).to_pandas()
     assert got["index"].tolist() == list(range(ROWS)) and got["status"].tolist() == want["status"].tolist()
     pd.testing.assert_frame_equal(got[want.columns], want, rtol=1e-9, check_exact=False)
-    sharding = read_metadata(out)["sharding"]
     assert sharding["mode"] == "fsdp2" and sharding["world_size"] == 2 and sharding["sharded_layers"] == 2
     held, whole = sharding["parameter_bytes"]["this_rank"], sharding["parameter_bytes"]["unsharded"]
     config = json.loads((tiny_model_dir / "config.json").read_text())
