@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gradspec.layers.checkpointing import RECOMPUTE, phase
+from gradspec.layers.checkpointing import FIRST, RECOMPUTE, Pairing, phase
 from gradspec.layers.hooks import Captured
 from gradspec.layers.linear import start_graph
 from gradspec.layers.registry import Part, Target, register
@@ -60,19 +60,20 @@ class ExpertsTarget(Target):
         previous = module.__dict__.get(slot)
         signature = inspect.signature(type(module).forward)
         own = previous if previous is not None else type(module).forward.__get__(module)
+        pairing = Pairing()  # calls inside checkpointed regions
 
         def forward(*args, **kwargs):
             if not torch.is_grad_enabled():  # nothing to capture: the model's own implementation
                 return own(*args, **kwargs)
             bound = signature.bind(module, *args, **kwargs)
             hidden, index, weights = list(bound.arguments.values())[1:4]
-            return self._forward(batch, deliver, hidden, index, weights)
+            return self._forward(batch, deliver, pairing, hidden, index, weights)
 
         setattr(module, slot, forward)
         return [_Forward(module, slot, previous)]
 
-    def _forward(self, batch, deliver: Callable, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                 top_k_weights: torch.Tensor) -> torch.Tensor:
+    def _forward(self, batch, deliver: Callable, pairing: Pairing, hidden_states: torch.Tensor,
+                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         m, E = self.module, self.num_experts
         hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
         NT, k, N = hidden.shape[0], top_k_index.shape[-1], batch.N
@@ -96,24 +97,45 @@ class ExpertsTarget(Target):
         X = hidden[token[:S]]
         bounds = list(zip([0, *ends[:-1]], ends, strict=True))
         gate_up = _per_expert(m, _up_name(m), X, bounds)
-        # Under checkpointing the first run's inputs are held (not re-paired with the recompute's) and
-        # the recompute, whose graph no gradient reaches, is not captured.
-        capturing = phase().kind != RECOMPUTE
-        if capturing:
+        # Under non-reentrant checkpointing the first run holds no input: its output gradients meet the
+        # recompute's inputs (layers/checkpointing.Pairing), the up projection's then the down's, by call.
+        now = phase()
+        gate_up = start_graph(gate_up)  # in the recompute too: it must save what the first run saved
+        if now.kind == RECOMPUTE:
+            pairing.recomputed(now.frame, X.detach(), _paired(deliver))
+        else:
             layout = _Layout(self, batch, total, routed, S, hidden.device)
             for e in layout.parts:
                 batch.routed_tokens[f"{self.name}.{e}"] = routed[e].clone()
-            gate_up = start_graph(gate_up)
-            gate_up.register_hook(lambda grad: layout.deliver(deliver, "up", X, grad.detach()))
+            self._on_gradient(gate_up, layout, deliver, "up", X, pairing, now)
         h = m._apply_gate(gate_up) if _up_name(m) == "gate_up_proj" else m.act_fn(gate_up)
         out = _per_expert(m, "down_proj", h, bounds)
-        if capturing:
-            kept = h.detach()
-            out.register_hook(lambda grad: layout.deliver(deliver, "down", kept, grad.detach()))
+        if now.kind == RECOMPUTE:
+            pairing.recomputed(now.frame, h.detach(), _paired(deliver))
+        else:
+            self._on_gradient(out, layout, deliver, "down", h, pairing, now)
         if getattr(m, "has_post_expert_norm", False):
             out = m.post_expert_norm(out)
         final = torch.zeros_like(hidden).index_add_(0, token[:S], (out * weight[:S, None]).to(hidden.dtype))
         return final.reshape(hidden_states.shape)
+
+
+    @staticmethod
+    def _on_gradient(output: torch.Tensor, layout: _Layout, deliver: Callable, which: str, X: torch.Tensor,
+                     pairing: Pairing, now) -> None:
+        """Delivers the up or down projection's parts once output's gradient comes: with X held until
+        then, or under checkpointing with the recompute's X (this run holds nothing)."""
+        if now.kind == FIRST:
+            key = pairing.expect(now.frame)
+            output.register_hook(lambda grad: pairing.gradient(key, (grad.detach(), layout, which), _paired(deliver)))
+        else:
+            kept = X.detach()
+            output.register_hook(lambda grad: layout.deliver(deliver, which, kept, grad.detach()))
+
+
+def _paired(deliver: Callable) -> Callable:
+    """What Pairing calls with a recomputed X and the first run's (D, layout, which)."""
+    return lambda X, gradient: gradient[1].deliver(deliver, gradient[2], X, gradient[0])
 
 
 class _Layout:

@@ -79,9 +79,11 @@ def test_frozen_lower_layers_under_checkpointing():
         torch.testing.assert_close(checkpointed[name], value, rtol=1e-9, atol=0, equal_nan=True, msg=name)
 
 
-def test_the_first_run_holds_no_input_and_the_recompute_supplies_it(monkeypatch):
+@pytest.mark.parametrize(("family", "modules", "per_layer"), [("llama", "attn", 4), ("qwen3_moe", "experts", 2)])
+def test_the_first_run_holds_no_input_and_the_recompute_supplies_it(monkeypatch, family, modules, per_layer):
     """Without checkpointing each call holds its X until its D arrives; under non-reentrant
-    checkpointing the first run's calls hold nothing: X comes from the recompute, paired by call."""
+    checkpointing the first run's calls hold nothing: X comes from the recompute, paired by call
+    (q, k, v, o; an experts module's up and down projections, whose rows equal the plain run's)."""
     held = []
     original = checkpointing.Pairing.recomputed
 
@@ -90,11 +92,17 @@ def test_the_first_run_holds_no_input_and_the_recompute_supplies_it(monkeypatch)
         return original(self, frame, X, done)
 
     monkeypatch.setattr(checkpointing.Pairing, "recomputed", recomputed)
-    model = tiny_model("llama", vocab=VOCAB).double().train()
+    model = tiny_model(family, vocab=VOCAB).train()
+    model = model if family in MOE_KINDS else model.double()  # grouped_mm has no fp64 kernel
+    batch = padded_batch(random_sequences(LENGTHS, VOCAB, seed=4))
+    plain = spectra(model, modules, batch)
+    assert not held
     model.activation_checkpointing_enable({"use_reentrant": False})
-    spectra(model, "attn", padded_batch(random_sequences(LENGTHS, VOCAB, seed=4)))
+    checkpointed = spectra(model, modules, batch)
     layers = model.config.num_hidden_layers
-    assert len(held) == 4 * layers  # q, k, v, o of every layer, each from its region's recompute
+    assert len(held) == per_layer * layers  # every call's input from its region's recompute
+    for name, value in plain.items():
+        torch.testing.assert_close(checkpointed[name], value, rtol=1e-6, atol=0, equal_nan=True, msg=name)
 
 
 def test_a_recomputed_input_does_not_match_a_freed_one_at_the_same_address():
