@@ -61,6 +61,27 @@ def test_backends_agree_and_zero_gradient_is_nan():
 
 
 @pytest.mark.skipif(not extension.BUILT, reason="no _C")
+@pytest.mark.parametrize("built", [True, False], ids=["pivoted on the host", "eigh without the extension"])
+def test_device_cores_come_from_cholesky_and_a_rank_deficient_b_from_a_rank_revealing_factor(monkeypatch, built):
+    """The device path factors B by a batched Cholesky (padding made the identity); a sample whose B
+    is singular (repeated inputs, sample 0) fails it and is solved again from the extension's pivoted
+    Cholesky, or B's eigendecomposition without the extension: every sample equals the SVD."""
+    if built and not extension.BUILT:
+        pytest.skip("no _C")
+    X, D = _problem(seed=5)
+    X[3, 2:6] = X[3, 1]  # a second rank-deficient sample
+    B, A = X @ X.transpose(-1, -2), D @ D.transpose(-1, -2)
+    redone = []
+    name = "_core_cpp" if built else "_core_by_eigh"
+    real = getattr(eigen, name)
+    monkeypatch.setattr(extension, "BUILT", built)
+    monkeypatch.setattr(eigen, name, lambda *a, **k: redone.append(len(a[-1])) or real(*a, **k))
+    sigma = eigen._core_device(solvers.TORCH_EIGEN, B, A, LENGTHS)
+    assert redone == [2]  # samples 0 and 3, together; the others from their Cholesky factor
+    k = min(A.shape[-1], 30)
+    torch.testing.assert_close(sigma[..., :k], _svd(X, D)[..., :k], rtol=1e-7, atol=1e-6)
+
+
 def test_extension_rejects_bad_shapes():
     with pytest.raises(ValueError, match="shape"):
         eigen.gram_spectra(torch.zeros(2, 3, 4), "cpp")
