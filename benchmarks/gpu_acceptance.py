@@ -119,6 +119,7 @@ CONFIGS = [
     Config("fp64/host-eigen", "fp64", {"segment_gram": "torch", "core": "cpp", "gram": "cpp"}),
     Config("fp64/device-eigen", "fp64", {"segment_gram": "torch", "core": "torch", "gram": "torch"}),
     Config("fp64/cupy-eigen", "fp64", {"segment_gram": "torch", "core": "cupy", "gram": "cupy"}),
+    Config("fp64/triton-syrk", "fp64", {"segment_gram": "triton", "core": "cpp", "gram": "cpp"}),
     Config("fp64/measured", "fp64", {}, submit=True),
     Config("fp32/triton-gram", "fp32", {"segment_gram": "triton"}),
     Config("fp32/torch-gram", "fp32", {"segment_gram": "torch"}),

@@ -1,7 +1,8 @@
 """Per-sample Grams over each sample's valid tokens, the engine's first linear-algebra stage.
 
 ``segment_gram``: Y_i Y_i^T (X X^T and D D^T): the extension's dsyrk (host, fp64), torch (at the
-policy's precision) or the Triton kernel (fp32 accumulation: fp32 policy only).
+policy's precision) or a Triton kernel (fp32: segment_gram; fp64: the segment SYRK, which reads Y
+in its own dtype).
 ``segment_tdot``: the low-rank sketch's A_i^T B_i: torch, or the Triton kernel (fp32 only).
 """
 
@@ -27,7 +28,8 @@ def segment_gram(
     calls = {
         "cpp": partial(_segment_gram_cpp, Y, lengths, other),
         "torch": partial(kernels.segment_gram_torch, Y, lengths, other, policy.dtype),
-        "triton": partial(kernels.segment_gram_triton, Y, lengths, other),
+        "triton": partial(kernels.segment_syrk64_triton if policy.precision == "fp64" else kernels.segment_gram_triton,
+                          Y, lengths, other),
     }
     return stages.run("segment_gram", Y, policy, (size_bucket(Y.shape[1]), Y.shape[2], other is not None), calls)
 

@@ -1,7 +1,8 @@
 """How the linear algebra runs: the precision is configuration, the path of each stage is forced or measured.
 
 Precision is never chosen by a timing. "fp64" (the default: exact mode) forms every Gram, core
-and sketch product in fp64 on every path, so any two paths agree to fp64 rounding. "fp32" forms
+and sketch product in fp64 on every path (on a GPU, Triton's segment SYRK reads the activations in
+their dtype and accumulates in fp64), so any two paths agree to fp64 rounding. "fp32" forms
 them with fp32 accumulation (the Triton kernels, or torch in fp32), for speed on GPUs whose fp64
 is slow; its eigenvalue cut-offs use fp32's epsilon. Eigenproblems are solved in fp64 in both.
 

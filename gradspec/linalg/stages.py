@@ -38,11 +38,11 @@ def _sync(t: torch.Tensor) -> Callable[[], None]:
 def paths(stage: str, t: torch.Tensor, policy: Policy) -> list[str]:
     """The paths this stage has for t at the policy's precision, preferred first."""
     fp64 = policy.precision == "fp64"
-    triton_here = kernels.triton is not None and not fp64 and (t.is_cuda or TRITON_INTERPRETED)
-    if stage == "segment_gram":
+    triton_here = kernels.triton is not None and (t.is_cuda or TRITON_INTERPRETED)
+    if stage == "segment_gram":  # Triton: the fp32 kernel, or at fp64 the segment SYRK
         found = ["cpp"] * (fp64 and extension.BUILT and not t.is_cuda) + ["torch"] + ["triton"] * triton_here
     elif stage == "segment_tdot":
-        found = ["torch"] + ["triton"] * triton_here
+        found = ["torch"] + ["triton"] * (triton_here and not fp64)
     else:
         found = ["cpp"] * extension.BUILT + ["torch"] + ["cupy"] * (on_gpu(t) and solvers.cupy_eigen() is not None)
     if policy.backend == "cpp" and not extension.BUILT and stage in ("core", "gram"):

@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_acceptance as acceptance  # noqa: E402
 
-FORCED = {"fp64/host-eigen", "fp64/device-eigen", "fp32/triton-gram", "fp32/torch-gram", "fp32/lowrank-triton",
+FORCED = {"fp64/host-eigen", "fp64/device-eigen", "fp64/triton-syrk", "fp32/triton-gram", "fp32/torch-gram", "fp32/lowrank-triton",
           "fp32/lowrank-torch"}
 
 
@@ -33,7 +33,7 @@ def test_smoke_passes_with_every_check_recorded(smoke):
     run, result, md = smoke
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     last = run.stdout.strip().splitlines()[-1]
-    assert last == result["verdict"] == "ACCEPTANCE: PASS (21 checks)"
+    assert last == result["verdict"] == "ACCEPTANCE: PASS (23 checks)"
     assert last in md
     checks = {c["check"]: c for c in result["checks"]}
     for model in ("tiny-llama", "tiny-qwen2"):
@@ -53,7 +53,7 @@ def test_smoke_passes_with_every_check_recorded(smoke):
 def test_smoke_errors_are_within_tolerance_on_the_forced_paths(smoke):
     _, result, _ = smoke
     scored = [c for c in result["checks"] if "call" in c]
-    assert len(scored) == 20
+    assert len(scored) == 22
     for c in scored:
         assert c["samples"] > 0 and c["parts"] > 0 and c["loss_rel_err"] <= acceptance.LOSS_RTOL
         assert all(c["worst"][m] <= c["tolerance"][m] for m in c["worst"]), c["check"]

@@ -84,7 +84,7 @@ def measured_on_cpu(monkeypatch):
 
 @pytest.mark.skipif(not extension.BUILT, reason="no _C")
 @pytest.mark.parametrize(("precision", "gram_paths", "rtol"),
-                         [("fp64", {"cpp", "torch"}, 1e-4), ("fp32", {"triton", "torch"}, FP32_RTOL)])
+                         [("fp64", {"cpp", "torch", "triton"}, 1e-4), ("fp32", {"triton", "torch"}, FP32_RTOL)])
 def test_measured_dispatch_matches_the_reference(measured_on_cpu, precision, gram_paths, rtol):
     """Every stage measured on its first batch among the paths of the configured precision alone
     (never fp32 against fp64); whichever wins, the scores match the reference at that precision's
