@@ -1,5 +1,5 @@
 """What this machine gives gradspec, for bug reports (`gradspec env`): which paths can run (the C++
-extension and the LAPACK it is bound to, Triton, CuPy, CUDA devices), the threads, the versions."""
+extension and the LAPACK it is bound to, Triton, CuPy, CUDA devices), the CPU, the threads, the versions."""
 
 from __future__ import annotations
 
@@ -19,6 +19,19 @@ def _version(package: str) -> str | None:
         return version(package)
     except PackageNotFoundError:
         return None
+
+
+def cpu(cpuinfo: str = "/proc/cpuinfo") -> dict[str, Any]:
+    """The CPU's model and the vector units its fp32 and fp64 rates depend on (AVX-512, AMX): the
+    same run's ratio to its floor differs between CPU models, so every figure names it."""
+    try:
+        text = open(cpuinfo, encoding="utf-8").read()
+    except OSError:
+        return {"model": platform.processor() or None}
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {"model": fields.get("model name"), "avx512": "avx512f" in flags, "amx": "amx_tile" in flags}
 
 
 def environment() -> dict[str, Any]:
@@ -44,6 +57,7 @@ def environment() -> dict[str, Any]:
                     "extension": extension.default_threads(),
                     "blas": [{"library": b["internal_api"], "version": b.get("version"),
                               "threads": b["num_threads"]} for b in threadpool_info()]},
+        "cpu": cpu(),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "versions": {p: v for p in PACKAGES if (v := _version(p)) is not None},

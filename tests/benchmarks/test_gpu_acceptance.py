@@ -15,8 +15,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import gpu_acceptance as acceptance  # noqa: E402
 
-FORCED = {"fp64/host-eigen", "fp64/device-eigen", "fp64/triton-syrk", "fp32/triton-gram", "fp32/torch-gram", "fp32/lowrank-triton",
-          "fp32/lowrank-torch"}
+FORCED = {"fp64/host-eigen", "fp64/device-eigen", "fp64/triton-syrk", "fp32/triton-gram", "fp32/torch-gram",
+          "fp32/lowrank-triton", "fp32/lowrank-torch"}
 
 
 @pytest.fixture(scope="module")

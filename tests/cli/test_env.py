@@ -29,3 +29,14 @@ def test_env_lists_cuda_devices_with_their_compute_capability(monkeypatch, capsy
     text = capsys.readouterr().out
     assert "cuda.devices.0.name: NVIDIA H200" in text and "cuda.devices.0.compute_capability: 9.0" in text
     assert "cuda.devices.0.memory_gib: 141.0" in text
+
+
+def test_env_names_the_cpu_model_and_its_vector_units(tmp_path):
+    from gradspec.environment import cpu
+
+    info = tmp_path / "cpuinfo"
+    core = "model name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu sse avx512f amx_tile\n"
+    info.write_text(f"processor\t: 0\n{core}\nprocessor\t: 1\n{core}")
+    assert cpu(str(info)) == {"model": "Intel(R) Xeon(R) Processor", "avx512": True, "amx": True}
+    info.write_text("model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse avx2\n")
+    assert cpu(str(info)) == {"model": "AMD EPYC 7B13", "avx512": False, "amx": False}
