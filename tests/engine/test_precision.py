@@ -74,16 +74,19 @@ def test_fp32_paths_stay_within_the_stated_tolerance(problem, gram_path):
 
 
 def test_fp32_is_never_measured_against_fp64():
-    """Each precision's stages list only paths of that precision: the Triton kernels (fp32
-    accumulation) are no fp64 path, the extension's fp64 Gram no fp32 one."""
+    """Each precision's stages list only paths of that precision: at fp64 the Triton Gram is the
+    fp64 segment SYRK (its output fp64 whatever it reads), the fp32 sketch kernel is no path, and
+    the extension's fp64 Gram is no fp32 one."""
     from gradspec.linalg.policy import Policy
 
     Y = torch.zeros(2, 8, 4)
-    assert "triton" not in stages.paths("segment_gram", Y, Policy("fp64"))
+    assert "triton" in stages.paths("segment_gram", Y, Policy("fp64"))  # TRITON_INTERPRET=1 here
+    forced = Policy("fp64", force={"segment_gram": "triton"})
+    assert grams.segment_gram(Y.bfloat16(), torch.tensor([8, 3]), policy=forced)[0].dtype == torch.float64
     assert "triton" not in stages.paths("segment_tdot", Y, Policy("fp64"))
     assert "cpp" not in stages.paths("segment_gram", Y, Policy("fp32"))
     with pytest.raises(ValueError, match="no 'triton' path"):
-        grams.segment_gram(Y, torch.tensor([8, 3]), policy=Policy("fp64", force={"segment_gram": "triton"}))
+        grams.segment_tdot(Y, Y, torch.tensor([8, 3]), policy=Policy("fp64", force={"segment_tdot": "triton"}))
     with pytest.raises(ValueError, match="precision"):
         Policy("fp16")
 
