@@ -36,7 +36,7 @@ def load_sharded(load: Callable[[str], tuple[nn.Module, Any]], device: str) -> t
         full, tokenizer = load("cpu")
     dist.barrier()  # the default model is converted once, by rank 0, before the others read its config
     model, own_tokenizer = load("meta")
-    tokenizer = tokenizer or own_tokenizer
+    tokenizer = own_tokenizer if tokenizer is None else tokenizer
     sharding = shard_model(model)
     model.to_empty(device=device)
     state = {} if full is None else full.state_dict()
