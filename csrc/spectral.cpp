@@ -168,6 +168,48 @@ Array gram_spectra(Array grams, int threads, double eps, int terms) {
 // (dpstrf), which is rank-revealing for PSD B and ~25x cheaper than an eigendecomposition;
 // one factorisation serves all M modules that share the input X. Sample i uses the
 // leading lengths[i] x lengths[i] blocks (the rest is padding), so padding costs nothing.
+// One sample's spectra of its M parts: b (ldb x ldb, the leading n x n block read), a[j] likewise,
+// sigma[j] (length T, zero-padded) written.
+void core_sample(const double* b, const std::vector<const double*>& a, int ld, int n, int T, double eps,
+                 int terms, double* sigma, size_t sigma_stride, SymmetricEigen& eig) {
+  const int M = static_cast<int>(a.size());
+  std::vector<double> l(static_cast<size_t>(n) * n), chol_work(2 * std::max(n, 1));
+  std::vector<int> piv(std::max(n, 1));
+  for (int c = 0; c < n; ++c)
+    std::copy(b + static_cast<size_t>(c) * ld, b + static_cast<size_t>(c) * ld + n, l.begin() + static_cast<size_t>(c) * n);
+  int r = 0;
+  if (n > 0) {
+    char lower = 'L';
+    int n_ = n, info = 0;
+    double max_diag = 0;
+    for (int c = 0; c < n; ++c) max_diag = std::max(max_diag, l[static_cast<size_t>(c) * n + c]);
+    double tol = cutoff_of(n, terms, eps, max_diag);  // pivots below it are B's rounding
+    dpstrf_(&lower, &n_, l.data(), &n_, piv.data(), &r, &tol, chol_work.data(), &info);
+    if (info < 0) throw LapackError("dpstrf failed with info=" + std::to_string(info));
+  }
+  const int r1 = std::max(r, 1);
+  // F = P L: row piv[t]-1 of F is row t of the lower-triangular L (first r columns).
+  std::vector<double> f(static_cast<size_t>(n) * r1, 0.0), w(static_cast<size_t>(n) * r1);
+  std::vector<double> core(static_cast<size_t>(r1) * r1), ev(r1);
+  for (int k = 0; k < r; ++k)
+    for (int t = k; t < n; ++t) f[static_cast<size_t>(k) * n + piv[t] - 1] = l[static_cast<size_t>(k) * n + t];
+  for (int j = 0; j < M; ++j) {
+    double* out = sigma + j * sigma_stride;
+    std::fill(out, out + T, 0.0);
+    if (r > 0) {
+      char nn = 'N', tr = 'T';
+      double one = 1.0, zero = 0.0;
+      int n_ = n, r_ = r, ld_ = ld;
+      // A is symmetric, so its row-major layout is also its column-major one; its
+      // leading n x n block is read in place with leading dimension ld.
+      dgemm_(&nn, &nn, &n_, &r_, &n_, &one, const_cast<double*>(a[j]), &ld_, f.data(), &n_, &zero, w.data(), &n_);
+      dgemm_(&tr, &nn, &r_, &r_, &n_, &one, f.data(), &n_, w.data(), &n_, &zero, core.data(), &r_);
+      eig(core.data(), r, ev.data(), false);
+    }
+    singular_values_from_eigenvalues(ev.data(), r, eps, terms, out);
+  }
+}
+
 Array core_spectra(Array B, Array A, Lengths lengths, int threads, double eps, int terms) {
   require_bound();
   if (B.ndim() != 3 || B.shape(1) != B.shape(2)) throw std::invalid_argument("B must have shape (N, T, T)");
@@ -179,47 +221,63 @@ Array core_spectra(Array B, Array A, Lengths lengths, int threads, double eps, i
   const double* b_in = B.data();
   const double* a_in = A.data();
   double* s_out = sigma.mutable_data();
-  std::fill(s_out, s_out + static_cast<size_t>(N) * M * T, 0.0);
   const size_t TT = static_cast<size_t>(T) * T;
   parallel_for(N, threads, [&](int i, SymmetricEigen& eig) {
-    const int n = static_cast<int>(len[i]);
-    std::vector<double> l(static_cast<size_t>(n) * n), chol_work(2 * std::max(n, 1));
-    std::vector<int> piv(std::max(n, 1));
-    for (int c = 0; c < n; ++c)
-      std::copy(b_in + i * TT + static_cast<size_t>(c) * T, b_in + i * TT + static_cast<size_t>(c) * T + n,
-                l.begin() + static_cast<size_t>(c) * n);
-    int r = 0;
-    if (n > 0) {
-      char lower = 'L';
-      int n_ = n, info = 0;
-      double max_diag = 0;
-      for (int c = 0; c < n; ++c) max_diag = std::max(max_diag, l[static_cast<size_t>(c) * n + c]);
-      double tol = cutoff_of(n, terms, eps, max_diag);  // pivots below it are B's rounding
-      dpstrf_(&lower, &n_, l.data(), &n_, piv.data(), &r, &tol, chol_work.data(), &info);
-      if (info < 0) throw LapackError("dpstrf failed with info=" + std::to_string(info));
-    }
-    const int r1 = std::max(r, 1);
-    // F = P L: row piv[t]-1 of F is row t of the lower-triangular L (first r columns).
-    std::vector<double> f(static_cast<size_t>(n) * r1, 0.0), w(static_cast<size_t>(n) * r1);
-    std::vector<double> core(static_cast<size_t>(r1) * r1), ev(r1);
-    for (int k = 0; k < r; ++k)
-      for (int t = k; t < n; ++t) f[static_cast<size_t>(k) * n + piv[t] - 1] = l[static_cast<size_t>(k) * n + t];
-    for (int j = 0; j < M; ++j) {
-      if (r > 0) {
-        char nn = 'N', tr = 'T';
-        double one = 1.0, zero = 0.0;
-        int n_ = n, r_ = r, ld = T;
-        // A is symmetric, so its row-major layout is also its column-major one; its
-        // leading n x n block is read in place with leading dimension T.
-        double* a = const_cast<double*>(a_in + (static_cast<size_t>(i) * M + j) * TT);
-        dgemm_(&nn, &nn, &n_, &r_, &n_, &one, a, &ld, f.data(), &n_, &zero, w.data(), &n_);
-        dgemm_(&tr, &nn, &r_, &r_, &n_, &one, f.data(), &n_, w.data(), &n_, &zero, core.data(), &r_);
-        eig(core.data(), r, ev.data(), false);
-      }
-      singular_values_from_eigenvalues(ev.data(), r, eps, terms, s_out + (static_cast<size_t>(i) * M + j) * T);
-    }
+    std::vector<const double*> a(M);
+    for (int j = 0; j < M; ++j) a[j] = a_in + (static_cast<size_t>(i) * M + j) * TT;
+    core_sample(b_in + i * TT, a, T, static_cast<int>(len[i]), T, eps, terms, s_out + static_cast<size_t>(i) * M * T,
+                T, eig);
   });
   return sigma;
+}
+
+// core_spectra over several groups at once (a batch's inputs: each its B (N_g, T_g, T_g), its parts'
+// A's (each (N_g, T_g, T_g)), lengths and terms): one job of every (group, sample), so the threads
+// stay busy when each group has fewer samples than threads (a batch of one long sample), and no
+// stacked copy of the A's is made. Returns each group's sigma (N_g, M_g, T_g).
+py::list core_spectra_groups(py::list Bs, py::list As, py::list lengths, py::list terms, int threads, double eps) {
+  require_bound();
+  const size_t G = Bs.size();
+  if (As.size() != G || lengths.size() != G || terms.size() != G)
+    throw std::invalid_argument("Bs, As, lengths and terms must have one entry per group");
+  struct Group {
+    Array B;
+    std::vector<Array> A;
+    Lengths len;
+    int terms, N, T;
+    Array sigma;
+  };
+  std::vector<Group> groups;
+  std::vector<std::pair<int, int>> tasks;  // (group, sample)
+  for (size_t g = 0; g < G; ++g) {
+    Group grp{Bs[g].cast<Array>(), {}, lengths[g].cast<Lengths>(), terms[g].cast<int>(), 0, 0, Array()};
+    if (grp.B.ndim() != 3 || grp.B.shape(1) != grp.B.shape(2)) throw std::invalid_argument("B must have shape (N, T, T)");
+    grp.N = static_cast<int>(grp.B.shape(0));
+    grp.T = static_cast<int>(grp.B.shape(1));
+    for (auto a : As[g].cast<py::list>()) {
+      Array arr = a.cast<Array>();
+      if (arr.ndim() != 3 || arr.shape(0) != grp.N || arr.shape(1) != grp.T || arr.shape(2) != grp.T)
+        throw std::invalid_argument("each A must have B's shape (N, T, T)");
+      grp.A.push_back(arr);
+    }
+    checked_lengths(grp.len, grp.N, grp.T);
+    grp.sigma = Array({grp.N, static_cast<int>(grp.A.size()), grp.T});
+    for (int i = 0; i < grp.N; ++i) tasks.emplace_back(static_cast<int>(g), i);
+    groups.push_back(std::move(grp));
+  }
+  parallel_for(static_cast<int>(tasks.size()), threads, [&](int k, SymmetricEigen& eig) {
+    const auto [g, i] = tasks[k];
+    const Group& grp = groups[g];
+    const size_t TT = static_cast<size_t>(grp.T) * grp.T;
+    std::vector<const double*> a(grp.A.size());
+    for (size_t j = 0; j < a.size(); ++j) a[j] = grp.A[j].data() + i * TT;
+    double* out = const_cast<double*>(grp.sigma.data()) + static_cast<size_t>(i) * a.size() * grp.T;
+    core_sample(grp.B.data() + i * TT, a, grp.T, static_cast<int>(grp.len.data()[i]), grp.T, eps, grp.terms, out,
+                grp.T, eig);
+  });
+  py::list out;
+  for (auto& grp : groups) out.append(grp.sigma);
+  return out;
 }
 
 // fp64 Gram of each sample's valid rows, Y_i[:n] Y_i[:n]^T, with BLAS dsyrk (half the work of a
@@ -279,4 +337,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("eps") = eps64, py::arg("terms") = 0,
         "Singular values (N, M, T) of G_ij = D_ij^T X_i from B = X X^T (N,T,T), A = D D^T (N,M,T,T)\n"
         "and each sample's token count (N,).");
+  m.def("core_spectra_groups", &core_spectra_groups, py::arg("Bs"), py::arg("As"), py::arg("lengths"),
+        py::arg("terms"), py::arg("threads"), py::arg("eps") = eps64,
+        "core_spectra of several groups in one job over all their samples: Bs[g] (N_g,T_g,T_g), As[g] a list of\n"
+        "(N_g,T_g,T_g), lengths[g] (N_g,), terms[g]; returns each group's sigma (N_g, M_g, T_g).");
 }

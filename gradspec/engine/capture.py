@@ -20,7 +20,8 @@ import torch
 from gradspec.kernels import token_mask
 from gradspec.layers.hooks import BatchLayout, Capture, Captured, InputKey
 from gradspec.layers.registry import Part, Target
-from gradspec.linalg.eigen import core_spectra, eigen_faults, eigen_path, gram_spectra
+from gradspec.linalg import extension
+from gradspec.linalg.eigen import core_spectra, eigen_faults, eigen_path, gram_spectra, host_core_spectra
 from gradspec.linalg.grams import segment_gram
 from gradspec.linalg.host_copies import HostCopies
 from gradspec.linalg.lowrank import lowrank_metrics, sketch_matrix, sketch_singular_values
@@ -224,14 +225,39 @@ class BatchCapture(Capture):
     def finish(self, scores) -> None:
         scores.metrics, scores.spectra = self.reduce(scores.scored, scores.flags, self.keep_spectra)
 
+    def _solve_cores(self, groups: list[_CoreGroup]) -> list[_Solved]:
+        """Every group's eigen stage: those the extension solves on the host in one job over all
+        their samples (host_core_spectra), the others, and all of them where that job fails, one by one."""
+        host = [g for g in groups if len(groups) > 1 and extension.BUILT and not g.B.is_cuda
+                and eigen_path(g.B, self.policy, "core") == "cpp"]
+        solved: list[_Solved] = []
+        if host:
+            oks = [_finite_rows(g.B) & torch.stack([_finite_rows(a) for _, a, _ in g.items]).all(0) for g in host]
+            try:
+                results = host_core_spectra(
+                    [(_zero_rows(g.B, ok), [_zero_rows(a, ok) for _, a, _ in g.items], g.lengths, _terms(g))
+                     for g, ok in zip(host, oks, strict=True)], self.policy, self.metric_names)
+            except eigen_faults() as error:
+                log.warning("eigen stage failed on %d inputs at once (%s: %s); solving each alone", len(host),
+                            type(error).__name__, error)
+                host = []
+            else:
+                for g, ok, (sigma, m) in zip(host, oks, results, strict=True):
+                    solved += self._cross_checked(g, sigma, m, ok, set())
+        return solved + [r for g in groups if not any(g is h for h in host) for r in self._solve_core(g)]
+
     def _solve_core(self, group: _CoreGroup) -> list[_Solved]:
         """The eigen stage of one input's parts, with the Frobenius cross-check of each."""
         A = torch.stack([a for _, a, _ in group.items], 1)
         ok = _finite_rows(group.B) & _finite_rows(A)
-        terms = max(max(part.d_in, part.d_out) for part, _, _ in group.items)
-        solve = partial(core_spectra, policy=self.policy, terms=terms, metrics=self.metric_names)
+        solve = partial(core_spectra, policy=self.policy, terms=_terms(group), metrics=self.metric_names)
         (sigma, m), failed = _isolating_failures(solve, len(self.metric_names), _zero_rows(group.B, ok),
                                                  _zero_rows(A, ok), group.lengths)
+        return self._cross_checked(group, sigma, m, ok, failed)
+
+    def _cross_checked(self, group: _CoreGroup, sigma: torch.Tensor, m: torch.Tensor, ok: torch.Tensor,
+                       failed: set[int]) -> list[_Solved]:
+        """Each part's spectra, with the Frobenius cross-check: sum sigma^2 against <D D^T, X X^T>."""
         rtol = max(FROBENIUS_CHECK_RTOL, 1e5 * self.policy.eps)
         out = []
         for j, (part, _, inner) in enumerate(group.items):
@@ -294,7 +320,7 @@ class BatchCapture(Capture):
                     s = sigma[row].numpy()
                     spectra[part.name][i] = s[s > 0]
 
-        solved = self.solved + [r for group in self.core.values() for r in self._solve_core(group)]
+        solved = self.solved + self._solve_cores(list(self.core.values()))
         solved += [_Solved(part, rows, sigma, lowrank_metrics(sigma, frob2, self.metric_names), torch.isfinite(frob2),
                            set(), []) for part, rows, sigma, frob2 in self.sketched]
         solved += [r for part, rows, gram in self.materialised for r in self._solve_gram(part, rows, gram)]
@@ -338,6 +364,11 @@ def _isolating_failures(solve, columns: int, *batched: torch.Tensor
         sigmas.append(sigma)
         metrics.append(m)
     return (torch.cat(sigmas), torch.cat(metrics)), failed
+
+
+def _terms(group: _CoreGroup) -> int:
+    """The longest sum the group's Grams were formed from: their rounding's scale (eigenvalue cut-offs)."""
+    return max(max(part.d_in, part.d_out) for part, _, _ in group.items)
 
 
 def _finite_rows(t: torch.Tensor) -> torch.Tensor:

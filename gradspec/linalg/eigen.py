@@ -123,6 +123,24 @@ def core_spectra(
     return sigma, metrics_from_singular_values(sigma, metrics)
 
 
+def host_core_spectra(
+    groups: list[tuple[torch.Tensor, list[torch.Tensor], torch.Tensor, int]], policy: Policy | str = "auto",
+    metrics: tuple[str, ...] | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """core_spectra of several groups (B, [A_j], lengths, terms), each A_j (N, T, T) like its B, solved
+    by the extension in one job over every sample of every group: a group of one or two long
+    samples alone would leave threads idle. (sigma, metrics) per group, as core_spectra gives them."""
+    policy = Policy.of(policy)
+    with extension.ONE_BLAS_THREAD():
+        sigmas = extension.C.core_spectra_groups(
+            [extension.as_numpy(B) for B, _, _, _ in groups],
+            [[extension.as_numpy(a) for a in A] for _, A, _, _ in groups],
+            [lengths.cpu().to(torch.int64).numpy() for _, _, lengths, _ in groups],
+            [int(terms) for _, _, _, terms in groups], extension.default_threads(), policy.eps)
+    policy.record("core", "cpp")
+    return [(sigma, metrics_from_singular_values(sigma, metrics)) for sigma in map(torch.from_numpy, sigmas)]
+
+
 def _core_cpp(B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor, eps: float, terms: int) -> torch.Tensor:
     with extension.ONE_BLAS_THREAD():
         sigma = extension.C.core_spectra(

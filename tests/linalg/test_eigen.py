@@ -128,3 +128,39 @@ def test_python_and_cpp_share_one_cut_off_rule(n_wins):
     want = [1.0, 0.5 ** 0.5, (cutoff * 1.01) ** 0.5, 0.0, 0.0, 0.0]
     torch.testing.assert_close(host[0], torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
     torch.testing.assert_close(device[0], host[0], rtol=1e-6, atol=0)
+
+
+@pytest.mark.skipif(not extension.BUILT, reason="no _C")
+def test_groups_solved_in_one_job_equal_each_group_alone():
+    """host_core_spectra: groups of different sample counts, lengths and part counts in one job of the
+    extension give each group's core_spectra exactly (the same routine per sample)."""
+    groups = []
+    for seed, (N, M, T) in enumerate([(1, 3, 24), (4, 1, 16), (2, 2, 24)]):
+        X, D = _problem(N=N, M=M, T=T, seed=seed)
+        lengths = LENGTHS[:N].clamp(max=T)
+        groups.append((X @ X.transpose(-1, -2), list((D @ D.transpose(-1, -2)).unbind(1)), lengths, 40 + seed))
+    joint = eigen.host_core_spectra(groups, "cpp")
+    for (B, A, lengths, terms), (sigma, metrics) in zip(groups, joint, strict=True):
+        want_sigma, want_metrics = eigen.core_spectra(B, torch.stack(A, 1), lengths, "cpp", terms=terms)
+        assert torch.equal(sigma, want_sigma)
+        assert torch.equal(metrics.isnan(), want_metrics.isnan())
+        torch.testing.assert_close(metrics, want_metrics, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(not extension.BUILT, reason="no _C")
+def test_a_batch_solves_its_inputs_cores_in_one_job(monkeypatch):
+    """The engine hands every input's core group of a batch to the extension at once, whatever the
+    batch size: a batch of one long sample keeps every thread busy."""
+    from conftest import assert_matches_reference, padded_batch, random_sequences, tiny_model
+
+    from gradspec.engine import capture
+    from gradspec.engine.spectral_engine import SpectralEngine
+
+    calls = []
+    real = capture.host_core_spectra
+    monkeypatch.setattr(capture, "host_core_spectra", lambda groups, *a: calls.append(len(groups)) or real(groups, *a))
+    model = tiny_model("llama", vocab=500)
+    seqs = random_sequences([13], 500)
+    scores = SpectralEngine(model, "attn").score(*padded_batch(seqs))
+    assert calls == [2 * model.config.num_hidden_layers]  # q/k/v's input and o's, per layer, in one call
+    assert_matches_reference(model, scores, seqs, "attn")

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import assert_matches_reference, padded_batch, random_sequences, tiny_model
 
+from gradspec.engine import capture
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.linalg import eigen, extension, solvers
 from gradspec.linalg.dispatch import RETRY_AFTER, MeasuredDispatch
@@ -37,6 +38,7 @@ def test_a_batch_that_fails_everywhere_is_solved_sample_by_sample(monkeypatch, f
     many = lambda args: args[-1].shape[0] > 1 if isinstance(args[0], solvers.Eigensolver) else args[0].shape[0] > 1  # noqa: E731
     for name in ("_core_cpp", "_core_device", "_gram_cpp", "_gram_device"):
         monkeypatch.setattr(eigen, name, _failing(getattr(eigen, name), fault, many))
+    monkeypatch.setattr(capture, "host_core_spectra", _failing(capture.host_core_spectra, fault, lambda args: True))
     model = tiny_model("llama", vocab=VOCAB)
     seqs = random_sequences(LENGTHS, VOCAB)
     engine = SpectralEngine(model, "all")
@@ -55,6 +57,9 @@ def test_a_sample_that_fails_alone_is_flagged_and_the_others_kept(monkeypatch, c
 
     for name in ("_core_cpp", "_core_device"):
         monkeypatch.setattr(eigen, name, _failing(getattr(eigen, name), eigen.eigen_faults()[1], has_poisoned))
+    jointly = _failing(capture.host_core_spectra, eigen.eigen_faults()[1],  # the batch's inputs in one job
+                       lambda args: any(bool((lengths == poisoned).any()) for _, _, lengths, _ in args[0]))
+    monkeypatch.setattr(capture, "host_core_spectra", jointly)
     model = tiny_model("llama", vocab=VOCAB)
     seqs = random_sequences(LENGTHS, VOCAB)
     with caplog.at_level(logging.WARNING, logger="gradspec"):
