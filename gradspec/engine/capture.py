@@ -244,7 +244,8 @@ class BatchCapture(Capture):
             else:
                 for g, ok, (sigma, m) in zip(host, oks, results, strict=True):
                     solved += self._cross_checked(g, sigma, m, ok, set())
-        return solved + [r for g in groups if not any(g is h for h in host) for r in self._solve_core(g)]
+        joint = {id(g) for g in host}
+        return solved + [r for g in groups if id(g) not in joint for r in self._solve_core(g)]
 
     def _solve_core(self, group: _CoreGroup) -> list[_Solved]:
         """The eigen stage of one input's parts, with the Frobenius cross-check of each."""

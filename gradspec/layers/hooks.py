@@ -50,8 +50,8 @@ class BatchLayout:
 
     def mask_on(self, device: torch.device) -> torch.Tensor:
         """(N, longest) bool on device: True at each sample's tokens."""
-        longest = int(self.lengths.max()) if self.N else 0
-        return self.cached_on("mask", device, lambda d: token_mask(self.lengths, longest, d))
+        return self.cached_on("mask", device,
+                              lambda d: token_mask(self.lengths, int(self.lengths.max()) if self.N else 0, d))
 
     @property
     def device_lengths(self) -> torch.Tensor:
@@ -96,22 +96,20 @@ class PackedLayout(BatchLayout):
     def rows(self) -> int:
         return self.shape[0]
 
+    def _sequence_of_positions(self, none: int) -> torch.Tensor:
+        """(rows, T) on the host: each position's sequence, `none` where there is none."""
+        owner = torch.full(self.shape, none, dtype=torch.int64)
+        for j, (r, start, n) in enumerate(self.sequences):
+            owner[r, start : start + n] = j
+        return owner
+
     @cached_property
     def owner(self) -> torch.Tensor:
         """(rows, T) on the device: each position's sequence (0 where none)."""
-        owner = torch.zeros(self.shape, dtype=torch.int64)
-        for j, (r, start, n) in enumerate(self.sequences):
-            owner[r, start : start + n] = j
-        return owner.to(self.device)
+        return self._sequence_of_positions(0).to(self.device)
 
     def token_owner(self, device: torch.device) -> torch.Tensor:
-        def make(d: torch.device) -> torch.Tensor:
-            owner = torch.full(self.shape, self.N, dtype=torch.int64)
-            for j, (r, start, n) in enumerate(self.sequences):
-                owner[r, start : start + n] = j
-            return owner.flatten().to(d)
-
-        return self.cached_on("token_owner", device, make)
+        return self.cached_on("token_owner", device, lambda d: self._sequence_of_positions(self.N).flatten().to(d))
 
     def gather(self, Y: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """(rows, T, ...) -> (sequences, longest, ...), `fill` past each sequence's end."""

@@ -338,13 +338,13 @@ def _engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: b
     if fsdp:
         net, tokenizer, placed = load_sharded(load, device)
     else:
-        (net, tokenizer), placed = load(device), None
+        net, tokenizer = load(device)
+        placed = placement(net, device_map)
     engine = SpectralEngine(net, config.modules, backend=backend, keep_spectra=config.save_spectra,
                             precision=config.precision, method=config.method, rank=config.rank, seed=config.seed,
                             token_stats=config.classic, spectra=config.spectra, project=config.project)
     if fsdp:
         lockstep_engine(engine, device)
-    placed = placed or placement(net, device_map)
     if config.task is not None:  # under FSDP in lockstep: every rank runs the task's passes
         batches = task_batches(config.task, tokenizer, config.fields, config.template, config.max_length,
                                batch_tokens, input_device(net))
