@@ -8,9 +8,10 @@
 Correctness runs on random-init models of real shapes (gpu_suite.SHAPES: SmolLM2-135M, Qwen2.5-1.5B,
 Llama-3-8B) with one or two layers and a 1,024-token vocabulary, in fp32 on the device: real
 weights cannot travel to the GPU machine (64 MiB, no network). Each configuration forces one path
-per stage (fp64: the eigen stages on the host's C++ extension, on the device by torch, or through
-CuPy, and the measured choice; fp32: the segment Gram by Triton or torch, the low-rank sketch's
-products by Triton or torch, and the measured choice) and scores one batch whose lengths take both
+per stage (fp64: the eigen stages on the host's C++ extension, on the device by torch, through
+CuPy, or by cuSOLVER's XsyevBatched through nvmath-python, and the measured choice; fp32: the
+segment Gram by Triton or torch, the low-rank sketch's products by Triton or torch, and the
+measured choice) and scores one batch whose lengths take both
 the T x T core path and the materialised G, with one rank-deficient sample (a response of one
 repeated token). Every metric of every sample and module is compared with gradspec.engine.reference on a
 CPU copy of the model run in fp64 (real weight gradients, full SVD) at the precision's stated
@@ -19,8 +20,9 @@ core path, where that tolerance is stated (its errors elsewhere are recorded, no
 judged_rows); low-rank on the samples its rank covers. The paths that ran
 (engine.policy.describe()) must be the forced ones. The measured configurations also go through
 submit(), whose eigen stage runs on the engine's worker thread. With two GPUs, the Triton kernels
-and CuPy run on tensors of the GPU that is not current (gradspec.kernels.launch); with one, that
-check is skipped. --device-map's check splits a model over two GPUs, or a GPU and the host.
+and the CuPy and nvmath eigensolvers run on tensors of the GPU that is not current
+(gradspec.kernels.launch, solvers.syev_batched_via); with one, that check is skipped.
+--device-map's check splits a model over two GPUs, or a GPU and the host.
 
 A check that fails or raises is recorded and the run goes on; acceptance.json and acceptance.md in
 --out are rewritten after each check. The verdict line (``ACCEPTANCE: PASS (n checks)`` or
@@ -119,6 +121,7 @@ CONFIGS = [
     Config("fp64/host-eigen", "fp64", {"segment_gram": "torch", "core": "cpp", "gram": "cpp"}),
     Config("fp64/device-eigen", "fp64", {"segment_gram": "torch", "core": "torch", "gram": "torch"}),
     Config("fp64/cupy-eigen", "fp64", {"segment_gram": "torch", "core": "cupy", "gram": "cupy"}),
+    Config("fp64/nvmath-eigen", "fp64", {"segment_gram": "torch", "core": "nvmath", "gram": "nvmath"}),
     Config("fp64/triton-syrk", "fp64", {"segment_gram": "triton", "core": "cpp", "gram": "cpp"}),
     Config("fp64/measured", "fp64", {}, submit=True),
     Config("fp32/triton-gram", "fp32", {"segment_gram": "triton"}),
@@ -282,16 +285,18 @@ def verdict_of(result: dict, config: Config) -> dict:
 
 
 def unavailable(config: Config, device: str) -> tuple[str, str] | None:
-    """(status, reason) where a forced path does not exist here: CuPy, and Triton off CUDA, are
-    optional (skipped); the C++ extension, and Triton on CUDA, are part of what is accepted (fail)."""
+    """(status, reason) where a forced path does not exist here: CuPy, nvmath-python (or a cuSOLVER
+    without XsyevBatched), and Triton off CUDA, are optional (skipped); the C++ extension, and
+    Triton on CUDA, are part of what is accepted (fail)."""
     probe = torch.zeros(1, 2, 2, device=device)
     for stage, path in config.force.items():
         if path in stages.paths(stage, probe, Policy(config.precision)):
             continue
         reasons = {"cpp": "gradspec._C is not built (see build.txt)",
                    "cupy": "CuPy is not installed" if solvers.cupy_eigen() is None else "CuPy runs on CUDA only",
+                   "nvmath": solvers.nvmath_unavailable() or "nvmath runs on CUDA only",
                    "triton": "Triton needs CUDA or TRITON_INTERPRET=1"}
-        optional = path == "cupy" or (path == "triton" and not device.startswith("cuda"))
+        optional = path in ("cupy", "nvmath") or (path == "triton" and not device.startswith("cuda"))
         return ("skipped" if optional else "fail"), f"no {path} path for {stage}: {reasons.get(path, '?')}"
     return None
 
@@ -351,8 +356,9 @@ def guarded(fn: Callable[[], list[dict]]) -> tuple[list[dict] | None, dict]:
 
 
 def device_check(device: str) -> dict:
-    """The Triton kernels and CuPy's eigensolver on tensors of a GPU other than the current one:
-    gradspec.kernels.launch must run them under their tensors' device. Needs two GPUs."""
+    """The Triton kernels and the CuPy and nvmath eigensolvers on tensors of a GPU other than the
+    current one: gradspec.kernels.launch and solvers.syev_batched_via must run them under their
+    tensors' device. Needs two GPUs."""
     if not device.startswith("cuda"):
         return {"status": "skipped", "problems": ["needs CUDA"]}
     if torch.cuda.device_count() < 2:
@@ -374,6 +380,11 @@ def device_check(device: str) -> dict:
             got = solvers.cupy_eigen().eigvalsh(grams).sort(-1).values
             want = torch.linalg.eigvalsh(grams.cpu()).to(got.device)
             errors["cupy_eigvalsh"] = ((got - want).abs().max() / want.abs().max()).item()
+        if solvers.nvmath_eigen() is not None:
+            grams = segment_gram_torch(Y, lengths)[0]
+            got = solvers.nvmath_eigen().eigvalsh(grams).sort(-1).values
+            want = torch.linalg.eigvalsh(grams.cpu()).to(got.device)
+            errors["nvmath_eigvalsh"] = ((got - want).abs().max() / want.abs().max()).item()
         torch.cuda.synchronize(1)
     problems = [f"{k} {e:.1e} > 1e-5" for k, e in errors.items() if not e <= 1e-5]
     return {"status": "fail" if problems else "pass", "max_rel_err": errors, "problems": problems}
@@ -441,7 +452,7 @@ def device_map_check(device: str) -> dict:
 def environment(device: str) -> dict:
     """What the results depend on: the device, the libraries, the extension, fp32 matmul precision."""
     versions = {}
-    for name in ("triton", "cupy", "transformers"):
+    for name in ("triton", "cupy", "nvmath", "transformers"):
         try:
             versions[name] = __import__(name).__version__
         except Exception:  # noqa: BLE001 - absent or broken: recorded as None

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 PACKAGES = ("gradspec", "torch", "transformers", "numpy", "scipy", "triton", "cupy-cuda12x", "cupy-cuda11x",
-            "datasets", "peft", "pyarrow", "accelerate", "gguf")
+            "nvmath-python", "datasets", "peft", "pyarrow", "accelerate", "gguf")
 
 
 def _version(package: str) -> str | None:

@@ -2,9 +2,10 @@
 
 ``gram_spectra``: from Grams of the materialised G (d_in or d_out the smallest size);
 ``core_spectra``: from B = X X^T and A = D D^T, T x T (the token count the smallest).
-Each runs on the extension on the host (LAPACK, threads over the batch), or torch or CuPy where
-the Grams lie (gradspec.linalg.stages picks). A path that fails (out of memory, a solver that
-does not converge) is solved again on the host; the caller isolates what still fails.
+Each runs on the extension on the host (LAPACK, threads over the batch), or torch, CuPy or
+cuSOLVER's XsyevBatched through nvmath-python where the Grams lie (gradspec.linalg.stages picks).
+A path that fails (out of memory, a solver that does not converge) is solved again on the host; the
+caller isolates what still fails.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ log = logging.getLogger("gradspec")
 
 
 def eigen_path(grams: torch.Tensor, policy: Policy | str, stage: str) -> str | None:
-    """Where this eigen stage will run: "cpp" (the extension, on the host), "torch" or "cupy" (on
-    the Grams' device), or None while it is still to be measured. The engine copies the Grams of
-    "cpp" stages off the GPU early, on its own thread; the others stay where they are."""
+    """Where this eigen stage will run: "cpp" (the extension, on the host), "torch", "cupy" or
+    "nvmath" (on the Grams' device), or None while it is still to be measured. The engine copies
+    the Grams of "cpp" stages off the GPU early, on its own thread; the others stay where they are."""
     return stages.chosen_path(stage, grams, Policy.of(policy), (size_bucket(grams.shape[-1]),))
 
 
@@ -47,6 +48,9 @@ def eigen_faults() -> tuple[type[BaseException], ...]:
     cupy = sys.modules.get("cupy")
     if cupy is not None:
         faults.append(cupy.cuda.memory.OutOfMemoryError)
+    cusolver = sys.modules.get("nvmath.bindings.cusolver")  # a cuSOLVER status other than success
+    if cusolver is not None:
+        faults.append(cusolver.cuSOLVERError)
     return tuple(faults)
 
 
@@ -55,7 +59,8 @@ def _eigen_stage(stage: str, tensors: tuple, policy: Policy, on_host: Callable, 
     the policy's path. A path that fails (eigen_faults) is retried on the host, by the extension
     and then by torch; what fails there too is raised, for the caller to isolate."""
     calls = {"cpp": partial(on_host, *tensors), "torch": partial(on_device, solvers.TORCH_EIGEN, *tensors),
-             "cupy": lambda: on_device(solvers.cupy_eigen(), *tensors)}
+             "cupy": lambda: on_device(solvers.cupy_eigen(), *tensors),
+             "nvmath": lambda: on_device(solvers.nvmath_eigen(), *tensors)}
     try:
         return stages.run(stage, tensors[0], policy, (size_bucket(tensors[0].shape[-1]),), calls)
     except eigen_faults() as error:

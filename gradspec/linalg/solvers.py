@@ -1,13 +1,18 @@
 """Batched symmetric eigensolvers that work where their input lies: torch's (LAPACK on the host,
-cuSOLVER on a GPU) and CuPy's (cuSOLVER's syevjBatched at every size), when CuPy is installed."""
+cuSOLVER on a GPU), CuPy's (cuSOLVER's syevjBatched at every size), when CuPy is installed, and
+cuSOLVER's XsyevBatched at every size (values only) through nvmath-python, when it is installed and
+its cuSOLVER has it (CUDA 12.6 update 2 or later)."""
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import cache
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 
@@ -50,3 +55,127 @@ def eigensolver_via(cupy) -> Eigensolver:
             return torch.from_dlpack(cupy.linalg.eigvalsh(x)).view(a.shape[:-1])
 
     return Eigensolver(eigh, eigvalsh)
+
+
+class SyevConstants(NamedTuple):
+    """The enum values cusolverDnXsyevBatched takes (nvmath-python exposes them as
+    nvmath.bindings.cusolver.EigMode, nvmath.bindings.cublas.FillMode and nvmath.CudaDataType)."""
+
+    novector: int  # cusolverEigMode_t CUSOLVER_EIG_MODE_NOVECTOR: eigenvalues only
+    upper: int  # cublasFillMode_t CUBLAS_FILL_MODE_UPPER
+    r32f: int  # cudaDataType_t CUDA_R_32F
+    r64f: int  # cudaDataType_t CUDA_R_64F
+
+
+CUSOLVER_CONSTANTS = SyevConstants(novector=0, upper=1, r32f=0, r64f=1)  # as cusolver_common.h and
+# library_types.h define them; nvmath_eigen() takes nvmath's own enums
+
+
+def _torch_stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def syev_batched_via(
+    binding, constants: SyevConstants = CUSOLVER_CONSTANTS, *,
+    stream_of: Callable[[torch.device], int] = _torch_stream,
+    device_guard: Callable[[torch.device], AbstractContextManager] = torch.cuda.device,
+) -> Eigensolver:
+    """An Eigensolver on torch's CUDA tensors through cuSOLVER's cusolverDnXsyevBatched (batched
+    tridiagonalisation, at every n since the cuSOLVER of CUDA 12.6 update 2; torch takes it for
+    n <= 32 only and loops syevd above), `binding` a module with nvmath.bindings.cusolverDn's
+    create, create_params, set_stream, xsyev_batched_buffer_size and xsyev_batched.
+
+    Values only (jobz NOVECTOR); `eigh` is torch.linalg.eigh. Each call solves a packed copy of the
+    input in its dtype (fp32 or fp64; any other is solved in fp64), which the solver overwrites: the
+    caller's tensor is left as it was. The copy is row-major, cuSOLVER column-major: each matrix is
+    read as its transpose, so lda = n and FILL_MODE_UPPER reads the triangle torch.linalg.eigvalsh
+    reads (UPLO="L"). The work runs on torch's current stream of the input's device, with that
+    device current (`stream_of`, `device_guard`: injectable, for tests on the host), its device
+    workspace from torch's caching allocator on that stream; one handle and params object per
+    device, made on first use and kept. `info` is read back once per call, after the solve: the
+    call's only wait for the device (its host workspace is kept alive until then); a matrix that
+    did not converge raises torch.linalg.LinAlgError naming its batch index. No autograd."""
+    handles: dict[int | None, tuple[int, int]] = {}  # device index -> (handle, params)
+    lock = threading.Lock()  # one handle per device, its stream set per call: calls one at a time
+
+    def handle_of(device: torch.device) -> tuple[int, int]:
+        if device.index not in handles:
+            handles[device.index] = binding.create(), binding.create_params()
+        return handles[device.index]
+
+    def eigvalsh(a: torch.Tensor) -> torch.Tensor:
+        n, batch = a.shape[-1], a.shape[:-2]
+        dtype = a.dtype if a.dtype in (torch.float32, torch.float64) else torch.float64
+        count = math.prod(batch)
+        if count == 0 or n == 0:
+            return a.new_empty((*batch, n), dtype=dtype)
+        kind = constants.r64f if dtype == torch.float64 else constants.r32f
+        with device_guard(a.device), lock:
+            work = torch.empty((count, n, n), dtype=dtype, device=a.device)
+            work.copy_(a.reshape(count, n, n))
+            w = torch.empty((count, n), dtype=dtype, device=a.device)
+            info = torch.zeros(count, dtype=torch.int32, device=a.device)
+            handle, params = handle_of(a.device)
+            binding.set_stream(handle, stream_of(a.device))
+            problem = (handle, params, constants.novector, constants.upper, n, kind, work.data_ptr(), n, kind,
+                       w.data_ptr(), kind)
+            device_bytes, host_bytes = binding.xsyev_batched_buffer_size(*problem, count)
+            on_device = torch.empty(device_bytes, dtype=torch.uint8, device=a.device)
+            on_host = torch.empty(host_bytes, dtype=torch.uint8)
+            binding.xsyev_batched(*problem, on_device.data_ptr(), device_bytes, on_host.data_ptr(), host_bytes,
+                                  info.data_ptr(), count)
+        _raise_on_failure(info.cpu(), batch)  # the one wait for the device; on_host is held until it is over
+        return w.view(*batch, n)
+
+    return Eigensolver(torch.linalg.eigh, eigvalsh)
+
+
+def _raise_on_failure(info: torch.Tensor, batch: torch.Size) -> None:
+    """XsyevBatched's info per matrix: 0 solved, i > 0 did not converge, -i its i-th parameter was wrong."""
+    failed = torch.nonzero(info).flatten()
+    if not len(failed):
+        return
+    first = int(failed[0])
+    code = int(info[first])
+    if code < 0:
+        raise ValueError(f"cusolverDnXsyevBatched: parameter {-code} is wrong (info = {code})")
+    where = tuple(int(i) for i in np.unravel_index(first, tuple(batch))) if len(batch) > 1 else first
+    raise torch.linalg.LinAlgError(
+        f"cusolverDnXsyevBatched did not converge on matrix {where} of the batch {tuple(batch)} (info = {code}); "
+        f"{len(failed)} of {len(info)} failed")
+
+
+@cache
+def _nvmath() -> tuple[Eigensolver | None, str]:
+    try:
+        import nvmath
+        from nvmath.bindings import cublas, cusolver, cusolverDn
+    except ImportError:
+        return None, "nvmath-python is not installed"
+    if not torch.cuda.is_available():
+        return None, "no CUDA device"
+    try:
+        constants = SyevConstants(int(cusolver.EigMode.NOVECTOR), int(cublas.FillMode.UPPER),
+                                  int(nvmath.CudaDataType.CUDA_R_32F), int(nvmath.CudaDataType.CUDA_R_64F))
+        solver = syev_batched_via(cusolverDn, constants)
+        probe = torch.tensor([[2.0, 1.0], [1.0, 2.0]], dtype=torch.float64, device="cuda").expand(3, 2, 2)
+        got = solver.eigvalsh(probe).cpu()
+    except Exception as error:  # noqa: BLE001 - FunctionNotFoundError (no XsyevBatched), cuSOLVERError, ...
+        return None, (f"cusolverDnXsyevBatched failed ({type(error).__name__}: {str(error)[:200]}); it needs "
+                      "cuSOLVER from CUDA 12.6 update 2 or later")
+    if not torch.allclose(got, torch.tensor([1.0, 3.0], dtype=torch.float64).expand(3, 2)):
+        return None, f"cusolverDnXsyevBatched gave {got.tolist()} for eigenvalues [1, 3]"
+    return solver, ""
+
+
+@cache
+def nvmath_eigen() -> Eigensolver | None:
+    """cuSOLVER's XsyevBatched through nvmath-python (syev_batched_via), or None where nvmath-python is
+    not installed, there is no CUDA device, or its cuSOLVER lacks XsyevBatched or fails a small solve
+    (nvmath_unavailable() says which)."""
+    return _nvmath()[0]
+
+
+def nvmath_unavailable() -> str:
+    """Why nvmath_eigen() is None ("" where it is not)."""
+    return _nvmath()[1]

@@ -44,7 +44,9 @@ def paths(stage: str, t: torch.Tensor, policy: Policy) -> list[str]:
     elif stage == "segment_tdot":
         found = ["torch"] + ["triton"] * (triton_here and not fp64)
     else:
-        found = ["cpp"] * extension.BUILT + ["torch"] + ["cupy"] * (on_gpu(t) and solvers.cupy_eigen() is not None)
+        gpu = on_gpu(t)
+        found = (["cpp"] * extension.BUILT + ["torch"] + ["cupy"] * (gpu and solvers.cupy_eigen() is not None)
+                 + ["nvmath"] * (gpu and solvers.nvmath_eigen() is not None))
     if policy.backend == "cpp" and not extension.BUILT and stage in ("core", "gram"):
         raise RuntimeError("gradspec._C is not built: reinstall gradspec (pip install -e .)")
     return found
