@@ -2,9 +2,18 @@
 # GPU acceptance and the throughput suite in one call, on a machine that already has torch, Triton and
 # transformers (the lent H200's image; CuPy too): build the extension in place for that machine's
 # python3, then benchmarks/gpu_acceptance.py, which checks every path against the CPU fp64 reference,
-# prints its verdict and then runs benchmarks/gpu_suite.py with the rest of its --budget-s.
-# Usage: bash benchmarks/gpu_run.sh OUT_DIR [gpu_acceptance.py options]
-# On the lent H200, one device call with timeout_s about 560: bash benchmarks/gpu_run.sh $OUT
+# prints its verdict and then runs benchmarks/gpu_suite.py with the rest of its --budget-s (the suite
+# measures the cost model's rates first, then every model at T = 512, its tables, then longer T).
+# Usage: bash benchmarks/gpu_run.sh OUT_DIR [gpu_acceptance.py options, which override the ones below]
+#
+# Fitted to a lent GPU: 15 minutes of device time in all, start-up included, one call at most 8 minutes.
+# The whole call ends within GPU_RUN_S seconds (default 465), so one device call with timeout_s 480-560
+# fits, leaving start-up (a few minutes) and a shorter rerun (GPU_RUN_S=200, say) in the 15:
+#   - correctness first: model shapes not started within --correctness-s 120 are not run, and a started
+#     one gets gpu_acceptance's STARTED_GRACE_S (60 s) more: about 180 s of checks;
+#   - the suite gets the rest (gpu_acceptance's --budget-s counts from its own start, so the build's time
+#     and python's start-up are taken off here); gpu_acceptance cuts it at --budget-s, and results.json
+#     keeps every row it measured.
 # OUT_DIR gets build.txt, gpu.txt, log.txt, acceptance.json/.md and results.json/.md (7 files).
 # The exit status is the acceptance verdict's: 0 for PASS, 1 for FAIL.
 set -o pipefail
@@ -15,4 +24,9 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # Without the extension the run still goes on (its host-eigen checks fail), so a failed build is logged, not fatal.
 python3 setup.py -q build_ext --inplace >"$out/build.txt" 2>&1 || echo "extension build failed: see build.txt"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >"$out/gpu.txt" 2>&1
-python3 benchmarks/gpu_acceptance.py --out "$out" "$@" 2>&1 | tee "$out/log.txt"
+startup_s=15  # python, torch and transformers imported before gpu_acceptance's clock starts
+budget_s=$(( ${GPU_RUN_S:-465} - SECONDS - startup_s ))
+(( budget_s < 120 )) && budget_s=120
+echo "gpu_run.sh: build ${SECONDS} s; gpu_acceptance --budget-s ${budget_s}" | tee "$out/log.txt"
+python3 benchmarks/gpu_acceptance.py --out "$out" --budget-s "$budget_s" --correctness-s 120 --suite-sections-s 90 \
+    "$@" 2>&1 | tee -a "$out/log.txt"

@@ -3,18 +3,24 @@
     python benchmarks/gpu_suite.py --out gpu_results      # on a GPU: < 8 minutes
     python benchmarks/gpu_suite.py --smoke --out /tmp/s   # tiny shapes on the CPU (run by the tests)
 
-First, the eigen stage's paths on 120 Grams per size and the Triton kernels against their torch
-paths. Then, for each model shape (SmolLM2-135M, Qwen2.5-1.5B, Llama-3-8B; random weights, no
-downloads), sequence length T and module set, on one batch of about --batch-tokens tokens:
-gradspec's engine (``score``, and ``submit`` back to back as ``gradspec score`` runs it), a
+First, the per-operation rates of the machine for the cost model (benchmarks/cost_model.py, quick:
+seconds). Then, for each model shape (SmolLM2-135M, Qwen2.5-1.5B, Llama-3-8B; random weights, no
+downloads) at T = 512, and each module set (q/k/v/o, all), on one batch of about --batch-tokens
+tokens: gradspec's engine (``score``, and ``submit`` back to back as ``gradspec score`` runs it), a
 plain training step (forward + backward with weight gradients, LM head at response positions
-only, as in the engine), and an estimate of ``gradspec.engine.reference`` per sample, with peak memory;
-last, what the engine's measured dispatch chose. The reference estimate is one sample's forward
-and backward with the first module's SVD, plus one timed fp64 SVD per other module (a 7B
-model's SVDs take minutes per sample; each weight shape is timed once, when first needed), not
-a measured run of the reference. Each model gets an equal share of --budget-s; a configuration
-that fails is recorded, not fatal, and results.json and results.md in --out are rewritten after
-every row, so a run cut short still leaves what it measured.
+only, as in the engine), and ``gradspec.engine.reference`` per sample, with peak memory, and the cost
+model's predicted samples/s beside each measured one. Then the eigen stage's paths on 120 Grams per
+size and the Triton kernels against their torch paths; then T = 1024 (never Llama-3-8B: a lent
+GPU's 8 minutes) and T = 256, where --budget-s remains; last, what the engine's measured dispatch chose.
+
+The reference column is measured (``reference_kind`` "measured (k samples)": k samples scored by
+gradspec.engine.reference, one at a time, parameter gradients and fp64 SVDs) where its estimate says
+that takes at most REFERENCE_MEASURE_S, else an estimate (``reference_kind`` "estimate"): one
+sample's forward and backward with the first module's SVD, plus one timed fp64 SVD per other module
+(a 7B model's SVDs take minutes per sample; each weight shape is timed once, when first needed).
+--budget-s counts the rows' time only (the rates and tables apart); a row not started within it
+is recorded as skipped. A configuration that fails is recorded, not fatal, and results.json and
+results.md in --out are rewritten after every row, so a run cut short still leaves what it measured.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from collections.abc import Callable
 from functools import cache, partial
 from pathlib import Path
 
+import cost_model
 import torch
 
 from gradspec.engine.loss import IGNORE_INDEX, response_losses
@@ -53,7 +60,11 @@ SMOKE_TDOT_SHAPES = [(2, 16, 32, 16)]
 EIGEN_SIZES = [32, 64, 128, 256, 512]  # n of 120 batched eigenproblems (torch < 2.12 loops for n > 32)
 SMOKE_EIGEN_SIZES = [8]
 JACOBI_MAX_N = 128  # the Triton Jacobi holds a whole matrix in one program
-LENGTHS = [512, 256, 1024]  # T = 512 first: the issue's training-step target is there
+LENGTHS = [512, 1024, 256]  # every model at T = 512 first (the issue's targets are there), then longer, then shorter
+SMOKE_LENGTHS = [16, 32]
+MAX_T = {"Llama-3-8B": 512}  # never Llama-3-8B at T >= 1024: it does not fit a lent GPU's 8 minutes
+REFERENCE_MEASURE_S = 10.0  # the reference is measured on REFERENCE_SAMPLES samples where its estimate is this or less
+REFERENCE_SAMPLES = 2
 SMOKE_SHAPES = {"tiny": ("llama", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, vocab_size=256))}
 
@@ -118,11 +129,41 @@ def svd_seconds(d_out: int, d_in: int, device: str) -> float:
 
 
 def reference_seconds_per_sample(model, batch, modules: str) -> float:
-    """One sample's forward/backward with the first module's SVD, plus one SVD per other module."""
+    """An estimate: one sample's forward/backward with the first module's SVD, plus one SVD per other
+    module (of the tall orientation, as gradspec.engine.reference takes it)."""
     ids, _, labels = batch
     parts = [(p.name, p.d_out, p.d_in) for t in select_targets(model, modules) for p in t.parts]
     one, _ = timed(partial(reference_scores, model, ids[0], labels[0], parts[0][0]), str(ids.device), 1)
-    return one + sum(svd_seconds(d_out, d_in, str(ids.device)) for _, d_out, d_in in parts[1:])
+    return one + sum(svd_seconds(max(d_out, d_in), min(d_out, d_in), str(ids.device)) for _, d_out, d_in in parts[1:])
+
+
+def reference_columns(model, batch, modules: str) -> dict:
+    """Samples/s of the reference: measured on REFERENCE_SAMPLES samples where the estimate says that
+    takes at most REFERENCE_MEASURE_S, else the estimate; reference_kind says which."""
+    ids, _, labels = batch
+    estimate = reference_seconds_per_sample(model, batch, modules)
+    out = {"reference_estimate_samples_s": 1 / estimate}
+    k = min(REFERENCE_SAMPLES, len(ids))
+    if estimate * k > REFERENCE_MEASURE_S:
+        return out | {"reference_samples_s": 1 / estimate, "reference_kind": "estimate"}
+
+    def score_k() -> None:
+        for i in range(k):
+            reference_scores(model, ids[i], labels[i], modules)
+
+    measured, _ = timed(score_k, str(ids.device), 1, warm_up=False)  # warm: the estimate ran it
+    return out | {"reference_samples_s": k / measured, "reference_kind": f"measured ({k} samples)"}
+
+
+def predicted_columns(shape: dict, modules: str, T: int, n: int, rates, dtype: torch.dtype) -> dict:
+    """The cost model's prediction for this row (benchmarks/cost_model.py): samples/s of score
+    (serial), of submit back to back (overlapped) and of a training step, and seconds per stage."""
+    if rates is None:
+        return {}
+    p = cost_model.predict_best(shape, modules, T, T - T // 2, rates, n, dtype.itemsize)
+    return {"predicted_samples_s": p.serial_samples_s, "predicted_pipelined_samples_s": p.overlapped_samples_s,
+            "predicted_train_step_samples_s": 1 / p.train_step_s, "predicted_placement": p.placement,
+            "predicted_stages_s": p.stage_seconds()}
 
 
 def pipelined(engine: SpectralEngine, batch, k: int) -> None:
@@ -140,43 +181,82 @@ def measure(model, T: int, modules: str, batch, args) -> dict:
     p_s, _ = timed(partial(pipelined, engine, batch, k), args.device, 1, warm_up=False)  # warm: score ran
     t_s, t_mem = timed(partial(train_step, model, batch), args.device, args.reps)
     model.requires_grad_(False)
-    r_s = reference_seconds_per_sample(model, batch, modules)
+    reference = reference_columns(model, batch, modules)
     tokens = n * T
     return {"gradspec_samples_s": n / g_s, "gradspec_tokens_s": tokens / g_s,
-            "pipelined_tokens_s": k * tokens / p_s, "train_step_tokens_s": tokens / t_s,
-            "reference_samples_s": 1 / r_s, "vs_train_step": t_s / g_s, "pipelined_vs_train_step": k * t_s / p_s,
-            "vs_reference": (n / g_s) * r_s, "gradspec_peak_gib": g_mem, "train_step_peak_gib": t_mem}
+            "pipelined_samples_s": k * n / p_s, "pipelined_tokens_s": k * tokens / p_s,
+            "train_step_samples_s": n / t_s, "train_step_tokens_s": tokens / t_s, **reference,
+            "vs_train_step": t_s / g_s, "pipelined_vs_train_step": k * t_s / p_s,
+            "vs_reference": (n / g_s) / reference["reference_samples_s"], "gradspec_peak_gib": g_mem,
+            "train_step_peak_gib": t_mem}
 
 
-def run(args: argparse.Namespace, write: Callable[[list[dict]], None]) -> list[dict]:
+def plan(shapes: dict, lengths: list[int]) -> list[tuple[str, int]]:
+    """(model, T) in the order measured: every model at the first length, then every model at the
+    next, and so on; none above its MAX_T."""
+    return [(name, T) for T in lengths for name in shapes if T <= MAX_T.get(name, T)]
+
+
+class RowBudget:
+    """--budget-s, spent by the rows alone: a row not started within it is skipped."""
+
+    def __init__(self, seconds: float) -> None:
+        self.left = seconds
+
+    def spend(self, since: float) -> None:
+        self.left -= time.perf_counter() - since
+
+
+def run(args: argparse.Namespace, write: Callable[[list[dict]], None], pairs: list[tuple[str, int]],
+        rows: list[dict], budget: RowBudget, rates=None) -> list[dict]:
+    """The throughput rows of these (model, T), appended to rows (written after each one); a model
+    is built when the pairs move on to it and dropped at the end."""
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    lengths = [16, 32] if args.smoke else LENGTHS
     dtype = torch.float32 if args.smoke else getattr(torch, args.dtype)
-    rows, start = [], time.perf_counter()
-    for i, (name, (kind, shape)) in enumerate(shapes.items()):
-        deadline = start + args.budget_s * (i + 1) / len(shapes)  # its share, plus what earlier models left
-        model = build_model(kind, shape, args.device, dtype)
-        for T in lengths:
-            n = max(1, args.batch_tokens // T)
-            batch = make_batch(n, T, shape["vocab_size"], args.device)
-            for modules in ("attn", "all"):
-                row = dict(model=name, T=T, batch=n, modules=modules, dtype=str(dtype).removeprefix("torch."))
-                if time.perf_counter() > deadline:
-                    row["skipped"] = "time budget"
-                else:
-                    try:
-                        row.update(measure(model, T, modules, batch, args))
-                    except Exception as e:  # noqa: BLE001 - one configuration's failure must not cost the run
-                        row["skipped"] = f"{type(e).__name__}: {e}"[:300]
+    built, model = None, None
+    for name, T in pairs:
+        kind, shape = shapes[name]
+        n = max(1, args.batch_tokens // T)
+        for modules in ("attn", "all"):
+            started = time.perf_counter()
+            row = dict(model=name, T=T, batch=n, modules=modules, dtype=str(dtype).removeprefix("torch."))
+            if budget.left <= 0:
+                row["skipped"] = "time budget"
+            else:
+                try:
+                    if built != name:
+                        model = built = None
                         if args.device.startswith("cuda"):
                             torch.cuda.empty_cache()
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-                write(rows)
-        del model
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+                        model, built = build_model(kind, shape, args.device, dtype), name
+                    batch = make_batch(n, T, shape["vocab_size"], args.device)
+                    row.update(measure(model, T, modules, batch, args))
+                except Exception as e:  # noqa: BLE001 - one configuration's failure must not cost the run
+                    row["skipped"] = f"{type(e).__name__}: {e}"[:300]
+                    if args.device.startswith("cuda"):
+                        torch.cuda.empty_cache()
+                budget.spend(started)
+            row.update(predicted_columns(shape, modules, T, n, rates, dtype))
+            if "predicted_samples_s" in row and "gradspec_samples_s" in row:
+                row["measured_vs_predicted"] = row["gradspec_samples_s"] / row["predicted_samples_s"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            write(rows)
+    del model
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return rows
+
+
+def measure_rates(args: argparse.Namespace) -> tuple[object, dict]:
+    """The cost model's per-operation rates on this machine (quick), or None and the error."""
+    dtype = torch.float32 if args.smoke else getattr(torch, args.dtype)
+    try:
+        rates = cost_model.measure_rates(args.device, extension.default_threads(), quick=True, dtype=dtype)
+    except Exception as e:  # noqa: BLE001 - the model's failure must not cost the GPU run
+        return None, {"label": cost_model.PREDICTION, "error": f"{type(e).__name__}: {e}"[:300]}
+    print(json.dumps({"cost_model_rates_s": rates.seconds}), flush=True)
+    return rates, {"label": cost_model.PREDICTION, "rates": rates.as_dict(), "lines": cost_model.rates_lines(rates)}
 
 
 def eigen_rows(args: argparse.Namespace) -> list[dict]:
@@ -267,27 +347,55 @@ def environment(device: str) -> dict:
             "date": time.strftime("%Y-%m-%d")}
 
 
-REFERENCE_NOTE = ("gradspec / reference is an estimate, not a measured run of the reference: one sample's "
-                  "forward/backward with the first module's SVD, plus one timed fp64 SVD per other module "
-                  "(each weight shape timed once)")
+REFERENCE_NOTE = ("gradspec / reference: the reference is gradspec.engine.reference (one sample at a time, "
+                  "parameter gradients, full fp64 SVD values; the paper's procedure takes fp32 SVDs). Each cell "
+                  "says whether it was measured (on a few samples) or is an estimate: one sample's forward/"
+                  "backward with the first module's SVD, plus one timed fp64 SVD per other module (each weight "
+                  "shape timed once), not a measured run")
+
+
+def _cell(row: dict, key: str, form: str = ".3g", suffix: str = "") -> str:
+    value = row.get(key)
+    return "" if value is None else f"{value:{form}}{suffix}"
 
 
 def markdown(result: dict) -> str:
     env = result["environment"]
     lines = [", ".join(f"{k}: {v}" for k, v in env.items()), "", REFERENCE_NOTE + ".", "",
-             "| model | T | batch | modules | gradspec tok/s | pipelined tok/s | train-step tok/s "
-             "| gradspec / train step | pipelined / train step | gradspec / reference (estimate) "
-             "| peak GiB (gradspec, train) |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "Columns marked predicted (cost model) are predictions of benchmarks/cost_model.py from rates "
+             "measured on this machine at the start of the run, not measurements: score against the serial "
+             "total, submit back to back against the overlapped one.", "",
+             "| model | T | batch | modules | gradspec samples/s | predicted (cost model) | pipelined samples/s "
+             "| predicted (cost model), overlapped | train-step samples/s | predicted (cost model), train step "
+             "| gradspec tok/s | pipelined tok/s | train-step tok/s | gradspec / train step | pipelined / train step "
+             "| gradspec / reference | peak GiB (gradspec, train) |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for r in result.get("rows", []):
         head = f"| {r['model']} | {r['T']} | {r['batch']} | {r['modules']} |"
+        predicted = [_cell(r, "predicted_samples_s"), _cell(r, "predicted_pipelined_samples_s"),
+                     _cell(r, "predicted_train_step_samples_s")]
         if "skipped" in r:
-            lines.append(f"{head} skipped: {r['skipped']} |||||||")
+            lines.append(f"{head} skipped: {r['skipped']} | {predicted[0]} | | {predicted[1]} | | {predicted[2]} "
+                         "| | | | | | | |")
             continue
-        lines.append(f"{head} {r['gradspec_tokens_s']:.0f} | {r['pipelined_tokens_s']:.0f} "
+        lines.append(f"{head} {_cell(r, 'gradspec_samples_s')} | {predicted[0]} | {_cell(r, 'pipelined_samples_s')} "
+                     f"| {predicted[1]} | {_cell(r, 'train_step_samples_s')} | {predicted[2]} "
+                     f"| {r['gradspec_tokens_s']:.0f} | {r['pipelined_tokens_s']:.0f} "
                      f"| {r['train_step_tokens_s']:.0f} | {r['vs_train_step']:.2f}x "
                      f"| {r['pipelined_vs_train_step']:.2f}x "
-                     f"| {r['vs_reference']:.0f}x | {r['gradspec_peak_gib']:.1f}, {r['train_step_peak_gib']:.1f} |")
+                     f"| {r['vs_reference']:.3g}x ({r['reference_kind']}) "
+                     f"| {r['gradspec_peak_gib']:.1f}, {r['train_step_peak_gib']:.1f} |")
+    model = result.get("cost_model") or {}
+    if model:
+        lines += ["", "Cost model (predictions): " + model.get("error", "rates measured on this machine:"), ""]
+        lines += model.get("lines", [])
+        lines += ["", "| model | T | modules | eigen stage placed | predicted s/sample per stage | predicted /s "
+                  "(serial) | measured /s (score) | measured / predicted |", "|---|---:|---|---|---|---:|---:|---:|"]
+        lines += [f"| {r['model']} | {r['T']} | {r['modules']} | {r['predicted_placement']} | "
+                  + ", ".join(f"{stage} {s * 1e3:.3g} ms" for stage, s in r["predicted_stages_s"].items())
+                  + f" | {_cell(r, 'predicted_samples_s')} | {_cell(r, 'gradspec_samples_s')} "
+                  f"| {_cell(r, 'measured_vs_predicted', '.2f', 'x')} |"
+                  for r in result.get("rows", []) if "predicted_stages_s" in r]
     lines += ["", "| eigen stage: n | matrices | path | ms | max rel err | error |", "|---:|---:|---|---:|---:|---|"]
     lines += [f"| {e['n']} | {e['N']} | {e['path']} | {e['ms']:.2f} | {e['max_rel_err']:.1e} | {e.get('error', '')} |"
               for e in result.get("eigen", [])]
@@ -311,7 +419,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch-tokens", type=int, default=8192)
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--budget-s", type=float, default=360.0, help="skip the remaining configurations after this")
+    p.add_argument("--budget-s", type=float, default=360.0,
+                   help="seconds for the throughput rows (the rates and tables apart): a row not started "
+                   "within it is skipped")
     args = p.parse_args(argv)
     args.device = args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
@@ -325,9 +435,17 @@ def main(argv: list[str] | None = None) -> None:
         (out / "results.json").write_text(json.dumps(result, indent=1))
         (out / "results.md").write_text(markdown(result))
 
+    rates, model = measure_rates(args)
+    write(cost_model=model)
+    lengths = SMOKE_LENGTHS if args.smoke else LENGTHS
+    pairs = plan(SMOKE_SHAPES if args.smoke else SHAPES, lengths)
+    rows: list[dict] = []
+    budget = RowBudget(args.budget_s)
+    rows_written = lambda rows: write(rows=rows, dispatch=dispatch_rows())  # noqa: E731
+    run(args, rows_written, [p for p in pairs if p[1] == lengths[0]], rows, budget, rates)
     write(eigen=eigen_rows(args))
     write(kernels=kernel_rows(args))
-    run(args, lambda rows: write(rows=rows, dispatch=dispatch_rows()))
+    run(args, rows_written, [p for p in pairs if p[1] != lengths[0]], rows, budget, rates)
     print(markdown(result))
 
 

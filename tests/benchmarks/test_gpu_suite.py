@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import subprocess
 import sys
@@ -7,6 +8,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import gpu_suite  # noqa: E402
 
 
 def test_gpu_suite_smoke_runs_on_cpu(tmp_path):
@@ -17,10 +21,20 @@ def test_gpu_suite_smoke_runs_on_cpu(tmp_path):
     result = json.loads((tmp_path / "results.json").read_text())
     rows = result["rows"]
     assert len(rows) == 4 and all("skipped" not in r for r in rows)
+    assert [(r["T"], r["modules"]) for r in rows] == [(16, "attn"), (16, "all"), (32, "attn"), (32, "all")]
     for r in rows:
         assert r["gradspec_tokens_s"] > 0 and r["pipelined_tokens_s"] > 0 and r["train_step_tokens_s"] > 0
         assert r["vs_reference"] > 0
-    assert "| tiny | 16 |" in (tmp_path / "results.md").read_text()
+        assert r["reference_kind"] == "measured (2 samples)"  # the tiny model's reference is cheap: measured
+        # the cost model's prediction beside the measurement, finite
+        for key in ("predicted_samples_s", "predicted_pipelined_samples_s", "predicted_train_step_samples_s"):
+            assert math.isfinite(r[key]) and r[key] > 0, key
+        assert r["predicted_placement"] == {"core": "host", "gram": "host"}  # on the CPU
+        assert set(r["predicted_stages_s"]) == {"floor", "fp64 grams", "cores and eigen (host)", "copies to the host"}
+    rates = result["cost_model"]["rates"]
+    assert result["cost_model"]["label"].startswith("prediction") and rates["device"] == "cpu"
+    md = (tmp_path / "results.md").read_text()
+    assert "| tiny | 16 |" in md and "| predicted (cost model) |" in md and "(measured (2 samples))" in md
     assert result["dispatch"] == []  # the measured dispatch applies on a GPU only
     assert result["environment"]["torch"] == torch.__version__
     gram, tdot = result["kernels"]
@@ -29,3 +43,11 @@ def test_gpu_suite_smoke_runs_on_cpu(tmp_path):
     eigen = {e["path"]: e for e in result["eigen"]}
     assert set(eigen) == {"cpp", "torch", "triton_jacobi"}  # no CuPy here
     assert all(e["ms"] > 0 and e["max_rel_err"] < 1e-10 for e in eigen.values())
+
+
+def test_gpu_suite_plan_puts_every_model_at_512_first():
+    """Every model at T = 512 before any longer T; Llama-3-8B never at T >= 1024."""
+    pairs = gpu_suite.plan(gpu_suite.SHAPES, gpu_suite.LENGTHS)
+    assert pairs[:3] == [("SmolLM2-135M", 512), ("Qwen2.5-1.5B", 512), ("Llama-3-8B", 512)]
+    assert ("Llama-3-8B", 1024) not in pairs and all(T < 1024 for name, T in pairs if name == "Llama-3-8B")
+    assert {T for _, T in pairs[3:]} <= {1024, 256} and pairs[3][1] == 1024
