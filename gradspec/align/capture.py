@@ -28,6 +28,9 @@ class KeptCapture(Capture):
 
     def to_host(self) -> None:
         self.kept = {name: tuple(self._copies(t) for t in values) for name, values in self.kept.items()}
+        self._copies.queued()
+
+    def wait_host(self) -> None:
         self._copies.wait()
 
     def release(self) -> None:

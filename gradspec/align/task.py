@@ -32,6 +32,7 @@ from gradspec.align.directions import (
 )
 from gradspec.layers.hooks import BatchLayout, Captured
 from gradspec.layers.registry import Part, Target
+from gradspec.linalg.host_copies import to_device
 
 log = logging.getLogger("gradspec")
 AGGREGATES = ("mean_gradient", "mean", "max")
@@ -105,7 +106,7 @@ class _Directions(KeptCapture):
             return
         p.follow(captured.X.device)
         if p.route == "dense":
-            take = torch.tensor(local).to(captured.X.device, non_blocking=True)
+            take = to_device(torch.tensor(local), captured.X.device)
             G = per_sample_gradients(captured.X[take], captured.D[take], captured.mask[take], self.dtype).flatten(1)
             p.W += (p.device_coefficients[:, examples] @ G).view_as(p.W)
             return

@@ -26,9 +26,29 @@ def _joined(argv: list[str]) -> list[str]:
     return out
 
 
+class _WithDefaults(argparse.HelpFormatter):
+    """Every option's default in its help, where the help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's errors in one line like every other error (not its usage block), with the help
-    to read, and the nearest option for one that does not exist."""
+    to read, and the nearest option for one that does not exist; every default in the help."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _WithDefaults)
+        super().__init__(*args, **kwargs)
+
+    def format_help(self) -> str:
+        for action in self._actions:  # argparse shows nothing for an option without help, not even its default
+            if action.help is None and action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+                action.help = "(default: %(default)s)"
+        return super().format_help()
 
     def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments: "):

@@ -71,8 +71,11 @@ def add_run_arguments(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--template", choices=TEMPLATES, default=ScoreConfig.template)
     p.add_argument("--modules", default=ScoreConfig.modules,
                    help="attn (q,k,v,o), mlp, all, role names (q,k) or name globs (default: attn)")
-    p.add_argument("--max-length", type=int, default=ScoreConfig.max_length)
-    p.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS, help="padded tokens per batch")
+    p.add_argument("--max-length", type=int, default=ScoreConfig.max_length,
+                   help="tokens per sample at most (longer samples are cut, and flagged)")
+    p.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS,
+                   help="padded tokens per batch at most; batches are also sized to fit the memory available "
+                   "(README: memory)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--device-map", choices=DEVICE_MAPS,
                    help="one process, the model's layers spread over every visible GPU (then host memory) by "

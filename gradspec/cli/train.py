@@ -30,7 +30,7 @@ def add_parser(sub) -> None:
     p.add_argument("--limit", type=int, help="train on the first N samples")
     p.add_argument("--epochs", type=float, default=TrainConfig.epochs)
     p.add_argument("--max-steps", type=int, default=TrainConfig.max_steps,
-                   help="stop after this many steps (default: the epochs)")
+                   help="stop after this many steps (default: -1, run the epochs)")
     p.add_argument("--batch-size", type=int, default=TrainConfig.batch_size)
     p.add_argument("--learning-rate", type=float, default=TrainConfig.learning_rate)
     p.add_argument("--monitor-every", type=int, default=TrainConfig.monitor_every,

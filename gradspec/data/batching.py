@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -43,9 +43,12 @@ def pad_batch(items: list[Tokenized], pad_id: int, device: str | torch.device) -
     return ids.to(device), mask.to(device), labels.to(device)
 
 
-def token_batches(items: list[Item], batch_tokens: int, max_padding: float = MAX_PADDING) -> Iterator[list[Item]]:
+def token_batches(items: list[Item], batch_tokens: int, max_padding: float = MAX_PADDING,
+                  fits: Callable[[int, int], bool] | None = None) -> Iterator[list[Item]]:
     """Length-sorted batches whose padded size (count x longest) stays within batch_tokens and
     whose padding stays within max_padding of it: padded tokens cost full compute on a CPU.
+    fits(rows, longest), where given, must hold too (a memory model: engine.batch_memory); a sample
+    that does not fit alone still gets a batch of its own.
 
     The same batches on every device: on the CPU too, fuller passes beat one sample per pass
     (1.4x faster on SmolLM2-135M and HumanEval, 2-core AMD EPYC: benchmarks/RESULTS.md)."""
@@ -54,7 +57,8 @@ def token_batches(items: list[Item], batch_tokens: int, max_padding: float = MAX
     for item in sorted(items, key=lambda it: it.tokens.num_tokens):
         n = item.tokens.num_tokens
         padded = (len(batch) + 1) * n
-        if batch and (padded > batch_tokens or real + n < (1 - max_padding) * padded):
+        if batch and (padded > batch_tokens or real + n < (1 - max_padding) * padded
+                      or (fits is not None and not fits(len(batch) + 1, n))):
             yield batch
             batch, real = [], 0
         batch.append(item)
@@ -74,6 +78,7 @@ def item_losses(
     for batch in token_batches(items, batch_tokens):
         loss, count, stats = response_losses(model, *pad_batch([b.tokens for b in batch], pad_id, device),
                                              token_stats=token_stats)
+        loss, count, stats = loss.cpu(), count.cpu(), {name: column.cpu() for name, column in stats.items()}
         for k, item in enumerate(batch):
             value = float(loss[k]) if count[k] > 0 else math.nan
             yield item, value, {name: float(column[k]) for name, column in stats.items()}

@@ -23,7 +23,7 @@ from gradspec.layers.registry import Part, Target
 from gradspec.linalg import extension
 from gradspec.linalg.eigen import core_spectra, eigen_faults, eigen_path, gram_spectra, host_core_spectra
 from gradspec.linalg.grams import segment_gram
-from gradspec.linalg.host_copies import HostCopies
+from gradspec.linalg.host_copies import HostCopies, to_device
 from gradspec.linalg.lowrank import lowrank_metrics, sketch_matrix, sketch_singular_values
 from gradspec.linalg.metrics import ordered_sum
 from gradspec.linalg.policy import Policy
@@ -69,7 +69,7 @@ class _Samples:
         if self.index is None:
             return t
         if t.device not in self._on:
-            self._on[t.device] = self.index.to(t.device, non_blocking=True)
+            self._on[t.device] = to_device(self.index, t.device)
         return t[self._on[t.device]]
 
 
@@ -122,6 +122,8 @@ class BatchCapture(Capture):
         self._splits: dict[tuple, tuple[_Samples, _Samples]] = {}
         self._copies = HostCopies()
         self._delivered: set[str] = set()
+        # per input: (bytes per token of its X, each part's smaller side): what batch_memory models
+        self.inputs: dict = {}
         # eager: each input's eigen stage as soon as its tensor is gone, not after the backward (about
         # one layer's Grams held instead of all of them; the host waits for the device there)
         self.eager = eager
@@ -148,6 +150,9 @@ class BatchCapture(Capture):
             self.batch.repeated.add(part.name)
             return
         self._delivered.add(part.name)
+        X = captured.X
+        self.inputs.setdefault(captured.input_key, (X.shape[-1] * X.element_size(), []))[1].append(
+            min(part.d_in, part.d_out))
         if self.eager:
             self._solve_freed()
         X, D = captured.X, captured.D
@@ -191,13 +196,14 @@ class BatchCapture(Capture):
         wide, gram = self.x_grams[key]
         if core.rows != wide.rows:
             position = {row: k for k, row in enumerate(wide.rows)}
-            gram = gram[torch.tensor([position[r] for r in core.rows]).to(gram.device, non_blocking=True)]
+            gram = gram[to_device(torch.tensor([position[r] for r in core.rows]), gram.device)]
         return gram[:, :core.T, :core.T]
 
     def to_host(self) -> None:
-        """Move what the eigen stage needs on the host to the CPU, on the caller's thread (so the
-        copies do not queue behind the next batch's GPU work), and drop the rest. Grams whose
-        eigen stage runs on the GPU, or is still to be measured, stay there."""
+        """Queue copies to the host of what the eigen stage needs there (on a side stream, after this
+        batch's work: the next batch's does not wait for them), and drop the rest; the eigen stage
+        waits for them (wait_host). Grams whose eigen stage runs on the GPU, or is still to be
+        measured, stay there."""
         self.x_grams.clear()
         copies = self._copies
         paths = set()
@@ -208,6 +214,10 @@ class BatchCapture(Capture):
             paths.add(path)
             return copies if path == "cpp" else (lambda t: t)
 
+        if self.device.type == "cuda":  # the pinned pool holds two batches' copies
+            copies.pool.fit(sum(t.numel() * t.element_size() for g in self.core.values()
+                                for t in (g.B, *(a for _, a, _ in g.items)))
+                            + sum(g.numel() * g.element_size() for _, _, g in self.materialised))
         for group in self.core.values():
             move = copier_for(group.B, "core")  # B and its A's are solved together, on one path
             group.B = move(group.B)
@@ -215,11 +225,14 @@ class BatchCapture(Capture):
         self.materialised = [(part, rows, copier_for(gram, "gram")(gram)) for part, rows, gram in self.materialised]
         self.sketched = [(part, rows, copies(sigma), copies(frob2)) for part, rows, sigma, frob2 in self.sketched]
         self.measures = None in paths
-        copies.wait()
+        copies.queued()
+
+    def wait_host(self) -> None:
+        self._copies.wait()
 
     def release(self) -> None:
         """Gives the pinned host buffers back once the eigen stage has read them."""
-        self.core, self.materialised, self.sketched, self.solved = {}, [], [], []
+        self.core, self.materialised, self.sketched, self.solved, self.inputs = {}, [], [], [], {}
         self._copies.release()
 
     def finish(self, scores) -> None:
@@ -294,6 +307,7 @@ class BatchCapture(Capture):
         part a sample did not reach keeps NaN there, unflagged where the part is routed, else
         flagged missing_gradient (its output gradient never came: e.g. hooks removed before the backward);
         a part whose module ran twice (its gradient a sum over calls) is NaN and flagged repeated_call."""
+        self.wait_host()
         N = self.batch.N
         nan = float("nan")
         metrics = {p.name: torch.full((N, len(self.metric_names)), nan, dtype=torch.float64)

@@ -15,6 +15,8 @@ import weakref
 import torch
 from torch import nn
 
+from gradspec.linalg.host_copies import to_device
+
 IGNORE_INDEX = -100  # PyTorch's and transformers' default ignore index
 log = logging.getLogger("gradspec")
 
@@ -54,12 +56,12 @@ _HEAD_SHORTCUT: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDict
 
 def _shortcut_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows, cols):
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    return model.get_output_embeddings()(hidden[rows.to(hidden.device), cols.to(hidden.device)])
+    return model.get_output_embeddings()(hidden[to_device(rows, hidden.device), to_device(cols, hidden.device)])
 
 
 def _full_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows, cols):
     logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    return logits[rows.to(logits.device), cols.to(logits.device)]
+    return logits[to_device(rows, logits.device), to_device(cols, logits.device)]
 
 
 @torch.no_grad()
@@ -103,25 +105,26 @@ def response_losses(
 
     Prompt positions need no logits: skipping them saves the head's forward and backward
     there. A model whose logits are more than its head of its hidden states takes the full
-    path (check_head_shortcut). The values lie on the logits' device (a dispatched model's head's).
+    path (check_head_shortcut). loss and the stats lie on the logits' device (a dispatched model's
+    head's), count where labels lie: labels on the host select the positions without waiting for the device.
     """
-    rows, cols, wanted = next_token_positions(labels)
+    rows, cols, wanted = next_token_positions(labels)  # where labels lie: on the host, nothing waits
+    count = torch.bincount(rows, minlength=len(labels))
     logits = (_shortcut_logits if check_head_shortcut(model, input_ids, attention_mask, labels) else _full_logits)(
         model, input_ids, attention_mask, rows, cols).float()
-    rows, wanted = rows.to(logits.device), wanted.to(logits.device)
-    count = torch.bincount(rows, minlength=len(labels))
+    rows, wanted, on_logits = (to_device(t, logits.device) for t in (rows, wanted, count))
 
     def per_sample(values: torch.Tensor) -> torch.Tensor:
         return torch.zeros(len(labels), dtype=values.dtype, device=values.device).index_add(0, rows, values) / (
-            count.clamp_min(1))
+            on_logits.clamp_min(1))
 
     loss = per_sample(next_token_nll(logits, wanted))
     stats: dict[str, torch.Tensor] = {}
     if token_stats:
         with torch.no_grad():
             logp = torch.log_softmax(logits, -1)
-            stats["mean_entropy"] = per_sample(-(logp.exp() * logp).sum(-1)).double().cpu()
-            stats["token_accuracy"] = per_sample((logits.argmax(-1) == wanted).float()).double().cpu()
+            stats["mean_entropy"] = per_sample(-(logp.exp() * logp).sum(-1)).double()
+            stats["token_accuracy"] = per_sample((logits.argmax(-1) == wanted).float()).double()
             target_logp = logp.gather(1, wanted[:, None]).squeeze(1)
-            stats["mean_token_prob"] = per_sample(target_logp.exp()).double().cpu()
+            stats["mean_token_prob"] = per_sample(target_logp.exp()).double()
     return loss, count, stats

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from torch import nn
 from gradspec.align.capture import AlignmentCapture
 from gradspec.align.projection import KroneckerProjection, ProjectionCapture
 from gradspec.align.task import DEFAULT_AGGREGATES, TaskGradients, collect_task
+from gradspec.data.models import input_device
 from gradspec.engine.capture import BatchCapture, LowRankSketch
 from gradspec.engine.loss import check_head_shortcut, response_losses
 from gradspec.kernels import token_mask
@@ -30,6 +32,7 @@ from gradspec.layers.lora import unwrap
 from gradspec.layers.registry import Part, Target
 from gradspec.layers.targets import select_targets
 from gradspec.linalg import stages
+from gradspec.linalg.host_copies import HostCopies, to_device
 from gradspec.linalg.lowrank import lowrank_metric_names
 from gradspec.linalg.metrics import metric_names
 from gradspec.linalg.policy import Policy
@@ -125,7 +128,8 @@ class SpectralEngine:
         return out
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> BatchScores:
-        """Right-padded batch; labels are input_ids with IGNORE_INDEX outside the response."""
+        """Right-padded batch; labels are input_ids with IGNORE_INDEX outside the response. Given on the
+        host, the batch goes to the model's device without the host waiting for the device."""
         return self._finish(*self._forward_backward(input_ids, attention_mask, labels))
 
     def submit(
@@ -173,19 +177,30 @@ class SpectralEngine:
     def backward_pass(self, captures: list[Capture], batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
         """One forward and input-gradient backward of a right-padded batch with every target's hooks
         delivering to these captures -> (loss, count, finite, token stats), the per-sample values on the CPU."""
+        passed = self._pass(captures, batch)
+        passed.copies.wait()
+        return passed.loss, passed.count, passed.finite, passed.stats
+
+    def _pass(self, captures: list[Capture], batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> _Passed:
+        """backward_pass, its per-sample values queued for the host without waiting for them (_Passed.copies).
+        With the labels on the host, nothing here waits for the device."""
         input_ids, attention_mask, labels = batch
         with borrowed(self.model), torch.enable_grad(), ExitStack() as hooked:
             check_head_shortcut(self.model, input_ids, attention_mask, labels)
             hooked.enter_context(attached(self.model, captures))
             loss, count, stats = response_losses(self.model, input_ids, attention_mask, labels, self.token_stats)
-            finite = torch.isfinite(loss) & (count > 0)
-            if self.lockstep is not None:  # the backward is collective: it runs even where nothing is finite
+            finite = torch.isfinite(loss) & (to_device(count, loss.device) > 0)
+            # A sample whose loss is not finite gets a zero output gradient (its own rows only: they are
+            # not scored); under FSDP the backward is collective and runs even where nothing is finite.
+            if self.lockstep is not None or bool(count.any()):
                 torch.where(finite, loss, 0.0).sum().backward()
-            elif finite.any():
-                loss[finite].sum().backward()
         for capture in captures:
             capture.to_host()
-        return loss.detach().double().cpu(), count.cpu(), finite.cpu(), stats
+        copies = HostCopies()
+        passed = _Passed(*(copies(t) for t in (loss.detach().double(), count, finite)),
+                         {name: copies(t) for name, t in stats.items()}, copies)
+        copies.queued()
+        return passed
 
     def _forward_backward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor):
         shapes = [tuple(getattr(t, "shape", ())) for t in (input_ids, attention_mask, labels)]
@@ -197,12 +212,16 @@ class SpectralEngine:
                              "(project=k)")
         if self.lockstep is not None:
             self.lockstep.before_pass()
-        # The batch's one host synchronisation: its lengths, from which every split is decided.
-        mask = attention_mask.cpu().bool()
+        # Lengths and label positions are read on the host: a batch given there (as score gives it)
+        # goes to the model's device without the host waiting for the device; one given on a GPU is
+        # read back once here.
+        mask, labels_host = attention_mask.cpu().bool(), labels.cpu()
         lengths = mask.sum(1)
         if not torch.equal(mask, token_mask(lengths, mask.shape[1], "cpu")):
             raise ValueError("the batch must be right-padded (attention_mask a prefix of ones)")
-        layout = BatchLayout(lengths, input_ids.device)
+        device = input_device(self.model) if input_ids.device.type == "cpu" else input_ids.device
+        input_ids, attention_mask = to_device(input_ids, device), to_device(attention_mask, device)
+        layout = BatchLayout(lengths, device)
         captures: list[Capture] = []  # in column order: the spectral metrics, then the cosines
         if self.spectra:
             captures.append(BatchCapture(self.targets, layout, self.policy, self.sketch, self.spectral_names,
@@ -211,26 +230,41 @@ class SpectralEngine:
             captures.append(AlignmentCapture(self.targets, layout, self.task, self.policy.dtype))
         if self.projection is not None:
             captures.append(ProjectionCapture(self.targets, layout, self.projection, self.policy.dtype))
-        return (captures, *self.backward_pass(captures, (input_ids, attention_mask, labels)))
+        return captures, self._pass(captures, (input_ids, attention_mask, labels_host))
 
-    def _finish(
-        self, captures: list[Capture], loss: torch.Tensor, count: torch.Tensor, finite: torch.Tensor,
-        stats: dict[str, torch.Tensor],
-    ) -> BatchScores:
-        flags: list[set[str]] = [set() for _ in range(len(loss))]
-        for i in torch.nonzero(~finite).flatten().tolist():
-            flags[i].add("no_response_tokens" if count[i] == 0 else "nonfinite_loss")
-        routed = captures[0].batch.routed_tokens if captures else {}
-        zeros = torch.zeros(len(loss), dtype=torch.int64)
-        scores = BatchScores(loss, count, flags, token_stats=stats, scored=finite,
-                             routed_tokens={name: routed.get(name, zeros) for name in self.routed_names})
+    def _finish(self, captures: list[Capture], passed: _Passed) -> BatchScores:
+        """The eigen stage and the rows, once the pass's copies have landed (on the worker thread: it
+        waits on their events, not on the device's later work)."""
         try:
+            passed.copies.wait()
+            for capture in captures:
+                capture.wait_host()
+            loss, count, finite = passed.loss.clone(), passed.count.clone(), passed.finite.clone()
+            stats = {name: t.clone() for name, t in passed.stats.items()}
+            flags: list[set[str]] = [set() for _ in range(len(loss))]
+            for i in torch.nonzero(~finite).flatten().tolist():
+                flags[i].add("no_response_tokens" if count[i] == 0 else "nonfinite_loss")
+            routed = captures[0].batch.routed_tokens if captures else {}
+            zeros = torch.zeros(len(loss), dtype=torch.int64)
+            scores = BatchScores(loss, count, flags, token_stats=stats, scored=finite,
+                                 routed_tokens={name: routed.get(name, zeros) for name in self.routed_names})
             for capture in captures:
                 capture.finish(scores)
         finally:
+            passed.copies.release()
             for capture in captures:
                 capture.release()
         return scores
+
+
+class _Passed(NamedTuple):
+    """A pass's per-sample values on the host (pinned buffers copies fills: wait before reading)."""
+
+    loss: torch.Tensor
+    count: torch.Tensor
+    finite: torch.Tensor
+    stats: dict[str, torch.Tensor]
+    copies: HostCopies
 
 
 @contextmanager

@@ -27,6 +27,7 @@ from gradspec.layers.checkpointing import FIRST, RECOMPUTE, Pairing, phase
 from gradspec.layers.hooks import Captured
 from gradspec.layers.linear import start_graph
 from gradspec.layers.registry import Part, Target, register
+from gradspec.linalg.host_copies import to_device
 
 CAPTURED_AS = "gradspec"  # the implementation a scored pass runs, recorded in score files
 
@@ -164,7 +165,7 @@ class _Layout:
             self.experts.append((e, tuple(reached.tolist()), torch.from_numpy(n), len(reached), int(n.max())))
             lengths.append(n)
             rows.append(reached)
-        cat = (lambda arrays: torch.from_numpy(np.concatenate(arrays)).to(device, non_blocking=True)) \
+        cat = (lambda arrays: to_device(torch.from_numpy(np.concatenate(arrays)), device)) \
             if pieces else (lambda arrays: None)
         self.index, self.device_lengths, self.device_rows = cat(pieces), cat(lengths), cat(rows)
 

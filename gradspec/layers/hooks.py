@@ -17,6 +17,7 @@ from torch import nn
 
 from gradspec.kernels import token_mask
 from gradspec.layers.registry import Part, Target
+from gradspec.linalg.host_copies import to_device
 
 
 class BatchLayout:
@@ -46,7 +47,7 @@ class BatchLayout:
         return self._on[key]
 
     def lengths_on(self, device: torch.device) -> torch.Tensor:
-        return self.cached_on("lengths", device, lambda d: self.lengths.to(d, non_blocking=True))
+        return self.cached_on("lengths", device, lambda d: to_device(self.lengths, d))
 
     def mask_on(self, device: torch.device) -> torch.Tensor:
         """(N, longest) bool on device: True at each sample's tokens."""
@@ -114,7 +115,7 @@ class PackedLayout(BatchLayout):
     def gather(self, Y: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """(rows, T, ...) -> (sequences, longest, ...), `fill` past each sequence's end."""
         flat = Y.reshape(-1, *Y.shape[2:])
-        index = self.cached_on("index", Y.device, lambda d: self.index.to(d, non_blocking=True))
+        index = self.cached_on("index", Y.device, lambda d: to_device(self.index, d))
         return torch.cat([flat, flat.new_full((1, *flat.shape[1:]), fill)])[index]
 
     def whole(self, X: torch.Tensor, D: torch.Tensor) -> Captured:
@@ -155,7 +156,7 @@ class Captured:
         if self.rows is None:
             return self.batch.lengths_on(self.X.device)
         if self.device_lengths_ is None:
-            self.device_lengths_ = self.lengths.to(self.X.device, non_blocking=True)
+            self.device_lengths_ = to_device(self.lengths, self.X.device)
         return self.device_lengths_
 
     @property
@@ -168,7 +169,7 @@ class Captured:
     def _index(self, device: torch.device) -> torch.Tensor:
         """The batch rows on this device (rows is not None)."""
         index = self.index if self.index is not None else torch.tensor(self.rows)
-        return index.to(device)
+        return to_device(index, device)
 
     def of_rows(self, values: torch.Tensor) -> torch.Tensor:
         """These samples' entries of a per-batch-row tensor (N, ...)."""
@@ -232,6 +233,9 @@ class Capture:
 
     def to_host(self) -> None:
         pass
+
+    def wait_host(self) -> None:
+        """Blocks until to_host's copies have landed (the thread that reads them calls it)."""
 
     def finish(self, scores) -> None:
         pass

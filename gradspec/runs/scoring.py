@@ -47,6 +47,8 @@ from gradspec.data.readers import (
     read_samples,
 )
 from gradspec.data.templates import check_response_tokens, tokenize
+from gradspec.engine import batch_memory
+from gradspec.engine.batch_memory import BatchMemory
 from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
 from gradspec.runs.fsdp import load_sharded, lockstep_engine
@@ -68,12 +70,12 @@ log = logging.getLogger("gradspec")
 
 
 def submit_with_split(
-    engine: SpectralEngine, batch: list[Item], pad_id: int, device: torch.device
+    engine: SpectralEngine, batch: list[Item], pad_id: int
 ) -> list[tuple[Item, Future[BatchScores] | None, int]]:
     """(item, future scores, row in them) for each item. Out of memory: split the batch in half
     and retry each half; a single sample that still does not fit gets None (flagged by the caller)."""
     try:
-        result = engine.submit(*pad_batch([b.tokens for b in batch], pad_id, device))
+        result = engine.submit(*pad_batch([b.tokens for b in batch], pad_id, "cpu"))  # the engine moves it
     except torch.OutOfMemoryError:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -83,8 +85,8 @@ def submit_with_split(
             return [(batch[0], None, 0)]
         log.warning("out of memory on a batch of %d; retrying it in two halves", len(batch))
         half = len(batch) // 2
-        return (submit_with_split(engine, batch[:half], pad_id, device)
-                + submit_with_split(engine, batch[half:], pad_id, device))
+        return (submit_with_split(engine, batch[:half], pad_id)
+                + submit_with_split(engine, batch[half:], pad_id))
     return [(item, result, k) for k, item in enumerate(batch)]
 
 
@@ -121,12 +123,38 @@ class _Progress:
         self.bar.set_postfix(tok_s=f"{self.tokens / (time.perf_counter() - self.start):.0f}", refresh=False)
 
 
+class _BatchPlan:
+    """Whether a batch fits in memory (gradspec.engine.batch_memory), from probes run once, on the
+    first batch to plan, against the memory available then (fixed for the run: memory the run
+    itself freed is not reported available again on the host). Not used where the model lies on
+    several devices or runs in lockstep under FSDP (a probe would have to run on every rank)."""
+
+    def __init__(self, engine: SpectralEngine, pad_id: int) -> None:
+        self.engine, self.pad_id = engine, pad_id
+        self.memory: BatchMemory | None = None
+        self.budget = 0.0
+        model = engine.model
+        self.enabled = (engine.lockstep is None and getattr(model, "hf_device_map", None) is None
+                        and len({p.device for p in model.parameters()}) == 1)
+
+    def fits(self, rows: int, longest: int) -> bool:
+        if not self.enabled:
+            return True
+        if self.memory is None:
+            device = input_device(self.engine.model)
+            self.memory = batch_memory.measure(self.engine, self.pad_id, device)
+            self.budget = batch_memory.HEADROOM * batch_memory.available_bytes(device)
+            log.info("batches planned within %.1f GiB: %.0f KiB per token, Grams of %d inputs",
+                     self.budget / 2**30, self.memory.per_token / 2**10, len(self.memory.inputs))
+        return self.memory.fits(rows, longest, self.budget)
+
+
 def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, template: str, max_length: int,
-                 batch_tokens: int, progress: _Progress, seen: Counter[str]) -> list[dict[str, Any]]:
-    """Output rows of consecutive samples, in their order; batches within are sorted by length.
-    seen: the tokenizer's statuses of the rows read so far (a run where most have no response
-    tokens stops here)."""
-    device = input_device(engine.model)
+                 batch_tokens: int, progress: _Progress, seen: Counter[str],
+                 plan: _BatchPlan | None = None) -> list[dict[str, Any]]:
+    """Output rows of consecutive samples, in their order; batches within are sorted by length
+    (and sized to fit memory by plan). seen: the tokenizer's statuses of the rows read so far (a run
+    where most have no response tokens stops here)."""
     pad_id = pad_id_of(tokenizer)
     items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples if s.error is None]
     seen.update(item.tokens.status for item in items)
@@ -136,8 +164,8 @@ def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, templ
     scorable = [i for i in items if i.tokens.scorable]
     # One batch in flight: its eigen stage runs while the next batch's forward and backward do.
     pending: list[tuple[Item, Future[BatchScores] | None, int]] = []
-    for batch in token_batches(scorable, batch_tokens):
-        submitted = submit_with_split(engine, batch, pad_id, device)
+    for batch in token_batches(scorable, batch_tokens, fits=None if plan is None else plan.fits):
+        submitted = submit_with_split(engine, batch, pad_id)
         progress.advance(len(pending), _collect(pending, rows, engine.metric_names))
         pending = submitted
     progress.advance(len(pending), _collect(pending, rows, engine.metric_names))
@@ -158,9 +186,10 @@ def score_samples(
     statuses: Counter[str] = Counter()
     seen: Counter[str] = Counter()
     bar = _Progress(total, progress)
+    plan = _BatchPlan(engine, pad_id_of(tokenizer))
     try:
         for chunk, group in groupby(samples, key=lambda s: s.index // chunk_rows):
-            rows = _score_chunk(list(group), engine, tokenizer, template, max_length, batch_tokens, bar, seen)
+            rows = _score_chunk(list(group), engine, tokenizer, template, max_length, batch_tokens, bar, seen, plan)
             write(chunk, rows)
             statuses.update(row["status"] for row in rows)
     finally:

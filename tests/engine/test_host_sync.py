@@ -56,3 +56,29 @@ def test_host_copies_leave_host_tensors_be_and_release_nothing_they_did_not_take
     copies.wait()
     copies.release()
     assert pool.free == {}
+
+
+@pytest.mark.parametrize("token_stats", [False, True])
+def test_a_pass_given_its_batch_on_the_host_never_reads_the_device(monkeypatch, token_stats):
+    """The engine's whole pass (the batch's move to the model, the loss and its positions, the
+    backward, the hooks, the copies queued for the host) on the meta device, where any read of a
+    device value raises: given the batch on the host, as score gives it, nothing waits for the device."""
+    from gradspec.engine.loss import _HEAD_SHORTCUT, IGNORE_INDEX
+    from gradspec.engine.spectral_engine import SpectralEngine
+
+    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda *a, **k: None)
+    # transformers reads the padding mask to choose between sdpa's causal flag and a mask: its read, not ours
+    monkeypatch.setattr(transformers.masking_utils, "_ignore_causal_mask_sdpa", lambda *a, **k: False)
+    model = tiny_model("llama", vocab=500).to("meta")
+    _HEAD_SHORTCUT[model] = True  # checked once per model, on its first batch: a read, by design
+    engine = SpectralEngine(model, "all", token_stats=token_stats,
+                            force={"segment_gram": "torch", "segment_tdot": "torch"})
+    lengths = torch.tensor([5, 40, 90])
+    mask = (torch.arange(90)[None] < lengths[:, None]).long()
+    ids = torch.randint(3, 500, (3, 90)) * mask
+    labels = torch.where(mask.bool() & (torch.arange(90)[None] >= 2), ids, IGNORE_INDEX)
+    captures, passed = engine._forward_backward(ids, mask, labels)
+    assert passed.loss.device.type == "meta" and passed.count.tolist() == [3, 38, 88]  # counted on the host
+    assert all(t.device.type == "meta" for t in passed.stats.values()) and len(passed.stats) == 3 * token_stats
+    core = captures[0].core
+    assert core and all(group.B.device.type == "meta" for group in core.values())
