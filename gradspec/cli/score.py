@@ -7,7 +7,7 @@ from pathlib import Path
 
 from gradspec.align.task import check_aggregates
 from gradspec.cli.given import refuse_unused
-from gradspec.data.batching import BATCH_TOKENS
+from gradspec.data.batching import BATCH_TOKENS, CPU_BATCH_TOKENS
 from gradspec.data.models import DEVICE_MAPS, DTYPES
 from gradspec.data.readers import ON_ERROR, Fields, Hub
 from gradspec.data.templates import TEMPLATES
@@ -73,9 +73,9 @@ def add_run_arguments(p: argparse.ArgumentParser, out: str) -> None:
                    help="attn (q,k,v,o), mlp, all, role names (q,k) or name globs (default: attn)")
     p.add_argument("--max-length", type=int, default=ScoreConfig.max_length,
                    help="tokens per sample at most (longer samples are cut, and flagged)")
-    p.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS,
-                   help="padded tokens per batch at most; batches are also sized to fit the memory available "
-                   "(README: memory)")
+    p.add_argument("--batch-tokens", type=int,
+                   help=f"padded tokens per batch at most (default: {CPU_BATCH_TOKENS} on the CPU, {BATCH_TOKENS} "
+                   "on a GPU); batches are also sized to fit the memory available (README: memory)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i]")
     p.add_argument("--device-map", choices=DEVICE_MAPS,
                    help="one process, the model's layers spread over every visible GPU (then host memory) by "

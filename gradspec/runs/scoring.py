@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from gradspec.align.task import DEFAULT_AGGREGATES, check_aggregates
 from gradspec.analysis.classic_scores import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
-from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
+from gradspec.data.batching import BATCH_TOKENS, Item, batch_tokens_for, pad_batch, pad_id_of, token_batches
 from gradspec.data.errors import check_at_least, check_parquet_out, check_writable
 from gradspec.data.hub import is_dataset_name, loaded_once
 from gradspec.data.models import (
@@ -350,11 +350,12 @@ class ScoreConfig:
         return data_samples(self.data, self.fields, self.limit, wanted, on_error, self.hub)
 
 
-def _check(config: ScoreConfig, device: str, batch_tokens: int, device_map: str | None = None) -> None:
+def _check(config: ScoreConfig, device: str, batch_tokens: int | None, device_map: str | None = None) -> None:
     config.check()
     check_device_map(device_map, device)
     check_device(device)
-    check_at_least({"--batch-tokens": batch_tokens})
+    if batch_tokens is not None:
+        check_at_least({"--batch-tokens": batch_tokens})
 
 
 def _engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: bool,
@@ -384,7 +385,7 @@ def _engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: b
 @loaded_once()
 def run(
     config: ScoreConfig, out: str | Path, *, device: str = "cpu", backend: str = "auto",
-    batch_tokens: int = BATCH_TOKENS, progress: bool = True, trust_remote_code: bool = False,
+    batch_tokens: int | None = None, progress: bool = True, trust_remote_code: bool = False,
     resume: bool = False, overwrite: bool = False, shard: Shard | None = None, on_error: str = "fail",
     merge: bool = True, fsdp: bool = False, device_map: str | None = None,
 ) -> Counter[str]:
@@ -395,6 +396,7 @@ def run(
     processes (e.g. a Slurm array) that share the folder; `gradspec merge` joins their parts.
     fsdp: under torchrun, the model's parameters sharded across the ranks (gradspec.runs.fsdp).
     device_map: one process, the model dispatched over the visible devices (data.models.DEVICE_MAPS).
+    batch_tokens: padded tokens per batch at most (None: data.batching.batch_tokens_for the device).
     Returns how many rows of each status this process wrote.
     """
     ranks = torchrun_shard()
@@ -411,6 +413,7 @@ def run(
                          "rank has its own GPU: use --fsdp to shard a model too large for one")
     mine = ranks or shard or Shard()
     _check(config, device, batch_tokens, device_map)
+    batch_tokens = batch_tokens or batch_tokens_for(device, device_map)
     if resume and overwrite:
         raise ValueError("--resume continues a run, --overwrite starts it again: pass one of them")
     check_parquet_out(out)
@@ -488,7 +491,7 @@ def run(
 def score(
     data: str | Path | None = None, model: str | None = None, out: str | Path | None = None, *,
     template: str = "plain", modules: str | list[str] = "attn", max_length: int = 2048,
-    batch_tokens: int = BATCH_TOKENS, device: str = "cpu", dtype: str = "float32", limit: int | None = None,
+    batch_tokens: int | None = None, device: str = "cpu", dtype: str = "float32", limit: int | None = None,
     fields: Fields = Fields(), save_spectra: bool = False, backend: str = "auto", progress: bool = True,
     trust_remote_code: bool = False, overwrite: bool = False, resume: bool = False, method: str = "exact",
     rank: int = 64, seed: int = 0, classic: bool = False, on_error: str = "fail", chunk_rows: int = CHUNK_ROWS,
@@ -521,6 +524,7 @@ def score(
         run(config, out, resume=resume, overwrite=overwrite, on_error=on_error, fsdp=fsdp, **settings)
         return read_scores(out)[0]
     _check(config, device, batch_tokens, device_map)
+    batch_tokens = batch_tokens or batch_tokens_for(device, device_map)
     engine, tokenizer, _ = _engine(config, device, backend, trust_remote_code, batch_tokens, progress, device_map)
     rows: list[dict[str, Any]] = []
     with engine:

@@ -18,7 +18,7 @@ import torch
 from gradspec.align.cosines import projected_cosines
 from gradspec.align.projection import ProjectionCapture
 from gradspec.align.task import DEFAULT_AGGREGATES, alignment_metrics, check_aggregates
-from gradspec.data.batching import BATCH_TOKENS
+from gradspec.data.batching import batch_tokens_for
 from gradspec.data.models import load_model
 from gradspec.data.readers import Fields
 from gradspec.engine.spectral_engine import SpectralEngine
@@ -63,7 +63,7 @@ def task_vectors(engine: SpectralEngine, batches: list) -> torch.Tensor:
 
 def query_store(
     store: str | Path, task: str | Path, out: str | Path, aggregate: str | list[str] = DEFAULT_AGGREGATES, *,
-    device: str = "cpu", batch_tokens: int = BATCH_TOKENS, overwrite: bool = False, trust_remote_code: bool = False,
+    device: str = "cpu", batch_tokens: int | None = None, overwrite: bool = False, trust_remote_code: bool = False,
 ) -> Counter[str]:
     """Writes out: the store's rows (index, status, loss, lengths, carried columns) with the projected
     cosines per part and over the model; returns the count of each status."""
@@ -74,7 +74,8 @@ def query_store(
     engine, tokenizer = store_engine(meta, store, device, trust_remote_code)
     fields = Fields(**meta.get("fields", {}))
     batches = task_batches(task, tokenizer, fields, meta.get("template", "plain"),
-                           meta.get("max_length", 2048), batch_tokens, next(engine.model.parameters()).device)
+                           meta.get("max_length", 2048), batch_tokens or batch_tokens_for(device),
+                           next(engine.model.parameters()).device)
     task_values = task_vectors(engine, batches)
     names = [p.name for p in engine.projection.parts]
     metrics = alignment_metrics(aggregates)

@@ -99,3 +99,17 @@ def test_the_plan_stands_aside_for_a_model_on_several_devices_or_in_lockstep():
     model = tiny_model("llama")
     model.hf_device_map = {"": "cpu"}
     assert scoring._BatchPlan(SpectralEngine(model, "attn"), 0).fits(10**6, 10**6)
+
+
+def test_score_batches_1024_tokens_on_the_cpu_by_default(monkeypatch, tiny_model_dir):
+    """On the CPU 1,024 padded tokens score as fast as 4,096 in a fraction of the memory; on a GPU 4,096."""
+    from gradspec.data.batching import batch_tokens_for
+
+    assert batch_tokens_for("cpu") == batch_tokens_for(None) == 1024
+    assert batch_tokens_for("cuda:1") == batch_tokens_for("cpu", device_map="auto") == 4096
+    budgets = []
+    real = scoring.token_batches
+    monkeypatch.setattr(scoring, "token_batches", lambda items, tokens, **k: budgets.append(tokens) or real(items, tokens, **k))
+    scoring.score(model=str(tiny_model_dir), limit=3, progress=False)
+    scoring.score(model=str(tiny_model_dir), limit=3, progress=False, batch_tokens=300)
+    assert budgets == [1024, 300]
