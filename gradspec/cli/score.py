@@ -131,7 +131,8 @@ def run(args: argparse.Namespace, task: str | None = None, aggregate: str = "", 
         overwrite=args.overwrite, shard=args.shard, on_error=args.on_error, merge=args.merge,
     )
     folder = RunFolder(args.out)
-    if Path(args.out).exists() and not folder.path.exists():  # this process wrote the whole file
+    # merged: the file is there and no part is left (a folder kept for files the run did not write aside)
+    if Path(args.out).exists() and not any(folder.path.glob("*.parquet")):
         print(run_summary(args.out, statuses))
     else:
         print(f"{written(statuses, folder.path)}; when all are done: "

@@ -28,7 +28,9 @@ A row longer than max_length is scored on its first max_length tokens and flagge
 
 A row with no response token to score is flagged too (``empty_response``, ``no_response_tokens``,
 ``prompt_too_long``, ``label_span_mismatch``) and ``check_response_tokens`` stops a run in which
-most rows are.
+most rows are. A scoring run judges this once, before it scores anything, on the input's first
+``RESPONSE_CHECK_ROWS`` rows, which every process of the run reads whatever chunks it scores: a run
+stops, or goes on, alike however it is split (shards, torchrun's ranks, ``--resume``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ from dataclasses import dataclass
 from gradspec.engine.loss import IGNORE_INDEX
 
 TEMPLATES = ("plain", "chat")
+# The input's first rows on which a scoring run judges whether most rows have no response token: enough
+# to tell a setting (template, tokenizer, max length) from a few bad rows, few enough to tokenize in a moment
+RESPONSE_CHECK_ROWS = 256
 SCORED = ("ok", "empty_prompt", "boundary_merge", "truncated")
 # Statuses of a row with no response token to score, and what usually causes most rows to have one
 NO_RESPONSE = {
@@ -213,10 +218,10 @@ def tokenize(messages: list[dict[str, str]], tokenizer, template: str = "plain",
     return Tokenized(ids[:max_length], labels[:max_length], status)
 
 
-def check_response_tokens(statuses: Mapping[str, int]) -> None:
+def check_response_tokens(statuses: Mapping[str, int], judged: str | None = None) -> None:
     """Stops a run in which most rows (statuses: how many rows have each) have no response token
     to score: that is a setting (template, tokenizer, max length), not the data, and flagging
-    every row would hide it."""
+    every row would hide it. judged: which rows the statuses are of, where the error should say."""
     total = sum(statuses.values())
     missing = {s: n for s, n in statuses.items() if s in NO_RESPONSE and n}
     if not total or sum(missing.values()) <= total / 2:
@@ -224,4 +229,4 @@ def check_response_tokens(statuses: Mapping[str, int]) -> None:
     cause = max(missing, key=missing.__getitem__)
     details = ", ".join(f"{s} {n}" for s, n in sorted(missing.items(), key=lambda x: -x[1]))
     raise ValueError(f"{sum(missing.values())} of {total} rows have no response tokens ({details}): "
-                     f"{NO_RESPONSE[cause]}")
+                     f"{NO_RESPONSE[cause]}" + (f" (judged on {judged})" if judged else ""))

@@ -1,19 +1,42 @@
-"""The run folder of a scoring run: a manifest and one Parquet part per chunk of input rows.
+"""The run folder of a scoring run: a manifest, one Parquet part per chunk of input rows, and the
+locks of the processes that work in it.
 
 Rows are scored in chunks of consecutive input indices; a chunk's part is written to a temporary
 file and renamed, so a part either exists whole or not at all, and a killed run resumes by skipping
 the chunks whose part exists. Shards own chunks round-robin, so any number of processes can share
 one folder. Merging writes the parts, in input order, into one file.
+
+Each part records its run's config fingerprint (config_fingerprint: a hash of the manifest's config,
+which holds a fingerprint of the model's files beside their resolved folder, recorded but not
+compared) and the rows it holds (part: chunk, first_row, last_row). A resume and a merge refuse a
+part of another config or of other rows, naming it and what differs, and merging checks that the
+parts cover the run's rows exactly once; a part that cannot be read is named, and a resume moves it
+to <out>.damaged/ and scores its chunk again. Merging deletes the parts it merged and nothing else.
+
+Each process holds a lock file for the chunks it scores: run.lock for a whole run (one process,
+torchrun's rank 0 for all its ranks, a merge), shard-I-of-N.lock for --shard I/N. A lock refuses
+any other process whose chunks overlap its own (shards i/N and j/M overlap when i = j mod gcd(N, M);
+the whole run overlaps every shard) while its owner lives, and an --overwrite or a merge (they touch
+every chunk) while any owner lives; the lock of a process that is gone (its pid no longer running on
+its host, or, seen from another host, not refreshed for LOCK_STALE_S) is taken over with a warning.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
 import os
+import re
 import shutil
+import socket
+import threading
+import time
+import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from contextlib import suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +45,28 @@ import pyarrow.parquet as pq
 
 from gradspec.runs.score_files import METADATA_KEY, atomic_write, schema_metadata, write_parquet
 
+log = logging.getLogger("gradspec")
+
 CHUNK_ROWS = 1024  # input rows per part: the most a kill can cost per process
 INPUT_ERROR = "input_error"
+MODEL_IDENTITY = ("model_path", "model_fingerprint")  # the model a run's config names, as found on disk
+# Recorded, not compared: the same files elsewhere (another node's copy, another working folder) are the same
+# model; named beside a model_fingerprint that differs
+_RECORDED = ("model_path",)
+# The input files' sizes: recorded, warned about when they change, not refused: fixing a malformed
+# row (README: inputs) changes its file, and the parts written before that row stay valid.
+_INPUT_SIZES = ("data_bytes", "task_bytes")
+FINGERPRINT = "config_fingerprint"  # in each part's metadata (and the merged file's): the run's config, hashed
+PART = "part"  # in each part's metadata: {"chunk", "first_row", "last_row"}
+LOCK_BEAT_S = 30.0  # a lock's owner refreshes its file's time this often
+LOCK_STALE_S = 600.0  # a lock on another host not refreshed for this long: its owner is gone
 _MANIFEST = "manifest.json"
 _SHARDS = "shards"  # the manifest's record of how many --shard processes split the run
+_WHOLE = "run.lock"
+_SHARD_LOCK = re.compile(r"shard-(\d+)-of-(\d+)\.lock")
+_TEMPORARY = re.compile(r"(\d{8}\.parquet|manifest\.json|.+\.lock)\.(tmp|stale)\d+")  # a killed write's leftovers
+_MODEL_SUFFIXES = {".json", ".safetensors", ".bin", ".pt", ".pth", ".model", ".txt", ".gguf", ".py", ".tiktoken"}
+_SAMPLE = 1 << 16  # bytes read at each of a model file's start, middle and end for its fingerprint
 
 
 @dataclass(frozen=True)
@@ -50,18 +91,96 @@ class Shard:
     def owns(self, chunk: int) -> bool:
         return chunk % self.count == self.index
 
+    def overlaps(self, other: Shard) -> bool:
+        """Whether some chunk belongs to both."""
+        return (self.index - other.index) % math.gcd(self.count, other.count) == 0
+
+
+class RunLocked(FileExistsError):
+    """A live process owns the chunks this one would score, merge or remove."""
+
+
+def config_fingerprint(config: dict[str, Any]) -> str:
+    """The run's config (a manifest, less its shard count and where the model lies) hashed: 16 hex digits."""
+    body = {k: v for k, v in config.items() if k not in (_SHARDS, *_RECORDED, *_INPUT_SIZES)}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def model_identity(model: str | None) -> dict[str, str] | None:
+    """{"model_path": the model's folder, resolved; "model_fingerprint": a hash of its files' names,
+    sizes and a few sampled blocks of each (no file is read whole)}, or None where the model is not
+    on this machine yet (a Hub id not in the cache, the default model not converted yet). A PEFT
+    adapter's fingerprint covers its base model's too. model: as given to --model (None: the default)."""
+    folder = _model_folder(model)
+    if folder is None:
+        return None
+    digest = hashlib.sha256()
+    try:
+        for f in sorted(folder.iterdir()):
+            if f.name.startswith(".") or f.suffix not in _MODEL_SUFFIXES or not f.is_file():
+                continue
+            size = f.stat().st_size
+            digest.update(f"{f.name}\0{size}\0".encode())
+            with open(f, "rb") as handle:
+                for at in sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}):
+                    handle.seek(at)
+                    digest.update(handle.read(_SAMPLE))
+        adapter = folder / "adapter_config.json"
+        if adapter.is_file():
+            base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+            inner = model_identity(base) if base else None
+            if inner is None:
+                return None
+            digest.update(inner["model_fingerprint"].encode())
+    except (OSError, ValueError):
+        return None
+    return {"model_path": str(folder), "model_fingerprint": digest.hexdigest()[:16]}
+
+
+def _model_folder(model: str | None) -> Path | None:
+    from gradspec.data.models import DEFAULT_MODEL, cache_dir
+
+    if model is None:
+        converted = cache_dir() / DEFAULT_MODEL
+        return converted.resolve() if (converted / "config.json").is_file() else None
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    try:  # a Hub id: its snapshot in the local cache (the folder names the commit)
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model, "config.json")
+    except Exception:  # noqa: BLE001  (not an id the cache knows: no identity yet)
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
+@dataclass
+class _Lock:
+    path: Path
+    text: str
+    stop: threading.Event = field(default_factory=threading.Event)
+
 
 class RunFolder:
-    """``<out>.parts/``: manifest.json (the run's config) and NNNNNNNN.parquet, one per chunk."""
+    """``<out>.parts/``: manifest.json (the run's config), NNNNNNNN.parquet (one per chunk) and the
+    lock files of the processes working in it."""
 
     def __init__(self, out: str | Path) -> None:
         self.out = Path(out)
         self.path = self.out.with_name(self.out.name + ".parts")
+        self._lock: _Lock | None = None
+        self._fingerprint: str | None = None
 
     @property
     def errors_path(self) -> Path:
         """Where merging writes the rows skipped for bad input, one JSON object a line."""
         return self.out.with_suffix(".errors.jsonl")
+
+    @property
+    def damaged_path(self) -> Path:
+        """Where a resume moves the parts it cannot read before it scores their chunks again."""
+        return self.out.with_name(self.out.name + ".damaged")
 
     def part(self, chunk: int) -> Path:
         return self.path / f"{chunk:08d}.parquet"
@@ -80,9 +199,16 @@ class RunFolder:
             raise ValueError(f"{self.path / _MANIFEST}: not a run's manifest ({e.msg}, line {e.lineno}); the run "
                              "folder is damaged: --overwrite starts the run again") from None
 
-    def check(self, config: dict[str, Any], resume: bool, overwrite: bool, shards: int = 1) -> None:
+    def check(self, config: dict[str, Any], resume: bool, overwrite: bool, shards: int = 1,
+              shard: Shard | None = None, unknown: tuple[str, ...] = (), member: bool = False) -> None:
         """start's refusals, changing nothing: run before anything slow is loaded. shards: how many
-        independent processes (--shard i/N) share the folder; 1 for one process or torchrun."""
+        independent processes (--shard i/N) share the folder; 1 for one process or torchrun. shard:
+        this process's chunks (None: all). unknown: keys of config not known yet (the model's identity
+        before it is on this machine), not compared; the parts are then left to start. member: the locks
+        and the parts are not checked here (a torchrun rank other than 0: rank 0 holds the lock and checks
+        the parts; or start, which does both itself)."""
+        if not member:
+            self._refuse_live_owner(Shard() if overwrite or shard is None else shard)
         if overwrite:
             return
         if self.out.exists():
@@ -91,32 +217,47 @@ class RunFolder:
                                       "again)")
             raise FileExistsError(f"{self.out} exists; pass --overwrite or choose another --out")
         old = self.manifest()
-        if old is None:
-            return
-        if not resume and shards == 1:
-            raise FileExistsError(
-                f"{self.path} holds an unfinished run ({len(self.done())} parts done); pass --resume to "
-                "continue it or --overwrite to start again"
-            )
-        if not resume and old.get(_SHARDS, shards) != shards:  # a split the run's other shards do not share
-            raise FileExistsError(
-                f"{self.path} holds a run split into {old[_SHARDS]} shards, and this is one of {shards}: pass "
-                f"--shard i/{old[_SHARDS]} as its other shards did, or --resume to finish its chunks with any split"
-            )
-        self._same_config(old, config)
+        if old is not None:
+            if not resume and shards == 1:
+                raise FileExistsError(
+                    f"{self.path} holds an unfinished run ({len(self.done())} parts done); pass --resume to "
+                    "continue it or --overwrite to start again"
+                )
+            if not resume and old.get(_SHARDS, shards) != shards:  # a split the run's other shards do not share
+                raise FileExistsError(
+                    f"{self.path} holds a run split into {old[_SHARDS]} shards, and this is one of {shards}: pass "
+                    f"--shard i/{old[_SHARDS]} as its other shards did, or --resume to finish its chunks with any "
+                    "split"
+                )
+            self._same_config(old, config, unknown)
+        if not member and not unknown:
+            self._vet(config)
 
-    def start(self, config: dict[str, Any], resume: bool, overwrite: bool, shards: int = 1) -> bool:
-        """Creates the folder for this config, or checks an existing one against it; returns whether
-        this call wrote the manifest.
+    def start(self, config: dict[str, Any], resume: bool, overwrite: bool, shards: int = 1, *,
+              records: int | None = None, shard: Shard | None = None, member: bool = False) -> bool:
+        """Takes this process's lock, creates the folder for this config or checks an existing one
+        against it, and checks the parts already there; returns whether this call wrote the manifest.
 
         An existing folder is continued with resume, replaced with overwrite, and joined without
-        either by a shard of a run split the same way (shards); a different config is always refused.
+        either by a shard of a run split the same way (shards); a different config is always refused,
+        and so is a part of another config or of other rows. records: the rows of the run (None: the
+        parts' rows are not checked). shard: this process's chunks (None: all); a part of them that
+        cannot be read is moved to damaged_path, to be scored again. member: a torchrun rank other
+        than 0, which takes no lock and leaves the parts to rank 0. The caller releases the lock
+        (release), also when this raises.
         """
+        shard = shard or Shard()
+        if not member:
+            self.acquire(shard, whole=overwrite)
         if overwrite:
-            shutil.rmtree(self.path, ignore_errors=True)
+            self._clear()
             self.out.unlink(missing_ok=True)
             self.errors_path.unlink(missing_ok=True)
-        self.check(config, resume, False, shards)
+        self.check(config, resume, False, shards, shard, member=True)  # the lock is checked above
+        if not member:
+            self._vet(config, records, shard)  # before a manifest is written: a refused run leaves none
+        config = _as_json(config)
+        self._fingerprint = config_fingerprint(config)
         if self.manifest() is None:
             self.path.mkdir(parents=True, exist_ok=True)
             tmp = self.path / f"{_MANIFEST}.tmp{os.getpid()}"
@@ -130,31 +271,155 @@ class RunFolder:
                 tmp.unlink()
         return False
 
-    def _same_config(self, old: dict[str, Any], config: dict[str, Any]) -> None:
+    def _same_config(self, old: dict[str, Any], config: dict[str, Any], unknown: tuple[str, ...] = ()) -> None:
+        config = _as_json(config)
+        for k in _INPUT_SIZES:
+            if old.get(k) != config.get(k):
+                log.warning("%s: %s was %s bytes when the run started, %s now; the parts already written are kept "
+                            "(a fixed row, say), the rest is scored from the file as it is now", self.path, k,
+                            old.get(k), config.get(k))
         differences = [f"{k}: {old.get(k)!r} in the run, {config.get(k)!r} now"
-                       for k in sorted((set(old) | set(config)) - {_SHARDS}) if old.get(k) != config.get(k)]
+                       for k in sorted((set(old) | set(config)) - {_SHARDS, *unknown, *_INPUT_SIZES})
+                       if old.get(k) != config.get(k) and (k not in _RECORDED or _other_model(old, config))]
         if differences:
             raise ValueError(f"cannot continue the run in {self.path}, its config differs: " + "; ".join(differences)
                              + "; pass --overwrite to start again with the new config")
 
+    def _vet(self, config: dict[str, Any], records: int | None = None, shard: Shard | None = None) -> None:
+        """Refuses the parts of another config or of other rows (records: the run's rows; None: rows
+        unchecked), naming each; moves this shard's unreadable parts aside (shard None: leaves them)."""
+        config = _as_json(config)
+        fingerprint, chunk_rows = config_fingerprint(config), config.get("chunk_rows")
+        chunks = None if records is None or chunk_rows is None else math.ceil(records / chunk_rows)
+        problems = []
+        for chunk in sorted(self.done()):
+            why = self._part_problem(chunk, fingerprint, config, records, chunk_rows)
+            if why is None:
+                continue
+            if why.startswith("damaged"):
+                if shard is not None and shard.owns(chunk) and chunks is not None and chunk < chunks:
+                    aside = self._move_aside(chunk)
+                    if aside is not None:
+                        log.warning("%s: %s; moved to %s, its chunk is scored again", self.part(chunk), why, aside)
+                continue  # another shard's, or found before the run starts: its owner moves it
+            problems.append(f"{self.part(chunk).name}: {why}")
+        if problems:
+            raise ValueError(f"cannot continue the run in {self.path}: {_parts(problems)} not of this run: "
+                             + "; ".join(problems) + "; move them out of the folder (their chunks are then scored "
+                             "again) or pass --overwrite to start again")
+
+    def _part_problem(self, chunk: int, fingerprint: str, config: dict[str, Any], records: int | None,
+                      chunk_rows: int | None) -> str | None:
+        """Why a part is not this run's (damaged: it cannot be read), or None. records, chunk_rows: the
+        run's rows and chunk size (either None: the part's rows are not checked)."""
+        path = self.part(chunk)
+        try:
+            footer = pq.read_metadata(path)
+            meta = json.loads((footer.metadata or {}).get(METADATA_KEY, b"{}"))
+        except FileNotFoundError:
+            return None  # moved aside by its owner meanwhile
+        except (pa.ArrowException, OSError, ValueError) as e:
+            return f"damaged, not a readable Parquet file ({' '.join(str(e).split())})"
+        if not isinstance(meta, dict):
+            return "damaged, its gradspec metadata is not a mapping"
+        if meta.get(FINGERPRINT) != fingerprint:
+            if meta.get(FINGERPRINT) is None:
+                return "no config fingerprint in its metadata (written by an earlier gradspec, or not by gradspec)"
+            differences = [f"{k}: {meta.get(k)!r} in the part, {config.get(k)!r} in the run"
+                           for k in sorted(config) if k not in (_SHARDS, *_INPUT_SIZES) and meta.get(k) != config.get(k)
+                           and (k not in _RECORDED or _other_model(meta, config))]
+            return "its config differs: " + ("; ".join(differences) or
+                                             f"fingerprint {meta[FINGERPRINT]} in the part, {fingerprint} in the run")
+        if records is None or chunk_rows is None:
+            return None
+        chunks = math.ceil(records / chunk_rows)
+        if chunk >= chunks:
+            return f"chunk {chunk}, but the run has {chunks} chunks ({records} rows, {chunk_rows} a chunk)"
+        first, last = chunk * chunk_rows, min((chunk + 1) * chunk_rows, records) - 1
+        held = meta.get(PART) or {}
+        got = held.get("chunk"), held.get("first_row"), held.get("last_row"), footer.num_rows
+        fits = got == (chunk, first, last, last - first + 1)
+        if not fits and chunk == chunks - 1 and (config.get("hub") or {}).get("streaming"):
+            end = got[2]  # a stream shorter than --limit ends within the run's last chunk
+            fits = got[:2] == (chunk, first) and isinstance(end, int) and first <= end < last and \
+                got[3] == end - first + 1
+        if not fits:
+            return (f"it holds rows {got[1]}-{got[2]} of chunk {got[0]} ({got[3]} rows), but chunk {chunk} of "
+                    f"the run is rows {first}-{last}")
+        return None
+
+    def _move_aside(self, chunk: int) -> Path | None:
+        self.damaged_path.mkdir(exist_ok=True)
+        name, k = self.part(chunk).name, 0
+        while (self.damaged_path / name).exists():
+            k += 1
+            name = f"{chunk:08d}.{k}.parquet"
+        try:
+            os.rename(self.part(chunk), self.damaged_path / name)
+        except FileNotFoundError:
+            return None
+        return self.damaged_path / name
+
     def write_part(self, chunk: int, rows: list[dict[str, Any]], metadata: dict[str, Any]) -> None:
+        """A chunk's rows, with the run's config fingerprint and the rows it holds in its metadata."""
         try:
             keys = dict.fromkeys(k for row in rows for k in row)  # all rows' columns, not the first's
             table = pa.table({k: [row.get(k) for row in rows] for k in keys})
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as e:
             first, last = rows[0]["index"], rows[-1]["index"]
             raise ValueError(f"rows {first}-{last}: a carried input column mixes types ({e})") from None
-        write_parquet(table, self.part(chunk), metadata)
+        if self._fingerprint is None:
+            self._fingerprint = config_fingerprint(self.manifest() or {})
+        held = {"chunk": chunk, "first_row": rows[0]["index"], "last_row": rows[-1]["index"]}
+        write_parquet(table, self.part(chunk), {**metadata, FINGERPRINT: self._fingerprint, PART: held})
 
     def merge(self, records: int, chunk_rows: int) -> int:
-        """Writes all parts into the output file (and the skipped rows into the errors file),
-        then removes the folder; returns the rows written. Refuses while a chunk is missing."""
+        """Writes all parts into the output file (and the skipped rows into the errors file), then
+        deletes the parts and the manifest (and the folder, if nothing else is left in it); returns
+        the rows written. Refuses, writing and deleting nothing, while a live process works in the
+        folder, a chunk is missing, or a part is not of this run (another config, other rows, beyond
+        the run's chunks, unreadable)."""
+        if self._lock is None:
+            self.acquire(Shard(), whole=True)
+        try:
+            parts = self._mergeable(records, chunk_rows)
+            rows = self._write_merged(parts, chunk_rows)
+            for p in parts:
+                p.unlink()
+            (self.path / _MANIFEST).unlink(missing_ok=True)
+            for p in self.path.iterdir():  # a killed write's temporaries: no live process writes here
+                if _TEMPORARY.fullmatch(p.name) and p.is_file():
+                    p.unlink(missing_ok=True)
+        finally:
+            self.release()  # the run is over (or refused): its lock goes, and the folder if it is empty
+        if self.path.exists():
+            left = sorted(p.name for p in self.path.iterdir())
+            log.warning("kept %s: it holds files merge did not write (%s)", self.path, ", ".join(left[:10]))
+        return rows
+
+    def _mergeable(self, records: int, chunk_rows: int) -> list[Path]:
+        """The parts to merge, in order, each checked against the manifest."""
         chunks, done = range(math.ceil(records / chunk_rows)), self.done()
         missing = [c for c in chunks if c not in done]
         if missing:
             shown = ", ".join(map(str, missing[:10])) + (" ..." if len(missing) > 10 else "")
             raise RuntimeError(f"{self.path}: {len(missing)} chunks not scored yet ({shown}); finish the run first")
-        parts = [self.part(c) for c in chunks]
+        manifest = self.manifest()
+        if manifest is None:
+            raise ValueError(f"{self.path}: no run to merge (no manifest.json)")
+        config = {k: v for k, v in manifest.items() if k != _SHARDS}
+        fingerprint = config_fingerprint(config)
+        problems = [f"{self.part(c).name}: {why}" for c in sorted(done)
+                    if (why := self._part_problem(c, fingerprint, config, records, chunk_rows)) is not None]
+        if problems:
+            damaged = any("damaged" in p for p in problems)
+            raise ValueError(
+                f"cannot merge {self.path}, nothing was written or deleted: " + "; ".join(problems)
+                + "; move the parts named out of the folder, then score their chunks again with --resume"
+                + (" (which moves a damaged part aside itself)" if damaged else ""))
+        return [self.part(c) for c in chunks]
+
+    def _write_merged(self, parts: list[Path], chunk_rows: int) -> int:
         schema = pa.unify_schemas([pq.read_schema(p) for p in parts], promote_options="permissive")
         schema = schema.with_metadata({METADATA_KEY: json.dumps(_merged_metadata(parts)).encode()})
         rows = 0
@@ -163,8 +428,17 @@ class RunFolder:
         def write(f) -> None:
             nonlocal rows
             with pq.ParquetWriter(f, schema) as writer:
-                for p in parts:
-                    table = _conform(pq.read_table(p), schema)
+                for chunk, p in enumerate(parts):
+                    try:
+                        table = _conform(pq.read_table(p), schema)
+                    except (pa.ArrowException, OSError) as e:
+                        raise ValueError(f"cannot merge {self.path}: {p.name}: damaged ({' '.join(str(e).split())})"
+                                         "; nothing was written or deleted: move it out of the folder, then --resume "
+                                         "scores its chunk again") from None
+                    first = chunk * chunk_rows
+                    if table["index"].to_pylist() != list(range(first, first + table.num_rows)):
+                        raise ValueError(f"cannot merge {self.path}: {p.name}: its index column is not rows "
+                                         f"{first}-{first + table.num_rows - 1}; nothing was written or deleted")
                     writer.write_table(table)
                     rows += table.num_rows
                     errors.extend(_error_lines(table))
@@ -172,15 +446,227 @@ class RunFolder:
         atomic_write(self.out, write)  # streamed part by part: the parts need not fit in memory together
         if errors:
             atomic_write(self.errors_path, lambda f: f.write("".join(errors).encode()))
-        shutil.rmtree(self.path)
         return rows
+
+    def abandon(self) -> None:
+        """After a failure before any part was written: removes the folder this process started, so
+        the corrected command starts afresh; kept if it holds a part or another process's lock."""
+        own = None if self._lock is None else self._lock.path
+        if self.done() or any(p != own for p in self._lock_files()):
+            return
+        self.release()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    # Locks.
+
+    def acquire(self, shard: Shard = Shard(), whole: bool = False) -> None:
+        """Takes this process's lock file for shard's chunks (whole: checked against every other lock,
+        as for an overwrite or a merge, which touch all chunks). Raises RunLocked while a live process
+        holds an overlapping lock; an overlapping lock whose owner is gone is taken over, with a warning."""
+        if self._lock is not None:
+            return
+        path = self.path / (_WHOLE if shard.count == 1 else f"shard-{shard.index}-of-{shard.count}.lock")
+        text = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), **_machine(),
+                           "started": _process_start(os.getpid()), "shard": f"{shard.index}/{shard.count}",
+                           "token": uuid.uuid4().hex})
+        for _ in range(10):
+            self.path.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            try:
+                tmp.write_text(text)
+                os.link(tmp, path)
+                break
+            except FileExistsError:
+                self._remove_stale(path)
+            except FileNotFoundError:  # the folder was removed meanwhile: make it again
+                continue
+            finally:
+                tmp.unlink(missing_ok=True)
+        else:
+            raise RunLocked(f"{path}: could not take this lock (other processes keep taking it)")
+        self._lock = _Lock(path, text)
+        threading.Thread(target=_beat, args=(self._lock,), name="gradspec-lock", daemon=True).start()
+        try:
+            scope = Shard() if whole else shard
+            for other in self._lock_files():
+                theirs = _lock_shard(other)
+                if other != path and theirs is not None and theirs.overlaps(scope):
+                    self._remove_stale(other)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        """Gives up this process's lock (and removes the folder if nothing else is left in it)."""
+        lock, self._lock = self._lock, None
+        if lock is None:
+            return
+        lock.stop.set()
+        if _read(lock.path) == lock.text:  # still ours
+            lock.path.unlink(missing_ok=True)
+        with suppress(OSError):
+            self.path.rmdir()
+
+    def _lock_files(self) -> list[Path]:
+        if not self.path.is_dir():
+            return []
+        return sorted(p for p in self.path.glob("*.lock") if _lock_shard(p) is not None)
+
+    def _refuse_live_owner(self, scope: Shard) -> None:
+        own = None if self._lock is None else self._lock.path
+        for path in self._lock_files():
+            text, theirs = _read(path), _lock_shard(path)
+            if path != own and text is not None and theirs is not None and theirs.overlaps(scope) and \
+                    _alive(text, path):
+                raise RunLocked(self._live_message(text, path))
+
+    def _remove_stale(self, path: Path) -> None:
+        """Removes the lock at path if its owner is gone, with a warning; raises RunLocked if it lives."""
+        text = _read(path)
+        if text is None:
+            return  # released meanwhile
+        if _alive(text, path):
+            raise RunLocked(self._live_message(text, path))
+        aside = path.with_name(f"{path.name}.stale{os.getpid()}")
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return
+        if _read(aside) != text:  # another process took it over between the read and the rename: put it back
+            with suppress(OSError):
+                os.link(aside, path)
+            aside.unlink(missing_ok=True)
+            return
+        aside.unlink(missing_ok=True)
+        owner = _record(text)
+        log.warning("took over %s: its lock %s was left by pid %s on host %s, which is no longer running", self.path,
+                    path.name, owner.get("pid"), owner.get("host"))
+
+    def _live_message(self, text: str, path: Path) -> str:
+        owner = _record(text)
+        which = "the whole run" if path.name == _WHOLE else f"shard {owner.get('shard', '?')}"
+        elsewhere = not _pid_here(owner)
+        hint = (f"; if no such process runs on {owner.get('host')}, delete {path} (a lock not refreshed for "
+                f"{LOCK_STALE_S:.0f} s is taken over by itself)") if elsewhere else ""
+        return (f"a live run (pid {owner.get('pid')} on host {owner.get('host')}, {which}) owns {self.path}: wait "
+                f"for it to finish or stop it, then run again{hint}")
+
+    def _clear(self) -> None:
+        """Everything in the folder but this process's lock and the locks of live processes."""
+        own = None if self._lock is None else self._lock.path
+        for p in list(self.path.iterdir()) if self.path.is_dir() else []:
+            if p == own or (_lock_shard(p) is not None and (text := _read(p)) is not None and _alive(text, p)):
+                continue
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
+def _as_json(config: dict[str, Any]) -> dict[str, Any]:
+    """config as its manifest holds it (tuples as lists, ...), so that both compare equal."""
+    return json.loads(json.dumps(config, default=str))
+
+
+def _other_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.get("model_fingerprint") != b.get("model_fingerprint")
+
+
+def _parts(problems: list[str]) -> str:
+    return "1 part is" if len(problems) == 1 else f"{len(problems)} parts are"
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def _record(text: str) -> dict[str, Any]:
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _lock_shard(path: Path) -> Shard | None:
+    """The chunks a lock file's name claims (None: not a lock file)."""
+    if path.name == _WHOLE:
+        return Shard()
+    found = _SHARD_LOCK.fullmatch(path.name)
+    if found is None or not 0 <= int(found[1]) < int(found[2]):
+        return None
+    return Shard(int(found[1]), int(found[2]))
+
+
+def _process_start(pid: int) -> str | None:
+    """When a process started (Linux: clock ticks since boot), to tell it from a later one with its pid."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _machine() -> dict[str, str]:
+    """What tells this host's pids from others' beyond its name: its boot and its pid namespace (a
+    container's pids are its own)."""
+    found = {}
+    with suppress(OSError):
+        found["boot"] = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    with suppress(OSError):
+        found["pid_namespace"] = os.readlink("/proc/self/ns/pid")
+    return found
+
+
+def _pid_here(owner: dict[str, Any]) -> bool:
+    """Whether a lock's owner's pid is one of this host's (its name, boot and pid namespace; a record
+    without the last two: its name alone)."""
+    return owner.get("host") == socket.gethostname() and \
+        all(owner[k] == v for k, v in _machine().items() if k in owner)
+
+
+def _alive(text: str, path: Path) -> bool:
+    """Whether a lock's owner still runs: on this host (its name, boot and pid namespace), by its pid
+    and start time; elsewhere (another host, container or boot), by whether its file was refreshed in
+    the last LOCK_STALE_S."""
+    owner = _record(text)
+    pid = owner.get("pid")
+    if _pid_here(owner) and isinstance(pid, int) and pid > 0:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # another user's process: alive
+            pass
+        except OSError:
+            return False
+        started = owner.get("started")
+        now = _process_start(pid)
+        return started is None or now is None or now == started
+    try:
+        return time.time() - path.stat().st_mtime < LOCK_STALE_S
+    except FileNotFoundError:
+        return False
+
+
+def _beat(lock: _Lock) -> None:
+    """Refreshes a held lock's time, so that other hosts see its owner alive."""
+    while not lock.stop.wait(LOCK_BEAT_S):
+        try:
+            os.utime(lock.path)
+        except OSError:
+            return
 
 
 def _merged_metadata(parts: list[Path]) -> dict[str, Any]:
-    """The run as the first part describes it, with the paths that any part's stages took (on a
-    GPU they are measured per process, so they can differ between parts)."""
+    """The run as the first part describes it (less the rows the part holds), with the paths that
+    any part's stages took (on a GPU they are measured per process, so they can differ between parts)."""
     described = [schema_metadata(pq.read_schema(p)) for p in parts]
-    merged, paths = dict(described[0]), {}
+    merged, paths = {k: v for k, v in described[0].items() if k != PART}, {}
     for d in described:
         for stage, names in d.get("paths", {}).items():
             paths.setdefault(stage, set()).update(names)
@@ -202,4 +688,3 @@ def _error_lines(table: pa.Table) -> Iterator[str]:
     for index, status, error in zip(*(table[c].to_pylist() for c in ("index", "status", "error")), strict=True):
         if status == INPUT_ERROR:
             yield json.dumps({"index": index, "error": error}) + "\n"
-

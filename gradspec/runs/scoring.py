@@ -5,15 +5,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import shutil
+import numbers
+import os
+import reprlib
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
-from itertools import groupby
+from itertools import chain, groupby, islice
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +44,21 @@ from gradspec.data.readers import (
     Hub,
     InputError,
     Sample,
+    SampleStream,
     count_records,
     data_samples,
+    mixed_columns,
+    mixed_columns_of,
     read_samples,
+    with_text_columns,
 )
-from gradspec.data.templates import check_response_tokens, tokenize
+from gradspec.data.templates import RESPONSE_CHECK_ROWS, check_response_tokens, tokenize
 from gradspec.engine import batch_memory
 from gradspec.engine.batch_memory import BatchMemory
 from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
 from gradspec.runs.fsdp import load_sharded, lockstep_engine
-from gradspec.runs.run_folder import CHUNK_ROWS, INPUT_ERROR, RunFolder, Shard
+from gradspec.runs.run_folder import CHUNK_ROWS, INPUT_ERROR, MODEL_IDENTITY, RunFolder, Shard, model_identity
 from gradspec.runs.score_files import (
     METADATA_KEY,
     PROJECTION,
@@ -150,15 +156,11 @@ class _BatchPlan:
 
 
 def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, template: str, max_length: int,
-                 batch_tokens: int, progress: _Progress, seen: Counter[str],
-                 plan: _BatchPlan | None = None) -> list[dict[str, Any]]:
+                 batch_tokens: int, progress: _Progress, plan: _BatchPlan | None = None) -> list[dict[str, Any]]:
     """Output rows of consecutive samples, in their order; batches within are sorted by length
-    (and sized to fit memory by plan). seen: the tokenizer's statuses of the rows read so far (a run
-    where most have no response tokens stops here)."""
+    (and sized to fit memory by plan)."""
     pad_id = pad_id_of(tokenizer)
     items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples if s.error is None]
-    seen.update(item.tokens.status for item in items)
-    check_response_tokens(seen)
     rows = {item.sample.index: _row(item) for item in items}
     rows.update({s.index: _error_row(s) for s in samples if s.error is not None})
     scorable = [i for i in items if i.tokens.scorable]
@@ -181,20 +183,62 @@ def score_samples(
     batch_tokens: int = BATCH_TOKENS, progress: bool = True, total: int | None = None,
 ) -> Counter[str]:
     """Scores samples chunk by chunk (chunk = index // chunk_rows); write(chunk, rows) gets each
-    chunk's rows in input order. Returns how many rows got each status. Stops (ValueError) once
-    most rows read have no response tokens (see templates.check_response_tokens)."""
+    chunk's rows in input order. Returns how many rows got each status.
+
+    Before any chunk, stops (ValueError) if most of the input's first RESPONSE_CHECK_ROWS rows have no
+    response tokens (templates.check_response_tokens): samples' head (a SampleStream: the input's,
+    whatever chunks this process scores), or else the first of samples themselves. A malformed row
+    (InputError) stops the run too, once every chunk wholly before it is scored and written: a
+    --resume after the row is fixed starts at the chunk that holds it.
+    """
     statuses: Counter[str] = Counter()
-    seen: Counter[str] = Counter()
+    stopped: list[InputError] = []  # the malformed row that ended the stream, if one did
+    stream: Iterator[Sample] = _until_error(samples, stopped)
+    if isinstance(samples, SampleStream):
+        head = samples.head(RESPONSE_CHECK_ROWS)
+    else:
+        head = list(islice(stream, RESPONSE_CHECK_ROWS))
+        stream = chain(head, stream)
+    _check_head(head, tokenizer, template, max_length)
     bar = _Progress(total, progress)
     plan = _BatchPlan(engine, pad_id_of(tokenizer))
     try:
-        for chunk, group in groupby(samples, key=lambda s: s.index // chunk_rows):
-            rows = _score_chunk(list(group), engine, tokenizer, template, max_length, batch_tokens, bar, seen, plan)
+        for chunk, group in groupby(stream, key=lambda s: s.index // chunk_rows):
+            chunk_samples = list(group)  # reading past the chunk's last row may end the stream
+            if stopped and not _before(stopped[0], chunk, chunk_rows, len(chunk_samples)):
+                break  # the malformed row is in this chunk: it cannot be written whole
+            text = mixed_columns(chunk_samples)  # none for a JSON or JSONL input: its types are the input's
+            chunk_samples = [with_text_columns(s, text) for s in chunk_samples]
+            rows = _score_chunk(chunk_samples, engine, tokenizer, template, max_length, batch_tokens, bar, plan)
             write(chunk, rows)
             statuses.update(row["status"] for row in rows)
     finally:
         bar.bar.close()
+    if stopped:
+        raise stopped[0]
     return statuses
+
+
+def _until_error(samples: Iterable[Sample], stopped: list[InputError]) -> Iterator[Sample]:
+    """samples up to the first InputError, which is put in stopped instead of raised."""
+    try:
+        yield from samples
+    except InputError as e:
+        stopped.append(e)
+
+
+def _before(error: InputError, chunk: int, chunk_rows: int, rows: int) -> bool:
+    """Whether a chunk (rows: how many of its rows were read) lies wholly before the malformed row of
+    error: the row's index says (readers.RowError); without one, only a chunk read in full does."""
+    index = getattr(error, "index", None)
+    return rows == chunk_rows if index is None else index // chunk_rows > chunk
+
+
+def _check_head(head: list[Sample], tokenizer, template: str, max_length: int) -> None:
+    """A run stops before it scores anything where most of the input's first rows (head; malformed
+    ones aside) have no response tokens: judged on the same rows in every process of a run."""
+    statuses = Counter(tokenize(s.messages, tokenizer, template, max_length).status for s in head if s.error is None)
+    check_response_tokens(statuses, f"the input's first {len(head)} rows")
 
 
 def _add_classic(engine: SpectralEngine, tokenizer, items: list[Item], rows: dict[int, dict[str, Any]],
@@ -255,6 +299,69 @@ def _fill(row: dict[str, Any], engine: SpectralEngine) -> dict[str, Any]:
     return row
 
 
+# What each ScoreConfig field takes (_typed's kinds; "?": or None); fields and hub are checked apart
+_FIELD_KINDS = {
+    "data": "path?", "model": "path?", "template": "str", "modules": "strs", "max_length": "int", "dtype": "str",
+    "method": "str", "rank": "int", "seed": "int", "classic": "bool", "save_spectra": "bool", "limit": "int?",
+    "chunk_rows": "int", "precision": "str", "task": "path?", "aggregate": "strs", "spectra": "bool", "project": "int",
+}
+_KIND_WORDS = {"int": "an int", "bool": "a bool", "str": "a str", "strs": "a str or a list of str",
+               "path": "a str or a pathlib.Path", "device": "a str or a torch.device"}
+
+
+def _typed(name: str, value: Any, kind: str) -> Any:
+    """value, if it is of kind (_KIND_WORDS; with "?" after it, None too), in the form a run keeps: an
+    integral number (not a bool) as an int, a path as a str, a list of str joined by commas, a
+    torch.device as its name; else a TypeError that names the parameter as Python code passes it."""
+    optional, kind = kind.endswith("?"), kind.rstrip("?")
+    if value is None and optional:
+        return None
+    if kind == "int" and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    if kind == "bool" and isinstance(value, bool):
+        return value
+    if kind != "int" and kind != "bool" and isinstance(value, str):
+        return value
+    if kind == "path" and isinstance(value, os.PathLike) and isinstance(os.fspath(value), str):
+        return os.fspath(value)
+    if kind == "strs" and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return ",".join(value)
+    if kind == "device" and isinstance(value, torch.device):
+        return str(value)
+    raise TypeError(f"{name} must be {_KIND_WORDS[kind]}{' or None' if optional else ''}, got "
+                    f"{type(value).__name__} {reprlib.repr(value)}")
+
+
+def _fields(value: Any) -> Fields:
+    """fields as a Fields: one, or a dict of Fields' names (instruction, input, output, messages,
+    conversations) to the input's column names, the others left at their defaults; that is how a
+    run's manifest writes them, and what a dict of "which column holds what" means."""
+    names = [f.name for f in dataclasses.fields(Fields)]
+    if isinstance(value, Mapping):
+        unknown = [k for k in value if k not in names]
+        if unknown:
+            raise TypeError(f"fields has no name {unknown[0]!r}: a dict's keys are Fields' names ({', '.join(names)}) "
+                            f"and its values the input's column names, e.g. fields={{'instruction': 'prompt'}}")
+        return Fields(**{k: _typed(f"fields[{k!r}]", v, "str") for k, v in value.items()})
+    if not isinstance(value, Fields):
+        raise TypeError(f"fields must be a gradspec.Fields or a dict of its names to column names, got "
+                        f"{type(value).__name__} {reprlib.repr(value)}")
+    for name in names:
+        _typed(f"fields.{name}", getattr(value, name), "str")
+    return value
+
+
+def _hub(value: Any) -> Hub:
+    """hub as a Hub (a dict of its fields too, as a manifest writes it), each field of its type."""
+    if isinstance(value, Mapping):
+        value = Hub(**value)
+    if not isinstance(value, Hub):
+        raise TypeError(f"hub must be a Hub, got {type(value).__name__} {reprlib.repr(value)}")
+    for name, kind in (("split", "str"), ("name", "str?"), ("streaming", "bool")):
+        _typed(f"hub.{name}", getattr(value, name), kind)
+    return value
+
+
 @dataclass(frozen=True)
 class ScoreConfig:
     """Everything that decides a run's output; a run resumes only under the same config."""
@@ -279,6 +386,15 @@ class ScoreConfig:
     spectra: bool = True
     project: int = 0  # k: store each sample's gradient under a k x k Kronecker projection per part
     hub: Hub = Hub()  # the split, configuration and streaming of data read through `datasets`
+
+    def __post_init__(self) -> None:
+        """Every field checked for its type where the config is made, so that a wrong one (say
+        max_length="64") is named, not met deep inside the run; kept in plain form (_typed: a path
+        as a str, a list of modules joined by commas), fields and hub given as dicts made theirs."""
+        for name, kind in _FIELD_KINDS.items():
+            object.__setattr__(self, name, _typed(name, getattr(self, name), kind))
+        object.__setattr__(self, "fields", _fields(self.fields))
+        object.__setattr__(self, "hub", _hub(self.hub))
 
     def describe(self) -> dict[str, Any]:
         """The manifest and file metadata: the config, the input files' sizes and the version."""
@@ -346,8 +462,19 @@ class ScoreConfig:
             return self.limit
         return n if self.limit is None else min(n, self.limit)
 
-    def samples(self, wanted: Callable[[int], bool] | None = None, on_error: str = "fail") -> Iterator[Sample]:
-        return data_samples(self.data, self.fields, self.limit, wanted, on_error, self.hub)
+    def samples(self, wanted: Callable[[int], bool] | None = None, on_error: str = "fail") -> SampleStream:
+        """The rows wanted, in order, each carried column typed as in the whole input (a column whose
+        values mix kinds, as text: readers.mixed_columns_of), and the input's head (SampleStream)."""
+        def stream() -> Iterator[Sample]:
+            text = mixed_columns_of(self.data, self.fields, self.limit, self.hub)  # read at the first row
+            for sample in data_samples(self.data, self.fields, self.limit, wanted, on_error, self.hub):
+                yield with_text_columns(sample, text)
+
+        def head(n: int) -> Iterator[Sample]:
+            limit = n if self.limit is None else min(n, self.limit)
+            return data_samples(self.data, self.fields, limit, on_error="skip", hub=self.hub)
+
+        return SampleStream(stream(), head)
 
 
 def _check(config: ScoreConfig, device: str, batch_tokens: int | None, device_map: str | None = None) -> None:
@@ -418,8 +545,13 @@ def run(
         raise ValueError("--resume continues a run, --overwrite starts it again: pass one of them")
     check_parquet_out(out)
     check_writable(out)
+    # The model as found on disk (its folder, a fingerprint of its files), not as named: None until
+    # it is on this machine (a Hub id not in the cache yet), then taken after it loads.
+    identity = model_identity(config.model) if ranks is None or mine.index == 0 else None
     if ranks is None or mine.index == 0:  # an --out in the way, before the model loads (rank 0 checks for torchrun)
-        RunFolder(out).check(config.describe(), resume, overwrite, shards=1 if ranks else mine.count)
+        RunFolder(out).check({**config.describe(), **(identity or {})}, resume, overwrite,
+                             shards=1 if ranks else mine.count, shard=None if ranks else mine,
+                             unknown=() if identity else MODEL_IDENTITY)
     records = config.records()  # reads the input's size: a bad path, split or config shows here
     if records == 0:
         raise InputError(f"{config.data}: no rows to score")
@@ -434,66 +566,77 @@ def run(
         device = bind_device(device) if ranks else device
         engine, tokenizer, sharding = _engine(config, device, backend, trust_remote_code, batch_tokens, progress,
                                               device_map, fsdp)
-        folder, info = RunFolder(out), config.describe()
-        created = False  # whether this process made the run folder (torchrun's rank 0 keeps it)
-        if group is None:
-            created = folder.start(info, resume, overwrite, shards=mine.count)
-        else:  # rank 0 prepares the folder; the others check it, or stop with rank 0's error
-            problem = None
-            if group.rank == 0:
-                try:
-                    folder.start(info, resume, overwrite)
-                except (FileExistsError, ValueError) as e:
-                    problem = e
-            problem = group.share(problem)
-            if problem is not None:
-                raise problem
-            folder.start(info, resume=True, overwrite=False)
-        done = folder.done()
-
-        def wanted(index: int) -> bool:
-            chunk = index // config.chunk_rows
-            return mine.owns(chunk) and chunk not in done
-
-        total = sum(min(config.chunk_rows, records - start) for start in range(0, records, config.chunk_rows)
-                    if wanted(start))  # rows of the chunks this process will score
-        metadata = {**file_metadata(engine.parts, engine.metric_names, info), **engine.describe()}
-        if sharding is not None:
-            metadata["sharding"] = sharding
-        if engine.projection is not None:
-            metadata["projection"] = engine.projection.describe()
-        if engine.task is not None:
-            metadata["task_examples"] = {"kept": int(engine.task.kept.sum()), "rows": count_records(config.task)}
-        try:
-            statuses = score_samples(
-                config.samples(wanted, on_error), engine, tokenizer,
-                lambda chunk, rows: folder.write_part(chunk, rows, {**metadata, **engine.policy.describe()}),
-                config.chunk_rows, config.template,
-                config.max_length, batch_tokens, progress and (ranks is None or mine.index == 0), total,
-            )
-        except BaseException as e:
-            if created and not folder.done():  # stopped before any part: leave no run to --resume
-                shutil.rmtree(folder.path, ignore_errors=True)
-            if isinstance(e, InputError):  # a malformed row past the first
-                raise InputError(f"{e}; --on-error skip scores the other rows and lists the bad ones") from None
-            raise
-        finally:
-            if engine.lockstep is not None:  # the other ranks' passes need this one's until all are done
-                engine.lockstep.drain()
-            engine.close()  # no worker thread outlives the run
+        folder = RunFolder(out)
+        if group is None or group.rank == 0:  # torchrun's other ranks take rank 0's
+            identity = identity or model_identity(config.model) or \
+                {"model_path": config.model or DEFAULT_MODEL, "model_fingerprint": None}
+        info = {**config.describe(), **(identity or {})}
         if group is not None:
-            group.wait()
-        if merge and mine.index == 0 and (group is not None or mine.count == 1):
-            folder.merge(records, config.chunk_rows)
+            info = group.share(info)  # one description of the run, in every rank's parts
+        try:  # the lock this process takes in the run folder is released however the run ends, errors included
+            created = False  # whether this process made the run folder (torchrun's rank 0 keeps it)
+            if group is None:
+                created = folder.start(info, resume, overwrite, shards=mine.count, records=records, shard=mine)
+            else:  # rank 0 takes the lock and prepares the folder; the others check it, or stop with rank 0's error
+                problem = None
+                if group.rank == 0:
+                    try:
+                        folder.start(info, resume, overwrite, records=records)
+                    except (FileExistsError, ValueError) as e:
+                        problem = e
+                problem = group.share(problem)
+                if problem is not None:
+                    raise problem
+                if group.rank != 0:
+                    folder.start(info, resume=True, overwrite=False, member=True)
+            done = folder.done()
+
+            def wanted(index: int) -> bool:
+                chunk = index // config.chunk_rows
+                return mine.owns(chunk) and chunk not in done
+
+            total = sum(min(config.chunk_rows, records - start) for start in range(0, records, config.chunk_rows)
+                        if wanted(start))  # rows of the chunks this process will score
+            metadata = {**file_metadata(engine.parts, engine.metric_names, info), **engine.describe()}
+            if sharding is not None:
+                metadata["sharding"] = sharding
+            if engine.projection is not None:
+                metadata["projection"] = engine.projection.describe()
+            if engine.task is not None:
+                metadata["task_examples"] = {"kept": int(engine.task.kept.sum()), "rows": count_records(config.task)}
+            try:
+                statuses = score_samples(
+                    config.samples(wanted, on_error), engine, tokenizer,
+                    lambda chunk, rows: folder.write_part(chunk, rows, {**metadata, **engine.policy.describe()}),
+                    config.chunk_rows, config.template,
+                    config.max_length, batch_tokens, progress and (ranks is None or mine.index == 0), total,
+                )
+            except BaseException as e:
+                if created:  # stopped before any part: leave no run to --resume (abandon keeps one with parts)
+                    folder.abandon()
+                if isinstance(e, InputError):  # a malformed row past the first
+                    raise InputError(f"{e}; --on-error skip scores the other rows and lists the bad ones") from None
+                raise
+            finally:
+                if engine.lockstep is not None:  # the other ranks' passes need this one's until all are done
+                    engine.lockstep.drain()
+                engine.close()  # no worker thread outlives the run
+            if group is not None:
+                group.wait()
+            if merge and mine.index == 0 and (group is not None or mine.count == 1):
+                folder.merge(records, config.chunk_rows)
+        finally:
+            folder.release()
     return statuses
 
 
 def score(
-    data: str | Path | None = None, model: str | None = None, out: str | Path | None = None, *,
+    data: str | Path | None = None, model: str | Path | None = None, out: str | Path | None = None, *,
     template: str = "plain", modules: str | list[str] = "attn", max_length: int = 2048,
-    batch_tokens: int | None = None, device: str = "cpu", dtype: str = "float32", limit: int | None = None,
-    fields: Fields = Fields(), save_spectra: bool = False, backend: str = "auto", progress: bool = True,
-    trust_remote_code: bool = False, overwrite: bool = False, resume: bool = False, method: str = "exact",
+    batch_tokens: int | None = None, device: str | torch.device = "cpu", dtype: str = "float32",
+    limit: int | None = None, fields: Fields | Mapping[str, str] = Fields(), save_spectra: bool = False,
+    backend: str = "auto", progress: bool = True, trust_remote_code: bool = False, overwrite: bool = False,
+    resume: bool = False, method: str = "exact",
     rank: int = 64, seed: int = 0, classic: bool = False, on_error: str = "fail", chunk_rows: int = CHUNK_ROWS,
     precision: str = "fp64", task: str | Path | None = None, aggregate: str | list[str] = DEFAULT_AGGREGATES,
     spectra: bool = True, project: int = 0, split: str = "train", config_name: str | None = None,
@@ -508,14 +651,30 @@ def score(
     spectra=False leaves the spectral metrics out; project=k stores each sample's gradient under a
     k x k Kronecker projection per module (column projected_gradient: a store for `gradspec align --store`).
     data may also be a Hub dataset's name or a folder that ``datasets.load_dataset`` reads: split,
-    config_name and streaming choose what of it is read.
+    config_name and streaming choose what of it is read. fields: a Fields, or a dict of its names to
+    the input's column names (fields={"instruction": "prompt", "output": "answer"}).
+
+    An argument of the wrong type is a TypeError that names it ("max_length must be an int, got str
+    '64'"), raised before anything loads; paths may be str or pathlib.Path, modules and aggregate a
+    list of str, device a torch.device.
     """
-    config = ScoreConfig(
-        None if data is None else str(data), model, template,
-        modules if isinstance(modules, str) else ",".join(modules), max_length, dtype, method, rank, seed,
-        classic, save_spectra, fields, limit, chunk_rows, precision, None if task is None else str(task),
-        ",".join(check_aggregates(aggregate)), spectra, project, Hub(split, config_name, streaming),
+    out, device, batch_tokens = _typed("out", out, "path?"), _typed("device", device, "device"), \
+        _typed("batch_tokens", batch_tokens, "int?")
+    for name, value, kind in (("backend", backend, "str"), ("on_error", on_error, "str"),
+                              ("device_map", device_map, "str?"), ("progress", progress, "bool"),
+                              ("trust_remote_code", trust_remote_code, "bool"), ("overwrite", overwrite, "bool"),
+                              ("resume", resume, "bool"), ("fsdp", fsdp, "bool")):
+        _typed(name, value, kind)
+    hub = Hub(_typed("split", split, "str"), _typed("config_name", config_name, "str?"),
+              _typed("streaming", streaming, "bool"))
+    config = ScoreConfig(  # checks the types of the rest (ScoreConfig.__post_init__)
+        data, model, template, modules, max_length, dtype, method, rank, seed, classic, save_spectra, fields, limit,
+        chunk_rows, precision, task, ",".join(check_aggregates(_typed("aggregate", aggregate, "strs"))), spectra,
+        project, hub,
     )
+    check_at_least({"max_length": config.max_length, "chunk_rows": config.chunk_rows, "rank": config.rank,
+                    "limit": config.limit, "batch_tokens": batch_tokens})  # as Python names them, before the flags
+    check_at_least({"project": config.project}, 0)
     settings = {"device": device, "backend": backend, "batch_tokens": batch_tokens, "progress": progress,
                 "trust_remote_code": trust_remote_code, "device_map": device_map}
     if fsdp and out is None:
@@ -529,7 +688,7 @@ def score(
     rows: list[dict[str, Any]] = []
     with engine:
         score_samples(config.samples(on_error=on_error), engine, tokenizer, lambda _, chunk: rows.extend(chunk),
-                      config.chunk_rows, template, max_length, batch_tokens, progress, config.records())
+                      config.chunk_rows, config.template, config.max_length, batch_tokens, progress, config.records())
     return pd.DataFrame(rows)
 
 

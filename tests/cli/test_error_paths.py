@@ -369,7 +369,8 @@ def test_a_damaged_run_folder_and_a_failed_shard(capsys, tmp_path, run, tiny_mod
     common = ["score", "--model", tiny_model_dir, "--data", run / "d.jsonl", "--out", tmp_path / "f.parquet",
               "--shard", "0/2", "--quiet"]
     assert _error(capsys, *common, "--max-length", "1") == \
-        "4 of 4 rows have no response tokens (prompt_too_long 4): the prompts fill --max-length: raise it"
+        "4 of 4 rows have no response tokens (prompt_too_long 4): the prompts fill --max-length: raise it " \
+        "(judged on the input's first 4 rows)"
     assert not (tmp_path / "f.parquet.parts").exists()  # so the corrected command starts afresh
     assert main([str(a) for a in common]) == 0
 

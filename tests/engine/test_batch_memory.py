@@ -109,7 +109,8 @@ def test_score_batches_1024_tokens_on_the_cpu_by_default(monkeypatch, tiny_model
     assert batch_tokens_for("cuda:1") == batch_tokens_for("cpu", device_map="auto") == 4096
     budgets = []
     real = scoring.token_batches
-    monkeypatch.setattr(scoring, "token_batches", lambda items, tokens, **k: budgets.append(tokens) or real(items, tokens, **k))
+    monkeypatch.setattr(scoring, "token_batches",
+                        lambda items, tokens, **k: budgets.append(tokens) or real(items, tokens, **k))
     scoring.score(model=str(tiny_model_dir), limit=3, progress=False)
     scoring.score(model=str(tiny_model_dir), limit=3, progress=False, batch_tokens=300)
     assert budgets == [1024, 300]

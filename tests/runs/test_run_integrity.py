@@ -1,0 +1,326 @@
+"""The run folder keeps a run whole: parts of another config or of other rows are refused by
+--resume and merge (named, with what differs), merge deletes only what it merged, a damaged part
+is named and scored again on --resume, and a lock keeps a second process off the chunks of a
+live one (per shard: the shards of a split share the folder).
+
+Every run is a real `gradspec score` (in this process, or in a subprocess where a run must be
+alive or die meanwhile); rows are compared with an uninterrupted run, table for table.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import tiny_model
+
+from gradspec.cli import main
+from gradspec.runs import run_folder
+
+ROWS = 24  # input rows
+CHUNK = "4"  # rows per part: 6 parts
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+LAUNCH = "import sys; {patch}\nfrom gradspec.cli import main; sys.exit(main(sys.argv[1:]))"
+# A run that stops before it writes chunk 2 until the file GO exists, having made READY.
+WAIT_AT_CHUNK_2 = ("import os, time, gradspec.runs.run_folder as rf; real = rf.RunFolder.write_part\n"
+                   "def write_part(self, chunk, rows, metadata):\n"
+                   "    if chunk == 2:\n"
+                   "        open({ready!r}, 'w').close()\n"
+                   "        while not os.path.exists({go!r}): time.sleep(0.05)\n"
+                   "    real(self, chunk, rows, metadata)\n"
+                   "rf.RunFolder.write_part = write_part")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Runs in this process sum as the subprocesses do (ONE_THREAD), so their rows compare bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("integrity") / "d.jsonl"
+    rows = [{"instruction": f"Question {i}: " + "why " * (i % 5), "output": "Because " + "so " * (1 + i % 7)}
+            for i in range(ROWS)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _args(model, data, out, *extra):
+    return ["score", "--model", str(model), "--data", str(data), "--out", str(out), "--chunk-rows", CHUNK,
+            "--batch-tokens", "256", "--quiet", *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, tiny_model_dir, data):
+    """The uninterrupted single-process run."""
+    out = tmp_path_factory.mktemp("reference") / "s.parquet"
+    assert main(_args(tiny_model_dir, data, out)) == 0
+    return pq.read_table(out)
+
+
+def _same(path, reference):
+    got = pq.read_table(path)
+    assert got.column("index").to_pylist() == list(range(ROWS))
+    assert got.equals(reference, check_metadata=True)
+
+
+def _error(capsys):
+    return capsys.readouterr().err.strip().removeprefix("gradspec: error: ")
+
+
+def _files(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+def _cli(args, patch=""):
+    return subprocess.Popen([sys.executable, "-c", LAUNCH.format(patch=patch), *args], env=ONE_THREAD,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_parts_copied_in_from_another_run_are_refused_by_merge_and_resume(tmp_path, tiny_model_dir, data, capsys):
+    out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
+    assert main(_args(tiny_model_dir, data, out, "--shard", "0/2")) == 0  # chunks 0, 2, 4
+    other = tmp_path / "o.parquet"  # chunks 1, 3, 5 of another config
+    assert main(_args(tiny_model_dir, data, other, "--shard", "1/2", "--max-length", "64")) == 0
+    for part in (tmp_path / "o.parquet.parts").glob("*.parquet"):
+        shutil.copy(part, parts / part.name)  # the folder now looks complete
+    before = _files(parts)
+    capsys.readouterr()
+    assert main(["merge", "--out", str(out)]) == 2
+    err = _error(capsys)
+    assert err.startswith(f"cannot merge {parts}, nothing was written or deleted: 00000001.parquet: its config "
+                          "differs: max_length: 64 in the part, 2048 in the run; 00000003.parquet: ")
+    assert not out.exists() and _files(parts) == before
+    assert main(_args(tiny_model_dir, data, out, "--resume")) == 2
+    assert "00000005.parquet: its config differs: max_length: 64 in the part, 2048 in the run" in _error(capsys)
+    assert _files(parts) == before
+
+
+def test_a_deleted_manifest_then_resume_with_another_config_is_refused(tmp_path, tiny_model_dir, data, capsys):
+    out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
+    assert main(_args(tiny_model_dir, data, out, "--shard", "0/2")) == 0
+    (parts / "manifest.json").unlink()
+    capsys.readouterr()
+    assert main(_args(tiny_model_dir, data, out, "--resume", "--max-length", "64")) == 2
+    err = _error(capsys)
+    assert err.startswith(f"cannot continue the run in {parts}: 3 parts are not of this run: 00000000.parquet: "
+                          "its config differs: max_length: 2048 in the part, 64 in the run; ")
+    assert _files(parts) == ["00000000.parquet", "00000002.parquet", "00000004.parquet"]  # no manifest written
+
+
+def test_a_model_named_alike_in_another_folder_is_another_model(tmp_path, tiny_model_dir, data, capsys, monkeypatch):
+    """--model tiny resumed from another working folder, where tiny is a model of the same layout and
+    size with other weights: the run records the model's folder and a fingerprint of its files."""
+    here, there = tmp_path / "here", tmp_path / "there"
+    shutil.copytree(tiny_model_dir, here / "tiny")
+    shutil.copytree(tiny_model_dir, there / "tiny")
+    tiny_model("llama", seed=1).save_pretrained(there / "tiny")  # same config, same file sizes, other weights
+    out = tmp_path / "s.parquet"
+    monkeypatch.chdir(here)
+    assert main(_args("tiny", data, out, "--shard", "0/2")) == 0
+    monkeypatch.chdir(there)
+    capsys.readouterr()
+    assert main(_args("tiny", data, out, "--resume")) == 2
+    err = _error(capsys)
+    assert err.startswith(f"cannot continue the run in {tmp_path / 's.parquet.parts'}, its config differs: "
+                          "model_fingerprint: '")
+    assert f"model_path: '{(here / 'tiny').resolve()}' in the run, '{(there / 'tiny').resolve()}' now" in err
+    elsewhere = tmp_path / "elsewhere"  # the same files in a third folder: the same model
+    shutil.copytree(here / "tiny", elsewhere / "tiny")
+    monkeypatch.chdir(elsewhere)
+    assert main(_args("tiny", data, out, "--shard", "1/2")) == 0
+    assert main(["merge", "--out", str(out)]) == 0
+    meta = json.loads(pq.read_schema(out).metadata[b"gradspec"])
+    assert meta["model_path"] == str((here / "tiny").resolve()) and "part" not in meta
+    assert len(meta["model_fingerprint"]) == len(meta["config_fingerprint"]) == 16
+
+
+def test_merge_deletes_nothing_it_did_not_merge(tmp_path, tiny_model_dir, data, reference, capsys):
+    out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
+    assert main(_args(tiny_model_dir, data, out, "--no-merge")) == 0
+    manifest = json.loads((parts / "manifest.json").read_text())
+    shutil.copy(parts / "00000000.parquet", parts / "00000099.parquet")  # an unrelated part
+    before = _files(parts)
+    capsys.readouterr()
+    assert main(["merge", "--out", str(out)]) == 2
+    assert _error(capsys) == (f"cannot merge {parts}, nothing was written or deleted: 00000099.parquet: chunk 99, "
+                              "but the run has 6 chunks (24 rows, 4 a chunk); move the parts named out of the "
+                              "folder, then score their chunks again with --resume")
+    assert not out.exists() and _files(parts) == before
+    (parts / "00000099.parquet").unlink()
+    for edit, said in (({"chunk_rows": 8}, "chunk_rows: 4 in the part, 8 in the run"),
+                       ({"limit": 12}, "limit: None in the part, 12 in the run")):
+        (parts / "manifest.json").write_text(json.dumps({**manifest, **edit}))  # a run's record edited
+        assert main(["merge", "--out", str(out)]) == 2
+        err = _error(capsys)
+        assert err.startswith(f"cannot merge {parts}, nothing was written or deleted: 00000000.parquet: its config "
+                              f"differs: {said}; 00000001.parquet: ")
+        assert not out.exists() and _files(parts) == before[:-2] + ["manifest.json"]  # every part kept
+    (parts / "manifest.json").write_text(json.dumps(manifest))
+    (parts / "notes.txt").write_text("mine")
+    assert main(["merge", "--out", str(out)]) == 0
+    _same(out, reference)
+    assert _files(parts) == ["notes.txt"]  # the parts and the manifest merged and gone, the rest kept
+
+
+def test_a_damaged_part_is_named_and_scored_again_on_resume(tmp_path, tiny_model_dir, data, reference, capsys,
+                                                             caplog):
+    out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
+    assert main(_args(tiny_model_dir, data, out, "--no-merge")) == 0
+    whole = (parts / "00000001.parquet").read_bytes()
+    (parts / "00000001.parquet").write_bytes(whole[: len(whole) // 2])  # truncated
+    (parts / "00000002.parquet").write_bytes(b"\x07garbage" * 64)
+    (parts / "00000003.parquet").write_bytes(b"")
+    before = _files(parts)
+    capsys.readouterr()
+    assert main(["merge", "--out", str(out)]) == 2
+    err = _error(capsys)
+    assert err.startswith(f"cannot merge {parts}, nothing was written or deleted: 00000001.parquet: damaged, not "
+                          "a readable Parquet file (")
+    assert "; 00000002.parquet: damaged, " in err and "; 00000003.parquet: damaged, " in err
+    assert err.endswith("score their chunks again with --resume (which moves a damaged part aside itself)")
+    assert not out.exists() and _files(parts) == before
+    caplog.set_level("WARNING", logger="gradspec")
+    assert main(_args(tiny_model_dir, data, out, "--resume")) == 0
+    moved = [r.getMessage() for r in caplog.records if "moved to" in r.getMessage()]
+    damaged = tmp_path / "s.parquet.damaged"
+    assert [m.split(":")[0] for m in moved] == [str(parts / f"0000000{c}.parquet") for c in (1, 2, 3)]
+    assert moved[0].endswith(f"; moved to {damaged / '00000001.parquet'}, its chunk is scored again")
+    assert _files(damaged) == ["00000001.parquet", "00000002.parquet", "00000003.parquet"]
+    assert (damaged / "00000003.parquet").read_bytes() == b""
+    _same(out, reference)
+    assert not parts.exists()
+
+
+def test_a_live_run_owns_its_chunks_and_shards_share_the_folder(tmp_path, tiny_model_dir, data, reference, capsys):
+    """Shard 0/2 is alive (held before it writes chunk 2): a second 0/2, a whole run (--resume,
+    --overwrite) and a merge are refused, naming it; shard 1/2 runs beside it."""
+    out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    proc = _cli(_args(tiny_model_dir, data, out, "--shard", "0/2"), WAIT_AT_CHUNK_2.format(ready=str(ready),
+                                                                                           go=str(go)))
+    try:
+        while not ready.exists():
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        owner = f"a live run (pid {proc.pid} on host {socket.gethostname()}, shard 0/2) owns {parts}: wait for it " \
+                "to finish or stop it, then run again"
+        for extra in ([], ["--shard", "0/2"], ["--shard", "0/4"], ["--resume"], ["--overwrite"]):
+            assert main(_args(tiny_model_dir, data, out, *extra)) == 2, extra
+            assert _error(capsys) == owner, extra
+        assert main(["merge", "--out", str(out)]) == 2
+        assert _error(capsys) == owner
+        assert _files(parts) == ["00000000.parquet", "manifest.json", "shard-0-of-2.lock"]
+        assert main(_args(tiny_model_dir, data, out, "--shard", "1/2")) == 0  # the other shard: beside it
+    finally:
+        go.touch()
+        printed, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert main(["merge", "--out", str(out)]) == 0
+    _same(out, reference)
+    assert not parts.exists()
+
+
+def test_a_stale_lock_is_taken_over(tmp_path, tiny_model_dir, data, reference, capsys, caplog):
+    out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
+    assert main(_args(tiny_model_dir, data, out, "--shard", "0/2")) == 0
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid: no longer running
+    (parts / "run.lock").write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname(), "shard": "0/1"}))
+    elsewhere = parts / "shard-1-of-2.lock"  # a process on another host, its lock just refreshed
+    elsewhere.write_text(json.dumps({"pid": 1, "host": "node-b", "shard": "1/2"}))
+    capsys.readouterr()
+    assert main(_args(tiny_model_dir, data, out, "--resume")) == 2
+    assert _error(capsys) == (f"a live run (pid 1 on host node-b, shard 1/2) owns {parts}: wait for it to finish or "
+                              "stop it, then run again; if no such process runs on node-b, delete "
+                              f"{elsewhere} (a lock not refreshed for 600 s is taken over by itself)")
+    old = time.time() - run_folder.LOCK_STALE_S - 60
+    os.utime(elsewhere, (old, old))  # not refreshed: its owner is gone
+    caplog.set_level("WARNING", logger="gradspec")
+    assert main(_args(tiny_model_dir, data, out, "--resume")) == 0
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("took over")]
+    assert warned == [f"took over {parts}: its lock run.lock was left by pid {gone.pid} on host "
+                      f"{socket.gethostname()}, which is no longer running",
+                      f"took over {parts}: its lock shard-1-of-2.lock was left by pid 1 on host node-b, which is no "
+                      "longer running"]
+    _same(out, reference)
+    assert not parts.exists()
+
+
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, OSError])
+def test_the_lock_is_released_however_a_run_ends(tmp_path, tiny_model_dir, data, monkeypatch, stop):
+    out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
+    real = run_folder.RunFolder.write_part
+
+    def write_part(self, chunk, rows, metadata):
+        assert [p.name for p in parts.glob("*.lock")] == ["run.lock"]  # held while it runs
+        if chunk == 2:
+            raise stop("stopped")
+        real(self, chunk, rows, metadata)
+
+    monkeypatch.setattr(run_folder.RunFolder, "write_part", write_part)
+    if stop is KeyboardInterrupt:
+        with pytest.raises(KeyboardInterrupt):
+            main(_args(tiny_model_dir, data, out))
+    else:
+        assert main(_args(tiny_model_dir, data, out)) == 2
+    assert _files(parts) == ["00000000.parquet", "00000001.parquet", "manifest.json"]
+    for thread in threading.enumerate():
+        if thread.name == "gradspec-lock":
+            thread.join(timeout=5)
+            assert not thread.is_alive()
+
+
+def test_torchrun_rank_0_alone_holds_the_lock(tmp_path, tiny_model_dir, data, reference):
+    """Both ranks of a torchrun run score in one folder under rank 0's run.lock; a --shard process
+    started meanwhile is refused."""
+    out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    launch = tmp_path / "launch.py"
+    launch.write_text(LAUNCH.format(patch=WAIT_AT_CHUNK_2.format(ready=str(ready), go=str(go))))
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(launch), *_args(tiny_model_dir, data, out)],
+                            env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while not ready.exists():  # rank 0 holds at chunk 2, rank 1 scores its chunks
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        assert [p.name for p in parts.glob("*.lock")] == ["run.lock"]
+        shard = _cli(_args(tiny_model_dir, data, out, "--shard", "1/2"))
+        _, err = shard.communicate(timeout=300)
+        assert shard.returncode == 2 and "a live run (pid " in err and ", the whole run) owns " in err
+    finally:
+        go.touch()
+        _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    _same(out, reference)
+    assert not parts.exists()
+
+
+def test_a_killed_run_leaves_a_stale_lock_that_resume_takes_over(tmp_path, tiny_model_dir, data, reference):
+    out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    proc = _cli(_args(tiny_model_dir, data, out), WAIT_AT_CHUNK_2.format(ready=str(ready), go=str(go)))
+    while not ready.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (parts / "run.lock").exists()
+    resumed = _cli(_args(tiny_model_dir, data, out, "--resume"))
+    _, err = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"took over {parts}: its lock run.lock was left by pid {proc.pid} on host {socket.gethostname()}" in err
+    _same(out, reference)
