@@ -390,6 +390,45 @@ def device_check(device: str) -> dict:
     return {"status": "fail" if problems else "pass", "max_rel_err": errors, "problems": problems}
 
 
+def no_sync_check(device: str) -> dict:
+    """The engine's pass never waits for the GPU: a batch given on the host, scored (forward, backward,
+    hooks, Grams, copies queued for the host) under torch.cuda.set_sync_debug_mode("error"), where any
+    synchronising call raises; the Grams go to the host's eigen stage (forced "cpp"), so the side-stream
+    copies run too. transformers' own read of the padding mask (sdpa's causal-flag choice) is patched
+    out, as in tests/engine/test_host_sync.py. Its rows must equal score()'s of the same batch."""
+    if not device.startswith("cuda"):
+        return {"status": "skipped", "problems": ["needs CUDA"]}
+    import transformers.masking_utils as masking
+
+    torch.manual_seed(0)
+    model = build_model("llama", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=300), device,
+                        torch.float32)
+    force = {"core": "cpp", "gram": "cpp", "segment_gram": "torch", "segment_tdot": "torch"}
+    engine = SpectralEngine(model, "attn", force=force)
+    batch = padded_batch(make_samples(Problem("no-sync", "llama", {"vocab_size": 300}, "attn", (40, 90, 17), 12),
+                                      seed=3), "cpu")
+    want = engine.score(*batch)  # the first batch also checks the LM head shortcut: a read, once per model
+    real = masking._ignore_causal_mask_sdpa
+    masking._ignore_causal_mask_sdpa = lambda *a, **k: False
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            work = engine._forward_backward(*batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        got = engine._finish(*work)
+    except RuntimeError as error:
+        return {"status": "fail", "problems": [f"the pass synchronised: {str(error)[:300]}"]}
+    finally:
+        masking._ignore_causal_mask_sdpa = real
+    errors = {name: float(((got.metrics[name] - want.metrics[name]).abs() / want.metrics[name].abs().clamp_min(1e-300))
+                          .nan_to_num(0.0).max()) for name in want.metrics}
+    worst = max(errors.values())
+    problems = [] if worst <= 1e-9 else [f"rows differ from score()'s by {worst:.1e} relative"]
+    return {"status": "fail" if problems else "pass", "max_rel_err": {"metrics": worst}, "problems": problems}
+
+
 def split_devices(device: str) -> tuple[str, str]:
     """The two devices a dispatched model is split over: two GPUs, else a GPU and the host (the
     host's modules run there: accelerate's main device is the CPU), else the host twice (--smoke)."""
@@ -646,6 +685,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     device, info = guarded(lambda: [device_check(args.device)])
     report.add({"check": "device/launch-on-tensors-gpu", **info, **(device[0] if device else {"status": "error"})})
+    synced, info = guarded(lambda: [no_sync_check(args.device)])
+    report.add({"check": "engine/no-host-sync", **info, **(synced[0] if synced else {"status": "error"})})
     placed, info = guarded(lambda: [device_map_check(args.device)])
     report.add({"check": "device/device-map", **info, **(placed[0] if placed else {"status": "error"})})
     line = verdict(report.checks)

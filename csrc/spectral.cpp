@@ -61,11 +61,14 @@ void require_bound() {
     throw std::runtime_error("gradspec._C: LAPACK not bound; call bind_lapack first");
 }
 
-// Eigen-solver with reusable workspace: one per thread. The workspace query is cached per
+// Eigen-solver with reusable workspace, and the scratch of a thread's other work: one per thread,
+// kept across the samples it solves (no allocation per sample). The workspace query is cached per
 // (n, vectors): at n = 64 it costs as much as the solve.
 struct SymmetricEigen {
   std::vector<double> work, scratch, values;
   std::vector<int> iwork;
+  std::vector<double> l, chol, f, w, core, ev, y;  // core_sample's and segment_gram's scratch
+  std::vector<int> piv;
   int lwork = 0, liwork = 0, cached_n = -1;
   bool cached_vectors = false;
 
@@ -90,6 +93,13 @@ struct SymmetricEigen {
     if (info != 0) throw LapackError("dsyevd failed with info=" + std::to_string(info));
   }
 };
+
+// v with room for at least n elements (grown, never shrunk: a thread's scratch is reused).
+template <typename V>
+V& sized(V& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v;
+}
 
 // The rounding floor of an n x n Gram formed from sums of `terms` products at precision eps:
 // max(n, terms) * eps * top (the rule of gradspec.metrics.eigenvalue_cutoff).
@@ -173,8 +183,9 @@ Array gram_spectra(Array grams, int threads, double eps, int terms) {
 void core_sample(const double* b, const std::vector<const double*>& a, int ld, int n, int T, double eps,
                  int terms, double* sigma, size_t sigma_stride, SymmetricEigen& eig) {
   const int M = static_cast<int>(a.size());
-  std::vector<double> l(static_cast<size_t>(n) * n), chol_work(2 * std::max(n, 1));
-  std::vector<int> piv(std::max(n, 1));
+  std::vector<double>& l = sized(eig.l, static_cast<size_t>(n) * n);
+  std::vector<double>& chol_work = sized(eig.chol, 2 * std::max(n, 1));
+  std::vector<int>& piv = sized(eig.piv, std::max(n, 1));
   for (int c = 0; c < n; ++c)
     std::copy(b + static_cast<size_t>(c) * ld, b + static_cast<size_t>(c) * ld + n, l.begin() + static_cast<size_t>(c) * n);
   int r = 0;
@@ -189,8 +200,11 @@ void core_sample(const double* b, const std::vector<const double*>& a, int ld, i
   }
   const int r1 = std::max(r, 1);
   // F = P L: row piv[t]-1 of F is row t of the lower-triangular L (first r columns).
-  std::vector<double> f(static_cast<size_t>(n) * r1, 0.0), w(static_cast<size_t>(n) * r1);
-  std::vector<double> core(static_cast<size_t>(r1) * r1), ev(r1);
+  std::vector<double>& f = sized(eig.f, static_cast<size_t>(n) * r1);
+  std::fill(f.begin(), f.begin() + static_cast<size_t>(n) * r1, 0.0);
+  std::vector<double>& w = sized(eig.w, static_cast<size_t>(n) * r1);
+  std::vector<double>& core = sized(eig.core, static_cast<size_t>(r1) * r1);
+  std::vector<double>& ev = sized(eig.ev, r1);
   for (int k = 0; k < r; ++k)
     for (int t = k; t < n; ++t) f[static_cast<size_t>(k) * n + piv[t] - 1] = l[static_cast<size_t>(k) * n + t];
   for (int j = 0; j < M; ++j) {
@@ -293,10 +307,10 @@ py::array_t<double> segment_gram(py::array_t<Scalar> Y, Lengths lengths, int thr
   py::array_t<double> out({N, T, T});
   double* o = out.mutable_data();
   std::fill(o, o + static_cast<size_t>(N) * T * T, 0.0);
-  parallel_for(N, threads, [&](int i, SymmetricEigen&) {
+  parallel_for(N, threads, [&](int i, SymmetricEigen& scratch) {
     const int n = static_cast<int>(len[i]);
     if (n == 0) return;
-    std::vector<double> y(static_cast<size_t>(n) * d);  // row-major n x d == column-major d x n
+    std::vector<double>& y = sized(scratch.y, static_cast<size_t>(n) * d);  // row-major n x d == column-major d x n
     for (int t = 0; t < n; ++t) {
       const char* row = base + i * ys[0] + t * ys[1];
       double* dst = y.data() + static_cast<size_t>(t) * d;
