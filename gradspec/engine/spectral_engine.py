@@ -69,12 +69,16 @@ class SpectralEngine:
         backend: str = "auto", keep_spectra: bool = False,
         method: str = "exact", rank: int = 64, power_iters: int = 2, seed: int = 0, token_stats: bool = False,
         precision: str = "fp64", force: dict[str, str] | None = None, spectra: bool = True, project: int = 0,
+        overlap: bool | None = None,
     ) -> None:
         """method="lowrank" approximates the top `rank` singular values (see gradspec.linalg.lowrank);
         token_stats adds each sample's mean predictive entropy and token accuracy; precision and
         force (a path per stage) are gradspec.linalg.policy's, and ``policy.describe()`` says what ran.
         spectra=False leaves the spectral metrics out (for alignment alone: see set_task); project=k
-        adds each sample's gradient under a seeded k x k Kronecker projection per part (a store's rows)."""
+        adds each sample's gradient under a seeded k x k Kronecker projection per part (a store's rows).
+        overlap: submit runs each batch's eigen stage on a worker thread beside the next pass (None:
+        where the pass runs on a GPU; on the CPU the two compete for the same cores, and finishing
+        each batch first measured 8% faster on 2 cores: benchmarks/RESULTS.md)."""
         if method not in ("exact", "lowrank"):
             raise ValueError(f"method must be 'exact' or 'lowrank', got {method!r}")
         self.model = unwrap(model)  # a PEFT model: the model it adapts (the same modules)
@@ -88,6 +92,7 @@ class SpectralEngine:
         self.task: TaskGradients | None = None
         self.projection = KroneckerProjection(self.parts, project, project, seed) if project else None
         self._eigen_worker: ThreadPoolExecutor | None = None
+        self.overlap = overlap
         self.lockstep = None  # under FSDP (gradspec.runs.fsdp.Lockstep): every pass runs on all ranks together
         # the metrics registered now (gradspec.linalg.metrics.register_metric): this engine's columns
         self._spectral_names = metric_names() if self.sketch is None else lowrank_metric_names()
@@ -135,14 +140,17 @@ class SpectralEngine:
     def submit(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor
     ) -> Future[BatchScores]:
-        """``score`` with its eigen stage on a worker thread: the forward, the backward and the
-        Grams run now; the caller can start the next batch (on the GPU, or other cores) while the
-        CPU solves this one's eigenproblems. A batch whose eigen stage is still to be measured for
-        its size finishes here instead: its timings must not share the device with the next batch."""
-        if self._eigen_worker is None:
-            self._eigen_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradspec-eigen")
+        """``score`` with its eigen stage on a worker thread (where it overlaps: see overlap): the
+        forward, the backward and the Grams run now; the caller can start the next batch on the GPU
+        while the host solves this one's eigenproblems. A batch whose eigen stage is still to be
+        measured for its size finishes here instead: its timings must not share the device with the
+        next batch. Either way the result comes as a Future."""
         work = self._forward_backward(input_ids, attention_mask, labels)
-        if not any(capture.measures for capture in work[0]):
+        captures = work[0]
+        overlap = self.overlap if self.overlap is not None else captures[0].batch.device.type != "cpu"
+        if overlap and not any(capture.measures for capture in captures):
+            if self._eigen_worker is None:
+                self._eigen_worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradspec-eigen")
             return self._eigen_worker.submit(self._finish_beside_measurements, *work)
         done: Future[BatchScores] = Future()
         try:

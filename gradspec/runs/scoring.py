@@ -9,6 +9,7 @@ import numbers
 import os
 import reprlib
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
@@ -129,9 +130,12 @@ class _Progress:
         self.bar.set_postfix(tok_s=f"{self.tokens / (time.perf_counter() - self.start):.0f}", refresh=False)
 
 
+_MEASURED: weakref.WeakKeyDictionary[SpectralEngine, BatchMemory] = weakref.WeakKeyDictionary()
+
+
 class _BatchPlan:
-    """Whether a batch fits in memory (gradspec.engine.batch_memory), from probes run once, on the
-    first batch to plan, against the memory available then (fixed for the run: memory the run
+    """Whether a batch fits in memory (gradspec.engine.batch_memory), from probes run once per engine,
+    on the first batch to plan, against the memory available then (fixed for the run: memory the run
     itself freed is not reported available again on the host). Not used where the model lies on
     several devices or runs in lockstep under FSDP (a probe would have to run on every rank)."""
 
@@ -148,7 +152,9 @@ class _BatchPlan:
             return True
         if self.memory is None:
             device = input_device(self.engine.model)
-            self.memory = batch_memory.measure(self.engine, self.pad_id, device)
+            if self.engine not in _MEASURED:
+                _MEASURED[self.engine] = batch_memory.measure(self.engine, self.pad_id, device)
+            self.memory = _MEASURED[self.engine]
             self.budget = batch_memory.HEADROOM * batch_memory.available_bytes(device)
             log.info("batches planned within %.1f GiB: %.0f KiB per token, Grams of %d inputs",
                      self.budget / 2**30, self.memory.per_token / 2**10, len(self.memory.inputs))

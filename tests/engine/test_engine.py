@@ -13,6 +13,19 @@ VOCAB = 500
 LENGTHS = [5, 17, 40, 90]
 
 
+def test_on_the_cpu_submit_finishes_each_batch_before_the_next_pass():
+    """The pass and the eigen stage would compete for the same cores: no worker thread on the CPU."""
+    model = tiny_model("llama", vocab=VOCAB)
+    before = _eigen_threads()
+    engine = SpectralEngine(model, "attn")
+    batch = padded_batch(random_sequences([8, 40], VOCAB))
+    future = engine.submit(*batch)
+    assert future.done() and _eigen_threads() == before
+    want = engine.score(*batch)
+    for name in want.metrics:
+        torch.testing.assert_close(future.result().metrics[name], want.metrics[name], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2", "phi3"])
 def test_engine_matches_reference(kind):
     model = tiny_model(kind, vocab=VOCAB)
@@ -161,7 +174,7 @@ def test_low_precision_models_against_the_reference_of_the_same_model(dtype):
 
 def test_submit_overlaps_batches_and_equals_score():
     model = tiny_model("llama", vocab=VOCAB)
-    engine = SpectralEngine(model, "all")
+    engine = SpectralEngine(model, "all", overlap=True)  # the GPU's way, on the CPU
     batches = [padded_batch(random_sequences(lengths, VOCAB, seed=s)) for s, lengths in
                enumerate([[8, 40], [70, 12, 33], [5]])]
     futures = [engine.submit(*b) for b in batches]  # all in flight before any result is read
@@ -182,7 +195,7 @@ def _eigen_threads() -> int:
 def test_close_waits_for_submitted_batches_and_leaves_no_thread():
     model = tiny_model("llama", vocab=VOCAB)
     before = _eigen_threads()
-    with SpectralEngine(model, "attn") as engine:
+    with SpectralEngine(model, "attn", overlap=True) as engine:
         future = engine.submit(*padded_batch(random_sequences([8, 40], VOCAB)))
         assert _eigen_threads() == before + 1
     assert future.done() and future.result().flags == [set(), set()]

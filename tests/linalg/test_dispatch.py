@@ -118,7 +118,7 @@ def test_submit_measures_on_the_callers_thread_alone(measured_on_cpu, monkeypatc
                         lambda: timed_on.add(threading.current_thread().name) or time.perf_counter())
     model = tiny_model("llama", vocab=500)
     seqs = random_sequences([6, 30], 500)
-    engine = SpectralEngine(model, "all")
+    engine = SpectralEngine(model, "all", overlap=True)
     first = engine.submit(*padded_batch(seqs))
     assert first.done() and timed_on == {threading.current_thread().name}
     assert_matches_reference(model, first.result(), seqs, "all")
