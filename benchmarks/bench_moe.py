@@ -23,8 +23,8 @@ from conftest import interleaved_rounds
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from gradspec.data.batching import pad_batch
-from gradspec.data.templates import Tokenized
-from gradspec.engine.loss import IGNORE_INDEX, response_losses
+from gradspec.data.templates import IGNORE_INDEX, Tokenized
+from gradspec.engine.loss import response_losses
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.layers.linear import start_graph
 from gradspec.layers.targets import select_targets

@@ -55,7 +55,7 @@ from typing import Any, NamedTuple  # noqa: E402
 import torch  # noqa: E402
 from gpu_suite import SHAPES, build_model  # noqa: E402
 
-from gradspec.engine.loss import IGNORE_INDEX  # noqa: E402
+from gradspec.data.templates import IGNORE_INDEX  # noqa: E402
 from gradspec.engine.reference import reference_scores  # noqa: E402
 from gradspec.engine.spectral_engine import BatchScores, SpectralEngine  # noqa: E402
 from gradspec.linalg import extension, solvers, stages  # noqa: E402

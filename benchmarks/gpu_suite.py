@@ -35,7 +35,8 @@ from pathlib import Path
 import cost_model
 import torch
 
-from gradspec.engine.loss import IGNORE_INDEX, response_losses
+from gradspec.data.templates import IGNORE_INDEX
+from gradspec.engine.loss import response_losses
 from gradspec.engine.reference import reference_scores
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.layers.targets import select_targets

@@ -22,10 +22,11 @@ import numpy as np
 import pandas as pd
 
 import gradspec
-from gradspec.data.batching import Item, item_losses
+from gradspec.data.batching import Item
 from gradspec.data.models import load_model
 from gradspec.data.readers import Fields, humaneval_samples, read_samples
 from gradspec.data.templates import tokenize
+from gradspec.engine.loss import item_losses
 from gradspec.runs.score_files import module_mean
 
 DATA = Path(__file__).resolve().parents[2] / "shared/data/gradient_unified"

@@ -20,18 +20,14 @@ except ImportError:  # triton is optional: the torch path serves without it
     triton = None
 
 
-def token_mask(lengths: torch.Tensor, T: int, device: torch.device | str) -> torch.Tensor:
-    """(N, T) bool: True at each sample's valid (unpadded) tokens."""
-    return torch.arange(T, device=device)[None, :] < lengths.to(device)[:, None]
-
-
 def segment_gram_torch(
     Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None = None, dtype: torch.dtype = torch.float64
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Y (N, T, d), lengths (N,) -> Gram (N, T, T) in dtype (fp64: the reference), zero beyond each
     length; inner (N,) or None."""
     T = Y.shape[1]
-    Yv = Y.to(dtype) * token_mask(lengths, T, Y.device)[..., None]
+    valid = torch.arange(T, device=Y.device)[None, :] < lengths.to(Y.device)[:, None]  # (N, T): unpadded tokens
+    Yv = Y.to(dtype) * valid[..., None]
     gram = Yv @ Yv.transpose(1, 2)
     inner = None if other is None else (gram * other.to(gram)).sum((1, 2))
     return gram, inner

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .launch import launch
-from .segment_gram import token_mask, triton
+from .segment_gram import triton
 
 if triton is not None:
     import triton.language as tl
@@ -45,7 +45,7 @@ def segment_tdot_torch(
 ) -> torch.Tensor:
     """A (N, T, p), B (N, T, q), lengths (N,) -> sum over t < length_i of A[i, t]^T B[i, t], (N, p, q) in
     dtype (fp64: the reference)."""
-    valid = token_mask(lengths, A.shape[1], A.device)[..., None]
+    valid = (torch.arange(A.shape[1], device=A.device)[None, :] < lengths.to(A.device)[:, None])[..., None]
     return (A.to(dtype) * valid).transpose(1, 2) @ B.to(dtype)
 
 

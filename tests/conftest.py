@@ -11,8 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from gradspec.data.batching import pad_batch  # noqa: E402
-from gradspec.data.templates import Tokenized  # noqa: E402
-from gradspec.engine.loss import IGNORE_INDEX  # noqa: E402
+from gradspec.data.templates import IGNORE_INDEX, Tokenized  # noqa: E402
 from gradspec.engine.reference import reference_scores  # noqa: E402
 
 VOCAB = 49152  # SmolLM2's tokenizer, so tiny models can share it

@@ -1,1 +1,1 @@
-"""What to do with scores: classic data-quality scores, reports comparing groups, and selection."""
+"""What to do with scores: reports comparing groups, and selection."""

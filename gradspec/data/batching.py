@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from gradspec.data.readers import Sample
-from gradspec.data.templates import Tokenized
-from gradspec.engine.loss import IGNORE_INDEX, response_losses
+from gradspec.data.templates import IGNORE_INDEX, Tokenized
 
 BATCH_TOKENS = 4096  # padded tokens per batch (on a GPU, the default)
 CPU_BATCH_TOKENS = 1024  # score's default on the CPU: as fast as 4,096 there, a fraction of the memory
@@ -74,19 +72,3 @@ def token_batches(items: list[Item], batch_tokens: int, max_padding: float = MAX
     if batch:
         yield batch
 
-
-@torch.no_grad()
-def item_losses(
-    model: torch.nn.Module, tokenizer, items: list[Item], batch_tokens: int = BATCH_TOKENS, token_stats: bool = False
-) -> Iterator[tuple[Item, float, dict[str, float]]]:
-    """(item, mean loss over its labelled tokens, token stats) per item, from forward passes alone
-    (the loss is NaN where nothing is labelled)."""
-    device = next(model.parameters()).device
-    pad_id = pad_id_of(tokenizer)
-    for batch in token_batches(items, batch_tokens):
-        loss, count, stats = response_losses(model, *pad_batch([b.tokens for b in batch], pad_id, device),
-                                             token_stats=token_stats)
-        loss, count, stats = loss.cpu(), count.cpu(), {name: column.cpu() for name, column in stats.items()}
-        for k, item in enumerate(batch):
-            value = float(loss[k]) if count[k] > 0 else math.nan
-            yield item, value, {name: float(column[k]) for name, column in stats.items()}

@@ -39,8 +39,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gradspec.engine.loss import IGNORE_INDEX
-
+IGNORE_INDEX = -100  # the label of a token that carries no loss (prompt, padding): PyTorch's and transformers' default
 TEMPLATES = ("plain", "chat")
 # The input's first rows on which a scoring run judges whether most rows have no response token: enough
 # to tell a setting (template, tokenizer, max length) from a few bad rows, few enough to tokenize in a moment

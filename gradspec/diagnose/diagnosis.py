@@ -40,9 +40,9 @@ from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, tok
 from gradspec.data.errors import InputError, check_at_least, check_covers, check_share, check_writable
 from gradspec.data.models import check_device, check_model, load_model
 from gradspec.data.readers import Fields, Sample, read_samples
-from gradspec.data.templates import Tokenized, check_response_tokens, tokenize
+from gradspec.data.templates import IGNORE_INDEX, Tokenized, check_response_tokens, tokenize
 from gradspec.diagnose.report import write_diagnosis
-from gradspec.engine.loss import IGNORE_INDEX, next_token_positions
+from gradspec.engine.loss import next_token_positions
 from gradspec.runs.score_files import check_scored_input, module_mean, read_metadata, read_scores
 from gradspec.training.dynamics import from_checkpoints, measure, measure_tokens, read_dynamics, summarise
 

@@ -17,8 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from gradspec.kernels import token_mask
-from gradspec.layers.hooks import BatchLayout, Capture, Captured, InputKey
+from gradspec.layers.hooks import BatchLayout, Capture, Captured, InputKey, token_mask
 from gradspec.layers.registry import Part, Target
 from gradspec.linalg import extension
 from gradspec.linalg.eigen import core_spectra, eigen_faults, eigen_path, gram_spectra, host_core_spectra

@@ -2,22 +2,27 @@
 LM head applied at labelled positions only where that gives the model's own logits.
 
 Position t of the logits predicts token t + 1, so logits[:, :-1] are scored against labels[:, 1:];
-IGNORE_INDEX marks tokens that carry no loss (prompt, padding). The engine's, the reference's,
-WIT's and SFTMix's losses all take their cross-entropy from next_token_nll, and select their
-positions (as the diagnosis does) with next_token_positions: one definition of the shift.
+IGNORE_INDEX (data.templates, where labels are made) marks tokens that carry no loss (prompt,
+padding). The engine's, the reference's, WIT's and SFTMix's losses all take their cross-entropy
+from next_token_nll, and select their positions (as the diagnosis does) with next_token_positions:
+one definition of the shift. item_losses gives each item's loss from forward passes alone (the
+classic scores, the dynamics).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import weakref
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
+from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
+from gradspec.data.templates import IGNORE_INDEX
 from gradspec.linalg.host_copies import to_device
 
-IGNORE_INDEX = -100  # PyTorch's and transformers' default ignore index
 log = logging.getLogger("gradspec")
 
 
@@ -128,3 +133,20 @@ def response_losses(
             target_logp = logp.gather(1, wanted[:, None]).squeeze(1)
             stats["mean_token_prob"] = per_sample(target_logp.exp()).double()
     return loss, count, stats
+
+
+@torch.no_grad()
+def item_losses(
+    model: torch.nn.Module, tokenizer, items: list[Item], batch_tokens: int = BATCH_TOKENS, token_stats: bool = False
+) -> Iterator[tuple[Item, float, dict[str, float]]]:
+    """(item, mean loss over its labelled tokens, token stats) per item, from forward passes alone
+    (the loss is NaN where nothing is labelled)."""
+    device = next(model.parameters()).device
+    pad_id = pad_id_of(tokenizer)
+    for batch in token_batches(items, batch_tokens):
+        loss, count, stats = response_losses(model, *pad_batch([b.tokens for b in batch], pad_id, device),
+                                             token_stats=token_stats)
+        loss, count, stats = loss.cpu(), count.cpu(), {name: column.cpu() for name, column in stats.items()}
+        for k, item in enumerate(batch):
+            value = float(loss[k]) if count[k] > 0 else math.nan
+            yield item, value, {name: float(column[k]) for name, column in stats.items()}

@@ -25,9 +25,8 @@ from gradspec.align.task import DEFAULT_AGGREGATES, TaskGradients, collect_task
 from gradspec.data.models import input_device
 from gradspec.engine.capture import BatchCapture, LowRankSketch
 from gradspec.engine.loss import check_head_shortcut, response_losses
-from gradspec.kernels import token_mask
 from gradspec.layers.experts import ExpertsTarget
-from gradspec.layers.hooks import BatchLayout, Capture, attached
+from gradspec.layers.hooks import BatchLayout, Capture, attached, token_mask
 from gradspec.layers.lora import unwrap
 from gradspec.layers.registry import Part, Target
 from gradspec.layers.targets import select_targets

@@ -15,9 +15,13 @@ from functools import cached_property
 import torch
 from torch import nn
 
-from gradspec.kernels import token_mask
 from gradspec.layers.registry import Part, Target
 from gradspec.linalg.host_copies import to_device
+
+
+def token_mask(lengths: torch.Tensor, T: int, device: torch.device | str) -> torch.Tensor:
+    """(N, T) bool: True at each sample's valid (unpadded) tokens."""
+    return torch.arange(T, device=device)[None, :] < lengths.to(device)[:, None]
 
 
 class BatchLayout:

@@ -81,8 +81,8 @@ def syev_batched_via(
     device_guard: Callable[[torch.device], AbstractContextManager] = torch.cuda.device,
 ) -> Eigensolver:
     """An Eigensolver on torch's CUDA tensors through cuSOLVER's cusolverDnXsyevBatched (batched
-    tridiagonalisation, at every n since the cuSOLVER of CUDA 12.6 update 2; torch takes it for
-    n <= 32 only and loops syevd above), `binding` a module with nvmath.bindings.cusolverDn's
+    tridiagonalisation, at every n since the cuSOLVER of CUDA 12.6 update 2; torch before 2.12 takes
+    it for n <= 32 only and loops syevd above: pytorch#175585), `binding` a module with nvmath.bindings.cusolverDn's
     create, create_params, set_stream, xsyev_batched_buffer_size and xsyev_batched.
 
     Values only (jobz NOVECTOR); `eigh` is torch.linalg.eigh. Each call solves a packed copy of the

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradspec.engine.loss import IGNORE_INDEX
+from gradspec.data.templates import IGNORE_INDEX
 
 
 def load_sharded(load: Callable[[str], tuple[nn.Module, Any]], device: str) -> tuple[nn.Module, Any, dict[str, Any]]:

@@ -26,7 +26,6 @@ import torch
 from tqdm import tqdm
 
 from gradspec.align.task import DEFAULT_AGGREGATES, check_aggregates
-from gradspec.analysis.classic_scores import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
 from gradspec.data.batching import BATCH_TOKENS, Item, batch_tokens_for, pad_batch, pad_id_of, token_batches
 from gradspec.data.errors import check_at_least, check_parquet_out, check_writable
 from gradspec.data.hub import is_dataset_name, loaded_once
@@ -57,6 +56,7 @@ from gradspec.data.templates import RESPONSE_CHECK_ROWS, check_response_tokens, 
 from gradspec.engine import batch_memory
 from gradspec.engine.batch_memory import BatchMemory
 from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
+from gradspec.runs.classic_scores import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
 from gradspec.runs.fsdp import load_sharded, lockstep_engine
 from gradspec.runs.run_folder import CHUNK_ROWS, INPUT_ERROR, MODEL_IDENTITY, RunFolder, Shard, model_identity

@@ -27,10 +27,11 @@ import pyarrow.parquet as pq
 import torch
 from transformers import TrainerCallback
 
-from gradspec.data.batching import BATCH_TOKENS, Item, item_losses
+from gradspec.data.batching import BATCH_TOKENS, Item
 from gradspec.data.errors import InputError
 from gradspec.data.readers import Sample
 from gradspec.data.templates import check_response_tokens, tokenize
+from gradspec.engine.loss import item_losses
 from gradspec.runs.score_files import parquet_schema, schema_metadata, write_parquet
 
 LEARNED_ACCURACY = 0.9

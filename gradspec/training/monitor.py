@@ -69,10 +69,10 @@ from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from gradspec.data.errors import check_parquet_out
+from gradspec.data.templates import IGNORE_INDEX
 from gradspec.engine.capture import BatchCapture
-from gradspec.engine.loss import IGNORE_INDEX, next_token_nll
-from gradspec.kernels import token_mask
-from gradspec.layers.hooks import BatchLayout, PackedLayout, attached
+from gradspec.engine.loss import next_token_nll
+from gradspec.layers.hooks import BatchLayout, PackedLayout, attached, token_mask
 from gradspec.layers.targets import select_targets
 from gradspec.linalg.metrics import metric_names
 from gradspec.linalg.policy import Policy

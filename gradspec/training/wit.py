@@ -24,8 +24,8 @@ from torch import nn
 
 from gradspec.data.batching import pad_batch, pad_id_of
 from gradspec.data.readers import Fields, to_sample
-from gradspec.data.templates import tokenize
-from gradspec.engine.loss import IGNORE_INDEX, next_token_nll, next_token_positions
+from gradspec.data.templates import IGNORE_INDEX, tokenize
+from gradspec.engine.loss import next_token_nll, next_token_positions
 
 PROMPT_OFFSET = 101  # prompt token id t is stored as -(t + PROMPT_OFFSET)
 

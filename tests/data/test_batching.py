@@ -9,7 +9,7 @@ from conftest import random_sequences, tiny_model
 from gradspec.data import batching
 from gradspec.data.readers import Sample
 from gradspec.data.templates import Tokenized
-from gradspec.engine.loss import response_losses
+from gradspec.engine.loss import item_losses, response_losses
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.linalg.metrics import METRICS
 
@@ -46,7 +46,7 @@ def test_item_losses_match_one_padded_batch():
     items = _items(LENGTHS)
     with torch.no_grad():
         loss, _, stats = response_losses(model, *_padded(items), token_stats=True)
-    got = list(batching.item_losses(model, SimpleNamespace(pad_token_id=0), items, token_stats=True))
+    got = list(item_losses(model, SimpleNamespace(pad_token_id=0), items, token_stats=True))
     assert sorted(item.sample.index for item, _, _ in got) == list(range(len(items)))
     for item, value, row in got:
         i = item.sample.index

@@ -168,3 +168,16 @@ def test_score_a_split_from_the_command_line(repo, tmp_path, tiny_model_dir):
     assert main(["score", "--model", str(tiny_model_dir), "--data", str(repo), "--config-name", "chats",
                  "--streaming", "--limit", "1", "--out", str(out2), "--quiet"]) == 0
     assert pd.read_parquet(out2)["status"].tolist() == ["ok"]
+
+
+def test_without_datasets_a_hub_id_says_the_one_command_before_the_model_loads(monkeypatch, tmp_path, capsys):
+    """datasets is optional: a Hub id given without it stops at once, naming the install command."""
+    import sys
+
+    import gradspec.data.models
+
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets raises ImportError
+    monkeypatch.setattr(gradspec.data.models, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("gradspec.runs.scoring.load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    assert main(["score", "--data", "org/some-dataset", "--out", str(tmp_path / "s.parquet"), "--quiet"]) == 2
+    assert "org/some-dataset: reading it needs the datasets library: pip install datasets" in capsys.readouterr().err

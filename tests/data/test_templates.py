@@ -4,8 +4,7 @@ import re
 import pytest
 from conftest import one_token_tokenizer
 
-from gradspec.data.templates import check_response_tokens, tokenize
-from gradspec.engine.loss import IGNORE_INDEX
+from gradspec.data.templates import IGNORE_INDEX, check_response_tokens, tokenize
 
 ALPACA = [
     {"role": "user", "content": "Add two numbers.\n3 and 4"},

@@ -63,7 +63,8 @@ def test_a_pass_given_its_batch_on_the_host_never_reads_the_device(monkeypatch, 
     """The engine's whole pass (the batch's move to the model, the loss and its positions, the
     backward, the hooks, the copies queued for the host) on the meta device, where any read of a
     device value raises: given the batch on the host, as score gives it, nothing waits for the device."""
-    from gradspec.engine.loss import _HEAD_SHORTCUT, IGNORE_INDEX
+    from gradspec.data.templates import IGNORE_INDEX
+    from gradspec.engine.loss import _HEAD_SHORTCUT
     from gradspec.engine.spectral_engine import SpectralEngine
 
     monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda *a, **k: None)

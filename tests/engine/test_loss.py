@@ -3,7 +3,8 @@ carry nothing, and the gathered (head-shortcut) form equals the full one to the 
 
 import torch
 
-from gradspec.engine.loss import IGNORE_INDEX, next_token_nll, next_token_positions, response_loss_per_sample
+from gradspec.data.templates import IGNORE_INDEX
+from gradspec.engine.loss import next_token_nll, next_token_positions, response_loss_per_sample
 
 
 def test_positions_are_shifted_by_one():

@@ -4,7 +4,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from gradspec.engine.loss import IGNORE_INDEX
+from gradspec.data.templates import IGNORE_INDEX
 from gradspec.training.wit import WITCollator, WITLoss, encode_labels, wit_loss
 
 ROWS = [

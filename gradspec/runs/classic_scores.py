@@ -17,9 +17,10 @@ import math
 
 import torch
 
-from gradspec.data.batching import Item, item_losses
+from gradspec.data.batching import Item
 from gradspec.data.readers import Sample
 from gradspec.data.templates import Tokenized
+from gradspec.engine.loss import item_losses
 
 CLASSIC_COLUMNS = ("perplexity", "loss_response_alone", "ifd", "superfiltering_ifd", "mean_entropy",
                    "token_accuracy", "mean_token_prob", "response_chars")
