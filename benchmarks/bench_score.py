@@ -9,7 +9,7 @@ problems 30-47. Rows, per set:
   backward starting at the scored modules' outputs, as in the engine (``start_graph``);
 - floor, one sample per pass: the same, each sample alone (no padding, attention mask of ones);
 - gradspec engine: ``SpectralEngine.score`` on the padded batches, one after the other;
-- gradspec score: ``gradspec.runs.scoring.score_samples`` as ``gradspec score`` runs it
+- gradspec score: ``gradspec.runs.chunks.score_samples`` as ``gradspec score`` runs it
   (tokenization, the padded batches, ``submit`` with one batch in flight, the output rows; no
   model loading, no Parquet);
 - the reference (first set only): ``gradspec.engine.reference`` one sample at a time, parameter
@@ -38,7 +38,7 @@ from gradspec.engine.reference import reference_scores
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.layers.linear import start_graph
 from gradspec.layers.targets import select_targets
-from gradspec.runs.scoring import score_samples
+from gradspec.runs.chunks import score_samples
 
 ROUNDS = 3
 SETS = {"HumanEval 0-15": slice(0, 16), "HumanEval 30-47": slice(30, 48)}

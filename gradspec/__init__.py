@@ -9,8 +9,8 @@ from gradspec.environment import environment
 from gradspec.layers import linear_target
 from gradspec.layers import register as register_layer_kind
 from gradspec.linalg.metrics import METRICS, register_metric
+from gradspec.runs.api import align, score
 from gradspec.runs.score_files import read_metadata, read_scores
-from gradspec.runs.scoring import align, score
 
 # The training classes import transformers' Trainer: loaded on first use, not with every `import gradspec`.
 _TRAINING = {

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gradspec.runs.scoring import ScoreConfig
+from gradspec.runs.config import ScoreConfig
 
 
 def run_options(config: ScoreConfig) -> dict[str, Any]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from gradspec.runs.config import ScoreConfig
 from gradspec.runs.run_folder import RunFolder
-from gradspec.runs.scoring import ScoreConfig
 
 
 def add_parser(sub) -> None:

@@ -11,8 +11,8 @@ from gradspec.data.batching import BATCH_TOKENS, CPU_BATCH_TOKENS
 from gradspec.data.models import DEVICE_MAPS, DTYPES
 from gradspec.data.readers import ON_ERROR, Fields, Hub
 from gradspec.data.templates import TEMPLATES
+from gradspec.runs.config import ScoreConfig
 from gradspec.runs.run_folder import INPUT_ERROR, RunFolder, Shard
-from gradspec.runs.scoring import ScoreConfig
 from gradspec.runs.scoring import run as run_scoring
 from gradspec.runs.summary import run_summary, written
 

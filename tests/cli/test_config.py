@@ -9,7 +9,7 @@ import pytest
 from gradspec.cli import main
 from gradspec.cli import score as score_cli
 from gradspec.data.readers import Fields, Hub
-from gradspec.runs.scoring import ScoreConfig
+from gradspec.runs.config import ScoreConfig
 
 ROWS = [{"q": f"Task {i}: repeat {w}", "a": f"{w} " * (i + 2)} for i, w in enumerate(["a", "b", "c"])]
 

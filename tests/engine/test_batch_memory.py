@@ -10,8 +10,8 @@ from gradspec.data.templates import Tokenized
 from gradspec.engine import batch_memory
 from gradspec.engine.batch_memory import BatchMemory
 from gradspec.engine.spectral_engine import SpectralEngine
-from gradspec.runs import scoring
-from gradspec.runs.scoring import score_samples
+from gradspec.runs import api, chunks
+from gradspec.runs.chunks import score_samples
 
 
 def _model(attention: str, seed: int = 0) -> torch.nn.Module:
@@ -79,7 +79,7 @@ def test_score_plans_batches_within_the_memory_available_and_rows_do_not_change(
         return rows, shapes
 
     roomy, roomy_shapes = run(1 << 40)
-    plan = scoring._BatchPlan(SpectralEngine(tiny_model("llama"), "attn"), 0)
+    plan = chunks._BatchPlan(SpectralEngine(tiny_model("llama"), "attn"), 0)
     plan.fits(1, 1)
     tight = plan.memory.bytes(2, max(s[1] for s in roomy_shapes))  # about two rows of the longest batch
     rows, shapes = run(int(tight / batch_memory.HEADROOM))
@@ -95,10 +95,10 @@ def test_score_plans_batches_within_the_memory_available_and_rows_do_not_change(
 def test_the_plan_stands_aside_for_a_model_on_several_devices_or_in_lockstep():
     engine = SpectralEngine(tiny_model("llama"), "attn")
     engine.lockstep = object()
-    assert scoring._BatchPlan(engine, 0).fits(10**6, 10**6)
+    assert chunks._BatchPlan(engine, 0).fits(10**6, 10**6)
     model = tiny_model("llama")
     model.hf_device_map = {"": "cpu"}
-    assert scoring._BatchPlan(SpectralEngine(model, "attn"), 0).fits(10**6, 10**6)
+    assert chunks._BatchPlan(SpectralEngine(model, "attn"), 0).fits(10**6, 10**6)
 
 
 def test_score_batches_1024_tokens_on_the_cpu_by_default(monkeypatch, tiny_model_dir):
@@ -108,9 +108,9 @@ def test_score_batches_1024_tokens_on_the_cpu_by_default(monkeypatch, tiny_model
     assert batch_tokens_for("cpu") == batch_tokens_for(None) == 1024
     assert batch_tokens_for("cuda:1") == batch_tokens_for("cpu", device_map="auto") == 4096
     budgets = []
-    real = scoring.token_batches
-    monkeypatch.setattr(scoring, "token_batches",
+    real = chunks.token_batches
+    monkeypatch.setattr(chunks, "token_batches",
                         lambda items, tokens, **k: budgets.append(tokens) or real(items, tokens, **k))
-    scoring.score(model=str(tiny_model_dir), limit=3, progress=False)
-    scoring.score(model=str(tiny_model_dir), limit=3, progress=False, batch_tokens=300)
+    api.score(model=str(tiny_model_dir), limit=3, progress=False)
+    api.score(model=str(tiny_model_dir), limit=3, progress=False, batch_tokens=300)
     assert budgets == [1024, 300]

@@ -92,8 +92,8 @@ def test_fp32_is_never_measured_against_fp64():
 
 
 def test_the_score_file_records_the_precision_and_each_stages_paths(tiny_model_dir, tmp_path):
+    from gradspec.runs.api import score
     from gradspec.runs.score_files import read_metadata
-    from gradspec.runs.scoring import score
 
     out = tmp_path / "scores.parquet"
     score(model=str(tiny_model_dir), out=out, limit=3, progress=False, modules="all")

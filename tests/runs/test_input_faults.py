@@ -15,7 +15,7 @@ import gradspec
 from gradspec import Fields
 from gradspec.cli import main
 from gradspec.data.readers import Sample, read_samples
-from gradspec.runs.scoring import ScoreConfig
+from gradspec.runs.config import ScoreConfig
 
 GOOD = {"instruction": "Name a colour.", "output": "Blue is a colour."}
 EMPTY = {"instruction": "Say nothing.", "output": " "}  # empty_response: no response token
@@ -186,7 +186,7 @@ def test_score_samples_makes_a_chunks_mixed_column_text(tokenizer):
     from conftest import tiny_model
 
     from gradspec.engine.spectral_engine import SpectralEngine
-    from gradspec.runs.scoring import score_samples
+    from gradspec.runs.chunks import score_samples
 
     chat = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]
     samples = [Sample(i, chat, {"id": v}) for i, v in enumerate([3, "x3", True, None])]
