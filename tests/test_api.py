@@ -17,3 +17,11 @@ def test_import_gradspec_does_not_load_the_trainer():
     code = "import sys, gradspec; print('transformers.trainer' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+def test_the_version_is_the_one_score_files_record():
+    from importlib.metadata import version
+
+    import gradspec
+
+    assert gradspec.__version__ == version("gradspec") and "__version__" in gradspec.__all__
