@@ -26,7 +26,7 @@ def status_kib(field):
 modules, rows, T = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 model, tok = load_model(progress=False)
 engine = SpectralEngine(model, modules)
-memory = batch_memory.measure(engine, tok.pad_token_id, "cpu")
+memory = batch_memory.measure(engine, tok.pad_token_id)
 ids = torch.randint(1000, 20000, (rows, T))
 mask = torch.ones_like(ids)
 labels = ids.clone()

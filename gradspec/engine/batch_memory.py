@@ -12,7 +12,8 @@ A batch of N rows of T padded tokens holds, at its peak:
   side is at most T, the Gram of G at that side; twice, as one batch's eigen stage runs while the
   next batch forms its own.
 
-``BatchMemory.fits`` says whether a batch fits HEADROOM of the memory available now.
+``BatchMemory.fits`` says whether a batch fits a budget: ``budget(device)``, HEADROOM of the memory
+available when it is asked.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from gradspec.data.templates import IGNORE_INDEX
 from gradspec.engine.capture import BatchCapture
 
 BACKWARD_FACTOR = 1.25  # peak over the saved activations during the backward (gradients of a layer)
@@ -38,7 +40,6 @@ class BatchMemory:
     per_token: float
     per_token_pair: float
     inputs: tuple[tuple[int, ...], ...]
-    device: torch.device
 
     def gram_elements(self, T: int) -> int:
         """fp64 elements of one sample's Grams at T tokens (the engine's split: T x T cores while T is
@@ -54,9 +55,14 @@ class BatchMemory:
         activations = rows * (self.per_token * T + self.per_token_pair * T * T) * BACKWARD_FACTOR
         return activations + 2 * rows * GRAM_BYTES * self.gram_elements(T)
 
-    def fits(self, rows: int, T: int, budget: float | None = None) -> bool:
-        """Whether such a batch fits HEADROOM of the memory available now (or of budget bytes)."""
-        return self.bytes(rows, T) <= (HEADROOM * available_bytes(self.device) if budget is None else budget)
+    def fits(self, rows: int, T: int, budget: float) -> bool:
+        """Whether such a batch fits in budget bytes (budget(device))."""
+        return self.bytes(rows, T) <= budget
+
+
+def budget(device: torch.device | str) -> float:
+    """The bytes a batch may plan to use on device now: HEADROOM of what is available."""
+    return HEADROOM * available_bytes(device)
 
 
 def available_bytes(device: torch.device | str) -> int:
@@ -69,17 +75,17 @@ def available_bytes(device: torch.device | str) -> int:
     return psutil.virtual_memory().available
 
 
-def measure(engine, pad_id: int, device: torch.device | str) -> BatchMemory:
+def measure(engine, pad_id: int) -> BatchMemory:
     """The engine's BatchMemory, from one-row probe batches of PROBE_TOKENS tokens (every token but
     the first a response token: the LM head's share is counted at every position, an over-estimate
-    for prompts). pad_id: a token the probes avoid (they hold no padding)."""
-    device = torch.device(device)
+    for prompts). pad_id: a token the probes avoid (they hold no padding). The probes are given on
+    the host: the engine moves them to the model's device."""
     (t1, t2) = PROBE_TOKENS
     (s1, inputs), (s2, _) = (_probe(engine, T, pad_id) for T in PROBE_TOKENS)
     pair = max((s2 / t2 - s1 / t1) / (t2 - t1), 0.0)
     if engine.sketch is not None:  # lowrank: sketches, no Grams
         inputs = ()
-    return BatchMemory(max(s1 / t1 - pair * t1, 0.0), pair, inputs, device)
+    return BatchMemory(max(s1 / t1 - pair * t1, 0.0), pair, inputs)
 
 
 def _probe(engine, T: int, pad_id: int) -> tuple[int, tuple[tuple[int, ...], ...]]:
@@ -96,9 +102,9 @@ def _probe(engine, T: int, pad_id: int) -> tuple[int, tuple[tuple[int, ...], ...
 
     ids = torch.arange(T) % 50 + 10
     ids[ids == pad_id] += 50
-    ids = ids.view(1, T)  # on the host: the engine moves it
+    ids = ids.view(1, T)
     labels = ids.clone()
-    labels[:, 0] = -100
+    labels[:, 0] = IGNORE_INDEX
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         captures, passed = engine._forward_backward(ids, torch.ones_like(ids), labels)
     passed.copies.release()

@@ -149,12 +149,11 @@ class BatchCapture(Capture):
             self.batch.repeated.add(part.name)
             return
         self._delivered.add(part.name)
-        X = captured.X
+        X, D = captured.X, captured.D
         self.inputs.setdefault(captured.input_key, (X.shape[-1] * X.element_size(), []))[1].append(
             min(part.d_in, part.d_out))
         if self.eager:
             self._solve_freed()
-        X, D = captured.X, captured.D
         if self.scale is not None:
             dtype = torch.promote_types(D.dtype, torch.float32)  # a bf16 product would round the scale
             D = D.to(dtype) * captured.of_rows(self.scale).to(D.device, dtype)

@@ -84,9 +84,9 @@ class _BatchPlan:
         if self.memory is None:
             device = input_device(self.engine.model)
             if self.engine not in _MEASURED:
-                _MEASURED[self.engine] = batch_memory.measure(self.engine, self.pad_id, device)
+                _MEASURED[self.engine] = batch_memory.measure(self.engine, self.pad_id)
             self.memory = _MEASURED[self.engine]
-            self.budget = batch_memory.HEADROOM * batch_memory.available_bytes(device)
+            self.budget = batch_memory.budget(device)
             log.info("batches planned within %.1f GiB: %.0f KiB per token, Grams of %d inputs",
                      self.budget / 2**30, self.memory.per_token / 2**10, len(self.memory.inputs))
         return self.memory.fits(rows, longest, self.budget)
@@ -101,7 +101,8 @@ def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, templ
     rows = {item.sample.index: unscored_row(item) for item in items}
     rows.update({s.index: skipped_row(s) for s in samples if s.error is not None})
     scorable = [i for i in items if i.tokens.scorable]
-    # One batch in flight: its eigen stage runs while the next batch's forward and backward do.
+    # One batch in flight: on a GPU its eigen stage runs while the next batch's forward and backward
+    # do (SpectralEngine.overlap); on the CPU submit has finished it.
     pending: list[tuple[Item, Future[BatchScores] | None, int]] = []
     for batch in token_batches(scorable, batch_tokens, fits=None if plan is None else plan.fits):
         submitted = submit_with_split(engine, batch, pad_id)

@@ -278,9 +278,7 @@ class RunFolder:
                 log.warning("%s: %s was %s bytes when the run started, %s now; the parts already written are kept "
                             "(a fixed row, say), the rest is scored from the file as it is now", self.path, k,
                             old.get(k), config.get(k))
-        differences = [f"{k}: {old.get(k)!r} in the run, {config.get(k)!r} now"
-                       for k in sorted((set(old) | set(config)) - {_SHARDS, *unknown, *_INPUT_SIZES})
-                       if old.get(k) != config.get(k) and (k not in _RECORDED or _other_model(old, config))]
+        differences = _differences(old, config, (set(old) | set(config)) - set(unknown), "in the run", "now")
         if differences:
             raise ValueError(f"cannot continue the run in {self.path}, its config differs: " + "; ".join(differences)
                              + "; pass --overwrite to start again with the new config")
@@ -325,9 +323,7 @@ class RunFolder:
         if meta.get(FINGERPRINT) != fingerprint:
             if meta.get(FINGERPRINT) is None:
                 return "no config fingerprint in its metadata (written by an earlier gradspec, or not by gradspec)"
-            differences = [f"{k}: {meta.get(k)!r} in the part, {config.get(k)!r} in the run"
-                           for k in sorted(config) if k not in (_SHARDS, *_INPUT_SIZES) and meta.get(k) != config.get(k)
-                           and (k not in _RECORDED or _other_model(meta, config))]
+            differences = _differences(meta, config, set(config), "in the part", "in the run")
             return "its config differs: " + ("; ".join(differences) or
                                              f"fingerprint {meta[FINGERPRINT]} in the part, {fingerprint} in the run")
         if records is None or chunk_rows is None:
@@ -566,6 +562,15 @@ class RunFolder:
 def _as_json(config: dict[str, Any]) -> dict[str, Any]:
     """config as its manifest holds it (tuples as lists, ...), so that both compare equal."""
     return json.loads(json.dumps(config, default=str))
+
+
+def _differences(recorded: dict[str, Any], config: dict[str, Any], keys: set[str], where: str, here: str) -> list[str]:
+    """'key: value where, value here' for each of keys whose value differs between a recorded config
+    and this one, less what a run may change (its shard count, its input files' sizes) and the model's
+    folder while its fingerprint is the same."""
+    return [f"{k}: {recorded.get(k)!r} {where}, {config.get(k)!r} {here}"
+            for k in sorted(keys - {_SHARDS, *_INPUT_SIZES}) if recorded.get(k) != config.get(k)
+            and (k not in _RECORDED or _other_model(recorded, config))]
 
 
 def _other_model(a: dict[str, Any], b: dict[str, Any]) -> bool:

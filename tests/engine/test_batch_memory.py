@@ -22,18 +22,18 @@ def _model(attention: str, seed: int = 0) -> torch.nn.Module:
 
 def test_the_inputs_and_their_parts_are_the_engines():
     """q, k and v share one input (one X X^T), o has its own; each part's smaller side is min(d_in, d_out)."""
-    memory = batch_memory.measure(SpectralEngine(_model("sdpa"), "attn"), 0, "cpu")
+    memory = batch_memory.measure(SpectralEngine(_model("sdpa"), "attn"), 0)
     # 2 layers; d = 64, 2 of 4 heads for k and v: 32 outputs
     assert sorted(memory.inputs) == [(32, 32, 64), (32, 32, 64), (64,), (64,)]
     assert memory.per_token > 0
-    lowrank = batch_memory.measure(SpectralEngine(_model("sdpa"), "attn", method="lowrank", rank=4), 0, "cpu")
+    lowrank = batch_memory.measure(SpectralEngine(_model("sdpa"), "attn", method="lowrank", rank=4), 0)
     assert lowrank.inputs == () and lowrank.gram_elements(100) == 0
 
 
 def test_eager_attention_adds_a_quadratic_term_that_sdpa_does_not():
     """Eager attention keeps each layer's T x T probabilities per head: the probes find them."""
-    eager = batch_memory.measure(SpectralEngine(_model("eager"), "attn"), 0, "cpu")
-    sdpa = batch_memory.measure(SpectralEngine(_model("sdpa"), "attn"), 0, "cpu")
+    eager = batch_memory.measure(SpectralEngine(_model("eager"), "attn"), 0)
+    sdpa = batch_memory.measure(SpectralEngine(_model("sdpa"), "attn"), 0)
     layers_heads_fp32 = 2 * 4 * 4
     assert eager.per_token_pair >= layers_heads_fp32
     assert sdpa.per_token_pair < layers_heads_fp32 / 4
@@ -43,7 +43,7 @@ def test_eager_attention_adds_a_quadratic_term_that_sdpa_does_not():
 def test_grams_follow_the_engines_split():
     """T x T cores while T is below a part's smaller side; past it, the Gram of G at that side, and no
     X X^T once every part of an input is materialised."""
-    memory = BatchMemory(0.0, 0.0, ((32, 64),), torch.device("cpu"))
+    memory = BatchMemory(0.0, 0.0, ((32, 64),))
     assert memory.gram_elements(10) == 3 * 10 * 10
     assert memory.gram_elements(40) == 40 * 40 + 32 * 32 + 40 * 40
     assert memory.gram_elements(100) == 32 * 32 + 64 * 64
@@ -55,7 +55,7 @@ def _items(lengths: list[int]) -> list[Item]:
 
 
 def test_batches_fit_the_memory_model_and_a_sample_too_large_runs_alone():
-    memory = BatchMemory(1000.0, 0.0, ((16,),), torch.device("cpu"))
+    memory = BatchMemory(1000.0, 0.0, ((16,),))
     budget = memory.bytes(3, 40)
     batches = list(token_batches(_items([40] * 7 + [400]), 10**6, fits=lambda n, T: memory.fits(n, T, budget)))
     assert [len(b) for b in batches] == [3, 3, 1, 1]
