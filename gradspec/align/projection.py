@@ -15,6 +15,7 @@ from gradspec.align.capture import KeptCapture
 from gradspec.align.directions import masked
 from gradspec.layers.hooks import BatchLayout, Captured
 from gradspec.layers.registry import Part, Target
+from gradspec.options import OptionError, mention
 
 
 class KroneckerProjection:
@@ -25,8 +26,9 @@ class KroneckerProjection:
             raise ValueError(f"projection sizes must be >= 1, got k_in={k_in}, k_out={k_out}")
         smallest = min(min(p.d_in, p.d_out) for p in parts)
         if max(k_in, k_out) > smallest:
-            raise ValueError(f"--k {max(k_in, k_out)} is more than the smallest scored module's size ({smallest}): "
-                             f"a projection larger than the gradient itself; use --k {smallest} or less")
+            raise OptionError("project", f"{max(k_in, k_out)} is more than the smallest scored module's size "
+                              f"({smallest}): a projection larger than the gradient itself; use "
+                              f"{mention('project')} {smallest} or less")
         self.parts, self.k_in, self.k_out, self.seed = list(parts), k_in, k_out, seed
         self._position = {p.name: i for i, p in enumerate(self.parts)}
         self._matrices: dict[tuple[str, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}

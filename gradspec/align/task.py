@@ -33,6 +33,7 @@ from gradspec.align.directions import (
 from gradspec.layers.hooks import BatchLayout, Captured
 from gradspec.layers.registry import Part, Target
 from gradspec.linalg.host_copies import to_device
+from gradspec.options import OptionError
 
 log = logging.getLogger("gradspec")
 AGGREGATES = ("mean_gradient", "mean", "max")
@@ -45,7 +46,7 @@ def check_aggregates(aggregates: Sequence[str] | str) -> tuple[str, ...]:
     names = tuple(a.strip() for a in aggregates.split(",")) if isinstance(aggregates, str) else tuple(aggregates)
     unknown = [a for a in names if a not in AGGREGATES]
     if unknown or not names:
-        raise ValueError(f"--aggregate takes one or more of {', '.join(AGGREGATES)} (comma-separated), got "
+        raise OptionError("aggregate", f"takes one or more of {', '.join(AGGREGATES)} (comma-separated), got "
                          f"{','.join(names) or 'nothing'}")
     return tuple(a for a in AGGREGATES if a in names)
 

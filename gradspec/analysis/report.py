@@ -21,6 +21,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from scipy import stats  # noqa: E402
 
 from gradspec.data.errors import InputError, check_writable  # noqa: E402
+from gradspec.options import OptionError, OptionExists, mention
 from gradspec.runs.score_files import complete, read_metadata, read_scores  # noqa: E402
 
 CURVE_METRICS = ("nuclear_norm", "effective_rank")
@@ -184,9 +185,10 @@ def write_report(groups: dict[str, str | Path], out: str | Path, overwrite: bool
     """Figures and report.md for labelled score files ({"high": path, "low": path, ...})."""
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; report writes a folder")
+        raise OptionError("out", f"{out} is a file; report writes a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"--out {out} is a folder that is not empty; pass --overwrite or choose another --out")
+        raise OptionExists("out", f"{out} is a folder that is not empty; pass {mention('overwrite')} or choose "
+                           f"another {mention('out')}")
     check_writable(out, as_folder=True)
     loaded = {label: load_group(label, path) for label, path in groups.items()}  # every input checked first
     longs = {label: long for label, (_, long) in loaded.items()}

@@ -16,6 +16,7 @@ import pandas as pd
 
 from gradspec.data.errors import check_at_least
 from gradspec.data.readers import Hub, InputError, read_records
+from gradspec.options import OptionError
 from gradspec.runs.score_files import complete, module_columns, module_mean, write_parquet
 
 ALIGNMENT_COLUMNS = ("align_mean", "align_mean_gradient", "align_max")  # what "alignment" means, by preference
@@ -28,19 +29,19 @@ def criterion_values(scores: pd.DataFrame, name: str) -> pd.Series:
     if name == "alignment":
         found = [c for c in ALIGNMENT_COLUMNS if c in scores.columns]
         if not found:
-            raise ValueError("--by alignment needs a score file from `gradspec align` (columns align_*)")
+            raise OptionError("by", "alignment needs a score file from `gradspec align` (columns align_*)")
         name = found[0]
     if name in ("index", "status"):
-        raise ValueError(f"--by {name}: the row's {'position' if name == 'index' else 'flags'}, not a score; "
+        raise OptionError("by", f"{name}: the row's {'position' if name == 'index' else 'flags'}, not a score; "
                          "choose a metric or a numeric column")
     if name in scores.columns:
         if not pd.api.types.is_numeric_dtype(scores[name]):
-            raise ValueError(f"--by {name}: not a numeric column; choose a metric or a numeric column")
+            raise OptionError("by", f"{name}: not a numeric column; choose a metric or a numeric column")
         return scores[name].astype(float)
     if not module_columns(scores.columns, name):
         metrics = sorted({c.rsplit("/", 1)[1] for c in scores.columns if "/" in c})
         if not metrics:
-            raise ValueError(f"--by {name}: the score file has no per-module metrics (a store from gradspec project, "
+            raise OptionError("by", f"{name}: the score file has no per-module metrics (a store from gradspec project, "
                              "or align without --spectra); choose a column, or score with spectra")
         raise ValueError(f"unknown criterion {name!r}: not a column, and no module has it; metrics: {metrics}")
     return module_mean(scores, name)
@@ -52,16 +53,16 @@ def criteria(by: str) -> list[tuple[str, float]]:
     for term in (t.strip() for t in by.split(",") if t.strip()):
         name, colon, weight = (part.strip() for part in term.partition(":"))
         if not name:
-            raise ValueError(f"--by {by!r}: {term!r} names no criterion")
+            raise OptionError("by", f"{by!r}: {term!r} names no criterion")
         try:
             value = float(weight) if colon else 1.0
         except ValueError:
-            raise ValueError(f"--by {by!r}: weight {weight!r} of {name!r} is not a number") from None
+            raise OptionError("by", f"{by!r}: weight {weight!r} of {name!r} is not a number") from None
         if not np.isfinite(value):
-            raise ValueError(f"--by {by!r}: weight {weight!r} of {name!r} is not a finite number")
+            raise OptionError("by", f"{by!r}: weight {weight!r} of {name!r} is not a finite number")
         out.append((name, value))
     if not out:
-        raise ValueError("--by names no criterion")
+        raise OptionError("by", "names no criterion")
     return out
 
 
@@ -88,12 +89,12 @@ def choose(
     criterion correlated with length does not select by length alone.
     """
     if (fraction is None) == (count is None):
-        raise ValueError("give exactly one of --fraction and --count")
+        raise OptionError(("fraction", "count"), ": give exactly one of them")
     if fraction is not None and not 0 < fraction <= 1:
-        raise ValueError(f"--fraction must be in (0, 1], got {fraction}")
-    check_at_least({"--count": count})
+        raise OptionError("fraction", f"must be in (0, 1], got {fraction}")
+    check_at_least({"count": count})
     if length_buckets < 0:
-        raise ValueError(f"--length-buckets must be 0 (none) or more, got {length_buckets}")
+        raise OptionError("length_buckets", f"must be 0 (none) or more, got {length_buckets}")
     ok = scores[complete(scores["status"])].copy()
     for name, _ in criteria(by):
         if name not in ok.columns:
@@ -126,8 +127,8 @@ def write_selection(data: str | Path, chosen: pd.DataFrame, out: str | Path, col
     format out's name asks for (a name without a suffix: a datasets folder); returns how many."""
     out = Path(out)
     if out.suffix not in OUTPUT_FORMATS:
-        raise ValueError(f"--out {out}: write .jsonl, .json, .parquet, or a name without a suffix "
-                         "for a datasets folder")
+        raise OptionError("out", f"{out}: write .jsonl, .json, .parquet, or a name without a suffix "
+                          "for a datasets folder")
     extra = chosen.set_index("index")[columns]
     records, seen = [], 0
     for index, (_, record) in enumerate(read_records(data, wanted=extra.index.__contains__, hub=hub)):

@@ -9,7 +9,9 @@ from typing import NoReturn
 from gradspec.cli import align, diagnose, dynamics, env, merge, project, report, score, select, train
 from gradspec.cli.config_file import config_values
 from gradspec.cli.given import given_options
+from gradspec.cli.options import flags_of
 from gradspec.data.readers import InputError
+from gradspec.options import OptionError
 
 COMMANDS = {"score": score, "align": align, "project": project, "select": select, "report": report, "merge": merge,
             "train": train, "dynamics": dynamics, "diagnose": diagnose, "env": env}
@@ -26,12 +28,17 @@ def _joined(argv: list[str]) -> list[str]:
     return out
 
 
+def _unshown(default: object) -> bool:
+    """A default that says nothing in a help line: none, off, suppressed (0 is shown: 0 == False)."""
+    return default is None or default is False or default is argparse.SUPPRESS
+
+
 class _WithDefaults(argparse.HelpFormatter):
     """Every option's default in its help, where the help does not already say it."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if not action.option_strings or "default" in text or action.default in (None, False, argparse.SUPPRESS):
+        if not action.option_strings or action.nargs == 0 or "default" in text or _unshown(action.default):
             return text
         return f"{text} (default: %(default)s)".lstrip()
 
@@ -46,7 +53,7 @@ class _Parser(argparse.ArgumentParser):
 
     def format_help(self) -> str:
         for action in self._actions:  # argparse shows nothing for an option without help, not even its default
-            if action.help is None and action.option_strings and action.default not in (None, False, argparse.SUPPRESS):
+            if action.help is None and action.option_strings and not _unshown(action.default):
                 action.help = "(default: %(default)s)"
         return super().format_help()
 
@@ -79,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
             args = _parse(parser, sub, argv)
         args.given = given_options(command_parser, argv[argv.index(args.command) + 1:], set(from_config))
         return COMMANDS[args.command].run(args)
+    except OptionError as e:  # named as the command line names it
+        print(f"gradspec: error: {e.named(flags_of(sub.choices[args.command]))}", file=sys.stderr)
+        return 2
     except (InputError, ValueError, OSError, RuntimeError) as e:
         print(f"gradspec: error: {e}", file=sys.stderr)
         return 2

@@ -6,29 +6,19 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Collection
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from gradspec.cli.options import run_flags
 from gradspec.runs.config import ScoreConfig
 
 
-def run_options(config: ScoreConfig) -> dict[str, Any]:
-    """A run's config as the options of the command that starts it."""
-    options = {
-        "data": config.data, "model": config.model, "template": config.template, "modules": config.modules,
-        "max_length": config.max_length, "dtype": config.dtype, "method": config.method, "rank": config.rank,
-        "seed": config.seed, "classic": config.classic, "save_spectra": config.save_spectra, "limit": config.limit,
-        "chunk_rows": config.chunk_rows, "precision": config.precision,
-        "instruction_field": config.fields.instruction, "input_field": config.fields.input,
-        "output_field": config.fields.output, "messages_field": config.fields.messages,
-        "conversations_field": config.fields.conversations,
-        "split": config.hub.split, "config_name": config.hub.name, "streaming": config.hub.streaming,
-    }
-    if config.task is not None:  # an align run
-        options.update(target=config.task, aggregate=config.aggregate, spectra=config.spectra)
-    if config.project:  # a project run
-        options.update(k=config.project, spectra=config.spectra)
-    return options
+def run_options(config: ScoreConfig, recorded: Collection[str]) -> dict[str, Any]:
+    """A run's config as the options of the command that started it, by the flags' names: those its
+    record holds (describe leaves out what did not apply to the run, e.g. rank without lowrank)."""
+    return run_flags(asdict(config), type(config), recorded)
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -68,7 +58,7 @@ def config_values(path: str | Path, parser: argparse.ArgumentParser, command: st
     raw = _read(path)
     is_run = "version" in raw and isinstance(raw.get("fields"), dict)  # describe's output: a manifest or a score file
     if is_run:
-        raw = run_options(ScoreConfig.from_manifest(raw))
+        raw = run_options(ScoreConfig.from_manifest(raw), recorded=raw.keys())
     by_dest = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
     by_flag = {o.lstrip("-").replace("-", "_"): a for a in by_dest.values() for o in a.option_strings}
     values = {}

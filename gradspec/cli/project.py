@@ -10,12 +10,9 @@ from gradspec.data.errors import check_at_least
 
 def add_parser(sub) -> None:
     p = sub.add_parser("project", help="store each sample's gradient under a random projection (for align --store)")
-    p.add_argument("--k", type=int, default=16,
-                   help="projection size per side: k x k values per module and sample (default 16)")
-    p.add_argument("--spectra", action="store_true", help="also the spectral metrics, in the same pass")
-    score.add_run_arguments(p, "store.parquet")
+    score.add_run_arguments(p, "store.parquet", skip=("task", "aggregate"), defaults={"spectra": False, "project": 16})
 
 
 def run(args: argparse.Namespace) -> int:
-    check_at_least({"--k": args.k})
-    return score.run(args, spectra=args.spectra, project=args.k)
+    check_at_least({"project": args.project})
+    return score.run(args)

@@ -4,42 +4,49 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from gradspec.options import OptionError, mention
+
 
 class InputError(ValueError):
     """Bad input, with the file and line or row it came from."""
 
 
+class OptionInputError(InputError, OptionError):
+    """Bad input in a file an option gives, the option named as the caller names it."""
+
+
 def check_at_least(values: dict[str, float | None], low: float = 1) -> None:
-    """Each option (flag -> value; None: not given) is at least low, or an error names it."""
-    for flag, value in values.items():
+    """Each option (name -> value; None: not given) is at least low, or an error names it."""
+    for name, value in values.items():
         if value is not None and value < low:
-            raise ValueError(f"{flag} must be at least {low}, got {value}")
+            raise OptionError(name, f"must be at least {low}, got {value}")
 
 
 def check_share(values: dict[str, float | None]) -> None:
-    """Each option (flag -> value) is a share in [0, 1], or an error names it."""
-    for flag, value in values.items():
+    """Each option (name -> value) is a share in [0, 1], or an error names it."""
+    for name, value in values.items():
         if value is not None and not 0 <= value <= 1:
-            raise ValueError(f"{flag} must be between 0 and 1, got {value}")
+            raise OptionError(name, f"must be between 0 and 1, got {value}")
 
 
-def check_covers(have: Iterable[int], samples: Iterable[int], what: str) -> None:
-    """A file of per-sample evidence (what: flag and path) has a row for every sample index given:
+def check_covers(have: Iterable[int], samples: Iterable[int], option: str, path: str | Path) -> None:
+    """A file of per-sample evidence (given as option) has a row for every sample index given:
     evidence missing for some is an error, never read as 'none'."""
     wanted = list(samples)
     missing = sorted(set(wanted) - set(have))
     if missing:
-        raise InputError(f"{what} has no rows for {len(missing)} of the {len(wanted)} samples (the first: index "
-                         f"{missing[0]}); pass the file made from this data, or a --limit it covers")
+        raise OptionInputError(option, f"{path} has no rows for {len(missing)} of the {len(wanted)} samples (the "
+                               f"first: index {missing[0]}); pass the file made from this data, or a "
+                               f"{mention('limit')} it covers")
 
 
-def check_parquet_out(path: str | Path, flag: str = "--out") -> None:
+def check_parquet_out(path: str | Path, name: str = "out") -> None:
     """An output that names a Parquet file (not a folder, not another format)."""
     if Path(path).suffix != ".parquet" or Path(path).is_dir():
-        raise ValueError(f"{flag} {path}: name a .parquet file to write")
+        raise OptionError(name, f"{path}: name a .parquet file to write")
 
 
-def check_writable(path: str | Path, flag: str = "--out", as_folder: bool = False) -> None:
+def check_writable(path: str | Path, name: str = "out", as_folder: bool = False) -> None:
     """The nearest existing folder at or above where path goes (path itself for a folder output)
     takes a new file, or an error says so before any work (a file where a folder should be, a
     read-only or virtual file system)."""
@@ -47,8 +54,9 @@ def check_writable(path: str | Path, flag: str = "--out", as_folder: bool = Fals
     while not folder.exists():
         folder = folder.parent
     if not folder.is_dir():
-        raise ValueError(f"{flag} {path}: {folder} is a file, not a folder; choose another {flag}")
+        raise OptionError(name, f"{path}: {folder} is a file, not a folder; choose another {mention(name)}")
     try:
         tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot write in {folder} ({e.strerror}); choose another {flag}") from None
+        raise OptionError(name, f"{path}: cannot write in {folder} ({e.strerror}); choose another "
+                          f"{mention(name)}") from None

@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from gradspec.data.errors import InputError
+from gradspec.options import check_options, option
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # the Hub's repository ids (datasets and models)
 _FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".arrow")
@@ -25,11 +26,22 @@ _PROXIES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 
 @dataclass(frozen=True)
 class Hub:
-    """Which part of such a dataset to read."""
+    """Which part of such a dataset to read.
 
-    split: str = "train"
-    name: str | None = None  # the dataset's configuration (load_dataset's ``name``)
-    streaming: bool = False
+    Args:
+        split: the split (load_dataset's ``split``).
+        name: the dataset's configuration (load_dataset's ``name``).
+        streaming: stream the rows instead of downloading the dataset first.
+    """
+
+    split: str = option("train", "the split to read of data read through datasets (a Hub name or a folder)")
+    name: str | None = option(None, "the configuration of data read through datasets", kind="str?",
+                              name="config_name")
+    streaming: bool = option(False, "stream data read through datasets instead of downloading it first",
+                             kind="bool")
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 def is_dataset_name(data: str) -> bool:

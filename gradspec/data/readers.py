@@ -28,19 +28,32 @@ from typing import Any
 from gradspec.data import hub as hub_datasets
 from gradspec.data.errors import InputError
 from gradspec.data.hub import Hub
+from gradspec.options import check_options, option
 
 ON_ERROR = ("fail", "skip")  # what a malformed row does: stop the run, or skip and report the row
 
 
 @dataclass(frozen=True)
 class Fields:
-    """Names of the text fields in the input."""
+    """Names of the text fields in the input: which column holds what.
 
-    instruction: str = "instruction"
-    input: str = "input"
-    output: str = "output"
-    messages: str = "messages"
-    conversations: str = "conversations"  # ShareGPT
+    Args:
+        instruction: the instruction (with input and output: Alpaca's layout).
+        input: the instruction's input, appended to it when present.
+        output: the response.
+        messages: chat messages (role/content), the last assistant turn the response.
+        conversations: ShareGPT's from/value turns.
+    """
+
+    instruction: str = option("instruction", "the input's column of instructions", name="instruction_field")
+    input: str = option("input", "its column of inputs to the instruction", name="input_field")
+    output: str = option("output", "its column of responses", name="output_field")
+    messages: str = option("messages", "its column of chat messages", name="messages_field")
+    conversations: str = option("conversations", "its column of ShareGPT's from/value turns",
+                                name="conversations_field")
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 @dataclass

@@ -39,6 +39,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gradspec.options import OptionError
+
 IGNORE_INDEX = -100  # the label of a token that carries no loss (prompt, padding): PyTorch's and transformers' default
 TEMPLATES = ("plain", "chat")
 # The input's first rows on which a scoring run judges whether most rows have no response token: enough
@@ -102,7 +104,7 @@ def _chat_text(messages: list[dict[str, str]], tokenizer) -> tuple[str, list[Spa
     prompt before it to the end of its own rendering; None when a turn's prompt or rendering is
     not where the whole conversation has it (a template that rewrites earlier turns)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("--template chat needs a tokenizer with a chat template; use --template plain")
+        raise OptionError("template", "chat needs a tokenizer with a chat template; use plain")
     text, spans = _render(tokenizer, messages), []
     for k, m in enumerate(messages):
         if m["role"] != "assistant":

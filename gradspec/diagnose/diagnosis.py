@@ -43,6 +43,7 @@ from gradspec.data.readers import Fields, Sample, read_samples
 from gradspec.data.templates import IGNORE_INDEX, Tokenized, check_response_tokens, tokenize
 from gradspec.diagnose.report import write_diagnosis
 from gradspec.engine.loss import next_token_positions
+from gradspec.options import OptionError, OptionExists, mention
 from gradspec.runs.score_files import check_scored_input, module_mean, read_metadata, read_scores
 from gradspec.training.dynamics import from_checkpoints, measure, measure_tokens, read_dynamics, summarise
 
@@ -73,14 +74,14 @@ class Thresholds:
     seed: int = 0
 
     def check(self) -> None:
-        """Each threshold in its range, or an error naming its flag."""
-        check_at_least({"--distractors": self.distractors, "--repetitions": self.repetitions, "--pool": self.pool})
-        check_at_least({"--rare-count": self.rare_count}, 0)
-        check_share({f"--{name.replace('_', '-')}": getattr(self, name) for name in (
+        """Each threshold in its range, or an error naming it."""
+        check_at_least({"distractors": self.distractors, "repetitions": self.repetitions, "pool": self.pool})
+        check_at_least({"rare_count": self.rare_count}, 0)
+        check_share({name: getattr(self, name) for name in (
             "reproduced_rouge", "learned_accuracy", "near_duplicate", "divergent_rouge", "conflict_confidence",
             "conflict_share", "missing_probability")})
         if self.criterion not in CRITERIA:
-            raise ValueError(f"--criterion must be one of {', '.join(CRITERIA)}, got {self.criterion!r}")
+            raise OptionError("criterion", f"must be one of {', '.join(CRITERIA)}, got {self.criterion!r}")
 
 
 def rouge_l(candidate: list[int], reference: list[int]) -> float:
@@ -328,27 +329,27 @@ def diagnose(base: str, model: str, data: str | Path, out: str | Path, checkpoin
     """Detects and explains the unlearned samples of `model` (fine-tuned from `base` on `data`);
     writes diagnosis.parquet and report.md under out and returns the report's path."""
     thresholds.check()  # every argument that can be checked, before the models load
-    check_at_least({"--limit": limit, "--max-length": max_length})
+    check_at_least({"limit": limit, "max_length": max_length})
     check_device(device)
     if dynamics is not None and checkpoints:
-        raise ValueError("give --dynamics or --checkpoints, not both")
-    for name, flag in ((base, "--base"), (model, "--model"), *((c, "--checkpoints") for c in checkpoints or [])):
-        check_model(name, flag)
+        raise OptionError((), f"give {mention('dynamics')} or {mention('checkpoints')}, not both")
+    for name, option in ((base, "base"), (model, "model"), *((c, "checkpoints") for c in checkpoints or [])):
+        check_model(name, option)
     if Path(out).exists() and not Path(out).is_dir():
-        raise ValueError(f"--out {out} is a file; diagnose writes a folder")
+        raise OptionError("out", f"{out} is a file; diagnose writes a folder")
     if any((Path(out) / name).exists() for name in OUTPUTS) and not overwrite:
-        raise FileExistsError(f"--out {out} holds an earlier diagnosis ({', '.join(OUTPUTS)}); pass --overwrite or "
-                              "choose another --out")
+        raise OptionExists("out", f"{out} holds an earlier diagnosis ({', '.join(OUTPUTS)}); pass "
+                           f"{mention('overwrite')} or choose another {mention('out')}")
     check_writable(out, as_folder=True)
     samples = list(read_samples(data, fields, limit=limit))
     if not samples:
         raise InputError(f"{data}: no rows")
     indices = [s.index for s in samples]
     if dynamics is not None:
-        check_covers(read_dynamics(dynamics)[0]["index"], indices, f"--dynamics {dynamics}")
+        check_covers(read_dynamics(dynamics)[0]["index"], indices, "dynamics", dynamics)
     if scores is not None:
         check_scored_input(read_metadata(scores), data, scores)
-        check_covers(pq.read_table(scores, columns=["index"])["index"].to_pylist(), indices, f"--scores {scores}")
+        check_covers(pq.read_table(scores, columns=["index"])["index"].to_pylist(), indices, "scores", scores)
     tuned, tokenizer = load_model(model, device)
     base_model, _ = load_model(base, device)
     table = detect(tuned, base_model, tokenizer, samples, template, max_length, thresholds)

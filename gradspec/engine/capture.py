@@ -26,6 +26,7 @@ from gradspec.linalg.host_copies import HostCopies, to_device
 from gradspec.linalg.lowrank import lowrank_metrics, sketch_matrix, sketch_singular_values
 from gradspec.linalg.metrics import ordered_sum
 from gradspec.linalg.policy import Policy
+from gradspec.options import OptionError
 
 log = logging.getLogger("gradspec")
 # ||G||_F^2 from the spectrum vs <D D^T, X X^T>: 1e-3 relative, or 1e5 epsilons of the Grams' precision
@@ -37,7 +38,7 @@ class LowRankSketch:
 
     def __init__(self, rank: int, power_iters: int, seed: int) -> None:
         if rank < 1 or power_iters < 0:
-            raise ValueError(f"--rank must be >= 1 and power iterations >= 0, got {rank}, {power_iters}")
+            raise OptionError(("rank", "power_iters"), f"must be at least 1 and 0, got {rank} and {power_iters}")
         self.rank, self.power_iters, self.seed = rank, power_iters, seed
         self.omegas: dict[str, torch.Tensor] = {}
 

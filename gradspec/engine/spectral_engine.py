@@ -36,6 +36,8 @@ from gradspec.linalg.lowrank import lowrank_metric_names
 from gradspec.linalg.metrics import metric_names
 from gradspec.linalg.policy import Policy
 
+METHODS = ("exact", "lowrank")  # every singular value, or the top rank of a randomized sketch
+
 
 @dataclass
 class BatchScores:
@@ -78,7 +80,7 @@ class SpectralEngine:
         overlap: submit runs each batch's eigen stage on a worker thread beside the next pass (None:
         where the pass runs on a GPU; on the CPU the two compete for the same cores, and finishing
         each batch first measured 8% faster on 2 cores: benchmarks/RESULTS.md)."""
-        if method not in ("exact", "lowrank"):
+        if method not in METHODS:
             raise ValueError(f"method must be 'exact' or 'lowrank', got {method!r}")
         self.model = unwrap(model)  # a PEFT model: the model it adapts (the same modules)
         self.targets: list[Target] = select_targets(model, modules)

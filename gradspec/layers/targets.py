@@ -11,6 +11,7 @@ from torch import nn
 from gradspec.layers.lora import unwrap
 from gradspec.layers.registry import Part, Target, target_of
 from gradspec.layers.roles import PRESETS
+from gradspec.options import OptionError, mention
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -44,12 +45,13 @@ def select_targets(model: nn.Module, modules: str | list[str] = "attn") -> list[
     scored = [p for t in targets for p in t.parts]
     unmatched = [spec for spec, group in groups.items() if not any(_selected(p, group) for p in scored)]
     if not targets or unmatched:
-        what = f"--modules {','.join(specs)!r}" if not targets else f"{', '.join(map(repr, unmatched))} of --modules"
+        modules = mention("modules")
+        what = f"{modules} {','.join(specs)!r}" if not targets else f"{', '.join(map(repr, unmatched))} of {modules}"
         if not candidates:
-            raise ValueError(f"no module matches {what}: this model has no layer of a kind gradspec scores "
-                             "(gradspec.layers.registry lists them)")
+            raise OptionError((), f"no module matches {what}: this model has no layer of a kind gradspec scores "
+                              "(gradspec.layers.registry lists them)")
         roles = ", ".join(dict.fromkeys(p.role for p in candidates))
-        raise ValueError(f"no module matches {what}; pass a preset ({', '.join(PRESETS)}), a role of this model "
-                         f"({roles}) or a glob of its part names (e.g. {candidates[0].name!r}; "
-                         f"{len(candidates)} in all)")
+        raise OptionError((), f"no module matches {what}; pass a preset ({', '.join(PRESETS)}), a role of this model "
+                          f"({roles}) or a glob of its part names (e.g. {candidates[0].name!r}; "
+                          f"{len(candidates)} in all)")
     return targets

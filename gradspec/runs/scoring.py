@@ -16,6 +16,7 @@ from gradspec.data.hub import loaded_once
 from gradspec.data.models import DEFAULT_MODEL, input_device, load_model, placement
 from gradspec.data.readers import InputError, count_records, read_samples
 from gradspec.engine.spectral_engine import SpectralEngine
+from gradspec.options import OptionError, mention
 from gradspec.runs.chunks import score_samples
 from gradspec.runs.config import ScoreConfig, check_settings
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
@@ -69,7 +70,7 @@ def run(
     ranks = torchrun_shard()
     _refuse_combinations(config, ranks, shard, fsdp, device_map)
     mine = ranks or shard or Shard()
-    check_settings(config, device, batch_tokens, device_map)
+    check_settings(config, device, device_map)
     batch_tokens = batch_tokens or batch_tokens_for(device, device_map)
     identity = _check_out(config, out, ranks, mine, resume, overwrite)
     records = _check_input(config, on_error)
@@ -100,16 +101,16 @@ def _refuse_combinations(config: ScoreConfig, ranks: Shard | None, shard: Shard 
                          device_map: str | None) -> None:
     """The options that do not go together (ranks: torchrun's shard of this process, if under it)."""
     if ranks is not None and shard is not None:
-        raise ValueError("--shard and torchrun both split the data; use one of them")
+        raise OptionError("shard", "and torchrun both split the data; use one of them")
     if fsdp and ranks is None:
-        raise ValueError("--fsdp shards the model across torchrun's processes: run it under torchrun with "
-                         "--nproc-per-node 2 or more")
+        raise OptionError("fsdp", "shards the model across torchrun's processes: run it under torchrun with "
+                          "--nproc-per-node 2 or more")
     if fsdp and config.classic:
-        raise ValueError("--fsdp and --classic: the classic scores' extra passes are not run in lockstep; "
-                         "score them in a run without --fsdp")
+        raise OptionError(("fsdp", "classic"), ": the classic scores' extra passes are not run in lockstep; "
+                          "score them in a run without fsdp")
     if device_map is not None and ranks is not None:
-        raise ValueError("--device-map spreads one process's model over the visible GPUs; under torchrun each "
-                         "rank has its own GPU: use --fsdp to shard a model too large for one")
+        raise OptionError("device_map", "spreads one process's model over the visible GPUs; under torchrun each "
+                          f"rank has its own GPU: use {mention('fsdp')} to shard a model too large for one")
 
 
 def _check_out(config: ScoreConfig, out: str | Path, ranks: Shard | None, mine: Shard, resume: bool,
@@ -118,7 +119,8 @@ def _check_out(config: ScoreConfig, out: str | Path, ranks: Shard | None, mine: 
     identity as found on disk (its folder, a fingerprint of its files), not as named: None until it
     is on this machine (a Hub id not in the cache yet), then taken after it loads."""
     if resume and overwrite:
-        raise ValueError("--resume continues a run, --overwrite starts it again: pass one of them")
+        raise OptionError(("resume", "overwrite"), ": the first continues a run, the second starts it again; "
+                          "pass one of them")
     check_parquet_out(out)
     check_writable(out)
     identity = model_identity(config.model) if ranks is None or mine.index == 0 else None
@@ -139,7 +141,7 @@ def _check_input(config: ScoreConfig, on_error: str) -> int:
         next(iter(config.samples(lambda i: i == 0)), None)
     if config.task is not None:  # the task file likewise
         if count_records(config.task) == 0:
-            raise InputError(f"--target {config.task}: no rows")
+            raise OptionError("task", f"{config.task}: no rows")
         next(iter(read_samples(config.task, config.fields, wanted=lambda i: i == 0)), None)
     return records
 

@@ -23,6 +23,7 @@ from gradspec.data.models import load_model
 from gradspec.data.readers import Fields
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.layers.hooks import BatchLayout
+from gradspec.options import OptionExists, mention
 from gradspec.runs.score_files import METADATA_KEY, PROJECTION, atomic_write, column, read_metadata
 from gradspec.runs.task_set import task_batches
 
@@ -69,7 +70,7 @@ def query_store(
     cosines per part and over the model; returns the count of each status."""
     aggregates = check_aggregates(aggregate)
     if Path(out).exists() and not overwrite:
-        raise FileExistsError(f"{out} exists; pass --overwrite or choose another --out")
+        raise OptionExists((), f"{out} exists; pass {mention('overwrite')} or choose another {mention('out')}")
     meta = read_metadata(store)
     engine, tokenizer = store_engine(meta, store, device, trust_remote_code)
     fields = Fields(**meta.get("fields", {}))

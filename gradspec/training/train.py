@@ -12,7 +12,8 @@ from pathlib import Path
 from gradspec.data.errors import InputError, check_at_least, check_covers, check_writable
 from gradspec.data.models import check_device, check_model
 from gradspec.data.readers import Fields, Sample, data_samples
-from gradspec.data.templates import NO_RESPONSE, check_response_tokens, tokenize
+from gradspec.data.templates import NO_RESPONSE, TEMPLATES, check_response_tokens, tokenize
+from gradspec.options import OptionError, OptionExists, check_options, mention, option
 
 log = logging.getLogger("gradspec")
 
@@ -20,62 +21,67 @@ LOSSES = ("ntp", "wit", "sftmix")
 OUTPUTS = ("model", "dynamics.parquet", "monitor.parquet")  # what a run writes into --out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    data: str | None = None  # None: HumanEval
-    model: str | None = None  # None: SmolLM2-135M-Instruct
-    out: str = "gradspec-train"
-    loss: str = "ntp"
-    prompt_weight: float = 0.3  # WIT's lp and lr: the paper's recommended region
-    response_weight: float = 1.0
-    alpha: float | None = None  # SFTMix's Beta(alpha, alpha); None: the paper's 0.5
-    mu: float | None = None  # SFTMix's Mixup weight; None: the paper's 0.2
-    reference_dynamics: str | None = None  # SFTMix confidence; None: the starting model's perplexity
-    template: str = "plain"
-    max_length: int = 512
-    limit: int | None = None
-    epochs: float = 1.0
-    max_steps: int = -1
-    batch_size: int = 4
-    learning_rate: float = 2e-5
-    monitor_every: int = 5
-    modules: str = "attn"
-    seed: int = 0
-    device: str = "cpu"
-    fields: Fields = Fields()
-    overwrite: bool = False  # write into an --out that holds an earlier run's files
+    """A small fine-tuning run; each field is an option (gradspec.options): the train command's flag,
+    its --config key and a keyword of TrainConfig, checked where the config is made."""
+
+    data: str | None = option(None, "training data, as for score (default: HumanEval)", kind="path?")
+    model: str | None = option(None, "model folder (default: SmolLM2-135M-Instruct)", kind="path?")
+    out: str = option("gradspec-train", "folder for model/, dynamics.parquet, monitor.parquet", kind="path")
+    overwrite: bool = option(False, "replace an earlier run's files in out", kind="bool")
+    loss: str = option("ntp", "ntp (next-token prediction), wit (weighted instruction tuning) or sftmix",
+                       choices=LOSSES)
+    prompt_weight: float = option(0.3, "WIT's weight of prompt tokens (the paper's recommended region)",
+                                  kind="float", at_least=0)
+    response_weight: float = option(1.0, "WIT's weight of response tokens", kind="float", at_least=0)
+    alpha: float | None = option(None, "SFTMix: Beta(alpha, alpha) for the Mixup weight (default 0.5)",
+                                 kind="float?")
+    mu: float | None = option(None, "SFTMix: weight of the Mixup term (default 0.2)", kind="float?", at_least=0)
+    reference_dynamics: str | None = option(None, "SFTMix: dynamics file giving the confidence (default: "
+                                            "perplexity under the starting model)", kind="path?")
+    template: str = option("plain", "how a row becomes text: plain, or the tokenizer's chat template",
+                           choices=TEMPLATES)
+    max_length: int = option(512, "tokens per sample at most", kind="int", at_least=1)
+    limit: int | None = option(None, "train on the first N samples", kind="int?", at_least=1)
+    epochs: float = option(1.0, "passes over the data", kind="float")
+    max_steps: int = option(-1, "stop after this many steps (-1: run the epochs)", kind="int")
+    batch_size: int = option(4, "samples per step", kind="int", at_least=1)
+    learning_rate: float = option(2e-5, "AdamW's learning rate", kind="float")
+    monitor_every: int = option(5, "spectra of the training batch every N steps", kind="int", at_least=1)
+    modules: str = option("attn", "modules the monitor scores (as for score)", kind="strs")
+    seed: int = option(0, "seed of the data order and the model's initialisation", kind="int")
+    device: str = option("cpu", "cpu or cuda[:i]", kind="device")
+    fields: Fields = option(Fields(), "which of the input's columns holds what", group=True)
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 def check(config: TrainConfig) -> None:
-    """Every option that can be checked before the model loads."""
-    if config.loss not in LOSSES:
-        raise ValueError(f"--loss must be one of {LOSSES}, got {config.loss!r}")
-    check_at_least({"--batch-size": config.batch_size, "--max-length": config.max_length, "--limit": config.limit,
-                    "--monitor-every": config.monitor_every})
+    """Every option that can be checked before the model loads (types, choices and bounds were
+    checked where the config was made)."""
     if config.max_steps != -1:
-        check_at_least({"--max-steps": config.max_steps})
+        check_at_least({"max_steps": config.max_steps})
     elif config.epochs <= 0:
-        raise ValueError(f"--epochs must be above 0, got {config.epochs}")
-    for flag, value in (("--learning-rate", config.learning_rate), ("--alpha", config.alpha)):
+        raise OptionError("epochs", f"must be above 0, got {config.epochs}")
+    for name, value in (("learning_rate", config.learning_rate), ("alpha", config.alpha)):
         if value is not None and value <= 0:
-            raise ValueError(f"{flag} must be above 0, got {value}")
-    check_at_least({"--prompt-weight": config.prompt_weight, "--response-weight": config.response_weight,
-                    "--mu": config.mu}, 0)
-    given = [flag for flag, value in (("--alpha", config.alpha), ("--mu", config.mu),
-                                      ("--reference-dynamics", config.reference_dynamics)) if value is not None]
+            raise OptionError(name, f"must be above 0, got {value}")
+    given = [name for name in ("alpha", "mu", "reference_dynamics") if getattr(config, name) is not None]
     if given and config.loss != "sftmix":
-        raise ValueError(f"{', '.join(given)}: only for --loss sftmix, not {config.loss}")
+        raise OptionError(given, f": only for {mention('loss')} sftmix, not {config.loss}")
     if config.loss == "wit" and config.prompt_weight == 0 and config.response_weight == 0:
-        raise ValueError("--prompt-weight and --response-weight are both 0: nothing to learn from")
+        raise OptionError(("prompt_weight", "response_weight"), "are both 0: nothing to learn from")
     if config.loss == "sftmix" and config.batch_size % 2:
-        raise ValueError(f"--batch-size {config.batch_size}: SFTMix pairs a confident with an unconfident sample; "
-                         "give an even batch size")
+        raise OptionError("batch_size", f"{config.batch_size}: SFTMix pairs a confident with an unconfident "
+                          "sample; give an even batch size")
     out = Path(config.out)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {config.out} is a file; train writes a folder")
+        raise OptionError("out", f"{config.out} is a file; train writes a folder")
     if any((out / name).exists() for name in OUTPUTS) and not config.overwrite:
-        raise FileExistsError(f"--out {config.out} holds an earlier run ({', '.join(OUTPUTS)}); pass --overwrite or "
-                              "choose another --out")
+        raise OptionExists("out", f"{config.out} holds an earlier run ({', '.join(OUTPUTS)}); pass "
+                           f"{mention('overwrite')} or choose another {mention('out')}")
     check_writable(out, as_folder=True)
     check_device(config.device)
     check_model(config.model)
@@ -104,7 +110,7 @@ def train(config: TrainConfig) -> Path:
         from gradspec.training.dynamics import read_dynamics
 
         check_covers(read_dynamics(config.reference_dynamics)[0]["index"], [s.index for s in samples],
-                     f"--reference-dynamics {config.reference_dynamics}")
+                     "reference_dynamics", config.reference_dynamics)
     model, tokenizer = load_model(config.model, config.device)
     _check_labels(samples, tokenizer, config.template, config.max_length)
     rows = [{"messages": s.messages} for s in samples]

@@ -134,7 +134,7 @@ def test_unusable_examples_are_left_out_and_unscored_samples_flagged(caplog, rou
     assert all(torch.isnan(v[1]) for v in scores.alignment.values())
     with pytest.raises(ValueError, match="none of the 1 task examples"):
         engine.set_task([padded_batch([silent])])
-    with pytest.raises(ValueError, match="--aggregate takes"):
+    with pytest.raises(ValueError, match="aggregate takes"):
         engine.set_task([padded_batch(task)], "median")
 
 

@@ -123,11 +123,11 @@ def test_select_errors_are_clear(tmp_path, tiny_model_dir, capsys):
 
 
 @pytest.mark.parametrize(("by", "message"), [
-    ("effective_rank:", "--by 'effective_rank:': weight '' of 'effective_rank' is not a number"),
-    ("effective_rank:x", "--by 'effective_rank:x': weight 'x' of 'effective_rank' is not a number"),
-    ("effective_rank:nan", "--by 'effective_rank:nan': weight 'nan' of 'effective_rank' is not a finite number"),
-    (":1", "--by ':1': ':1' names no criterion"),
-    (" , ", "--by names no criterion"),
+    ("effective_rank:", "by 'effective_rank:': weight '' of 'effective_rank' is not a number"),
+    ("effective_rank:x", "by 'effective_rank:x': weight 'x' of 'effective_rank' is not a number"),
+    ("effective_rank:nan", "by 'effective_rank:nan': weight 'nan' of 'effective_rank' is not a finite number"),
+    (":1", "by ':1': ':1' names no criterion"),
+    (" , ", "by names no criterion"),
 ])
 def test_criteria_are_read_strictly(by, message):
     with pytest.raises(ValueError, match=re.escape(message)):

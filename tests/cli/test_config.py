@@ -60,9 +60,10 @@ def test_config_mistakes_are_named(tmp_path, capsys, started, text, message):
 
 @pytest.mark.parametrize("config", [
     ScoreConfig(),
-    ScoreConfig("d.jsonl", "m", "chat", "all", 128, "bfloat16", "lowrank", 8, 3, True, True,
-                Fields(instruction="q"), 5, 7, "fp32"),
-    ScoreConfig("org/name", task="t.jsonl", aggregate="max", spectra=False, hub=Hub("test", "main", True)),
+    ScoreConfig(data="d.jsonl", model="m", template="chat", modules="all", max_length=128, dtype="bfloat16",
+                method="lowrank", rank=8, seed=3, classic=True, save_spectra=True, fields=Fields(instruction="q"),
+                limit=5, chunk_rows=7, precision="fp32"),
+    ScoreConfig(data="org/name", task="t.jsonl", aggregate="max", spectra=False, hub=Hub("test", "main", True)),
     ScoreConfig(project=16, seed=4),
 ])
 def test_a_manifest_gives_back_its_config(config):

@@ -90,7 +90,7 @@ def test_report_needs_spectra_and_distinct_labels(run, capsys, tmp_path):
 def test_score_out_resume_and_empty_input(run, capsys, tmp_path, tiny_model_dir):
     model = ["--model", tiny_model_dir, "--quiet"]
     assert _error(capsys, "score", *model, "--out", tmp_path / "s.parquet", "--resume", "--overwrite") == \
-        "--resume continues a run, --overwrite starts it again: pass one of them"
+        "--resume and --overwrite: the first continues a run, the second starts it again; pass one of them"
     assert _error(capsys, "score", *model, "--out", tmp_path / "s.csv") == f"--out {tmp_path / 's.csv'}: name a " \
         ".parquet file to write"
     (tmp_path / "empty.jsonl").write_text("")

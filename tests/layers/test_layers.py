@@ -20,7 +20,7 @@ def test_fused_parts_are_named_and_split():
 
 
 def test_no_matching_modules_lists_what_exists():
-    message = ("no module matches --modules '*.nothing_here'; pass a preset (attn, mlp, experts, router, all, lora), "
+    message = ("no module matches modules '*.nothing_here'; pass a preset (attn, mlp, experts, router, all, lora), "
                "a role of this model (q, k, v, o, gate, up, down) or a glob of its part names (e.g. "
                "'model.layers.0.self_attn.q_proj'; 14 in all)")
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -37,5 +37,5 @@ def test_every_module_pattern_must_match_something():
     """A typo among good patterns is not dropped silently; a preset counts as matched by any of its roles."""
     model = tiny_model("gpt2")
     assert select_targets(model, "mlp")  # GPT-2 has up and down, no gate
-    with pytest.raises(ValueError, match=r"no module matches 'zz', '\*\.7\.\*' of --modules; pass a preset"):
+    with pytest.raises(ValueError, match=r"no module matches 'zz', '\*\.7\.\*' of modules; pass a preset"):
         select_targets(model, "q,zz,*.7.*")

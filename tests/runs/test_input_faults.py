@@ -93,10 +93,10 @@ def test_python_api_keeps_chunks_before_a_malformed_row(tmp_path, tiny_model_dir
     ({"max_length": True}, "max_length must be an int, got bool True"),
     ({"limit": 2.5}, "limit must be an int or None, got float 2.5"),
     ({"data": 7}, "data must be a str or a pathlib.Path or None, got int 7"),
-    ({"fields": ["instruction"]}, "fields must be a gradspec.Fields or a dict of its names to column names, got list"),
-    ({"fields": {"prompt": "q"}}, "fields has no name 'prompt': a dict's keys are Fields' names"),
-    ({"fields": {"output": 3}}, "fields['output'] must be a str, got int 3"),
-    ({"fields": Fields(output=None)}, "fields.output must be a str, got NoneType None"),
+    ({"fields": ["instruction"]}, "fields must be a Fields or a dict of its fields, got list"),
+    ({"fields": {"prompt": "q"}}, "fields has no field 'prompt': a dict's keys are Fields' fields (instruction, "),
+    ({"fields": {"output": 3}}, "fields.output must be a str, got int 3"),
+    ({"fields": {"output": None}}, "fields.output must be a str, got NoneType None"),
     ({"progress": "no"}, "progress must be a bool, got str 'no'"),
     ({"batch_tokens": "256"}, "batch_tokens must be an int or None, got str '256'"),
     ({"aggregate": 1}, "aggregate must be a str or a list of str, got int 1"),
@@ -135,7 +135,7 @@ def test_python_arguments_in_the_forms_a_user_would_give_them(tmp_path, tiny_mod
     Path for the model, numpy ints, a list of modules: taken, and the config kept in plain form."""
     config = ScoreConfig(data=tmp_path / "d.jsonl", modules=["q", "v"], max_length=np.int64(64),
                          fields={"instruction": "prompt", "output": "answer"})
-    assert config == ScoreConfig(str(tmp_path / "d.jsonl"), modules="q,v", max_length=64,
+    assert config == ScoreConfig(data=str(tmp_path / "d.jsonl"), modules="q,v", max_length=64,
                                  fields=Fields(instruction="prompt", output="answer"))
     assert type(config.max_length) is int and json.dumps(config.describe())
     data = _jsonl(tmp_path / "d.jsonl", [{"prompt": "Name a colour.", "answer": "Blue is a colour.", "id": 4}])
@@ -209,9 +209,9 @@ def test_mixed_columns_rule():
 
 def test_the_whole_inputs_kinds_decide_from_the_first_row(tmp_path):
     data = _carrying(tmp_path / "d.jsonl", MIXED)
-    first = next(ScoreConfig(str(data)).samples(lambda i: i == 0))
+    first = next(ScoreConfig(data=str(data)).samples(lambda i: i == 0))
     assert first.carried["id"] == "0"  # text, though this row's own id is an int
-    assert next(ScoreConfig(str(data), limit=2).samples()).carried["id"] == 0  # the rows a run covers decide
+    assert next(ScoreConfig(data=str(data), limit=2).samples()).carried["id"] == 0  # the rows a run covers decide
     assert [s.carried["id"] for s in read_samples(data)][:2] == [0, 1]  # reading alone keeps the input's values
 
 

@@ -1,0 +1,241 @@
+"""Options declared once. A dataclass field made by ``option()`` carries its help, kind, choices and
+bound; from it come the Python keyword argument (its type check, its place in a generated
+signature and docstring), the CLI flag (gradspec.cli.options), the config-file key and the
+manifest entry. Adding an option to a run is adding one field.
+
+Errors about an option name it as its caller does (OptionError): the parameter for Python
+(``max_length``), the flag for the command line (``--max-length``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import numbers
+import os
+import re
+import reprlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+KIND_WORDS = {"int": "an int", "float": "a number", "bool": "a bool", "str": "a str",
+              "strs": "a str or a list of str", "path": "a str or a pathlib.Path", "device": "a str or a torch.device"}
+
+
+class OptionError(ValueError):
+    """A bad value of one or more options, named as the caller names them: str() gives the Python
+    parameters' names, ``named(flags)`` the command line's. The text may name other options too,
+    each written ``mention(name)``."""
+
+    def __init__(self, names: str | Sequence[str], text: str) -> None:  # names: () when the text mentions them
+        self.names = (names,) if isinstance(names, str) else tuple(names)
+        self.text = text
+        super().__init__(self.named({}))
+
+    def named(self, flags: Mapping[str, str]) -> str:
+        """The message with each option called by flags[name] (a name not in flags: as is)."""
+        called = [flags.get(n, n) for n in self.names]
+        text = _MENTION.sub(lambda m: flags.get(m[1], m[1]), self.text)
+        if not called:  # the options are named within the text
+            return text
+        joined = called[0] if len(called) == 1 else f"{', '.join(called[:-1])} and {called[-1]}"
+        return joined + (text if text[:1] in (":", ",", ";") else f" {text}")
+
+
+class OptionExists(OptionError, FileExistsError):
+    """An output in the way of an option's value (out), named as the caller names it."""
+
+
+_MENTION = re.compile("\0([A-Za-z_]+)\0")
+
+
+def mention(name: str) -> str:
+    """Another option named inside an OptionError's text, called as the caller calls it."""
+    return f"\0{name}\0"
+
+
+@dataclass(frozen=True)
+class Option:
+    """What one field of an options dataclass is.
+
+    Args:
+        help: one line for ``--help`` and the generated docstring.
+        kind: the values it takes (KIND_WORDS' keys; "?" after it: or None).
+        choices: the values allowed, where they are few (taken from the policy's constants).
+        at_least: the smallest value allowed.
+        name: the option's name where it differs from the field's (Hub.name is config_name).
+        flag: the command line's flag where it differs from --name-with-dashes (task is --target);
+            an option on by default and given a flag is turned off by it (progress: --quiet).
+        flag_help: that flag's help where it is not the option's (--quiet: no progress bar).
+        convert: instead of the kind's check: takes (name, value), returns the value kept.
+        group: the field holds a dataclass of options: on the command line its own options' flags.
+        python_flat: a group that Python callers also give option by option (split=, not hub=).
+    """
+
+    help: str = ""
+    kind: str = "str"
+    choices: tuple[str, ...] | None = None
+    at_least: float | None = None
+    name: str | None = None
+    flag: str | None = None
+    flag_help: str | None = None
+    convert: Callable[[str, Any], Any] | None = None
+    group: bool = False
+    python_flat: bool = False
+
+
+def option(default: Any, help: str = "", **what: Any) -> Any:
+    """A dataclass field that is an option (Option's arguments as keywords)."""
+    return dataclasses.field(default=default, metadata={"option": Option(help, **what)})
+
+
+@dataclass(frozen=True)
+class Declared:
+    """One option as the outside sees it: its name, its field, what it is, and its group's field
+    (None at the top)."""
+
+    name: str
+    field: dataclasses.Field
+    option: Option
+    group: dataclasses.Field | None = None
+
+    @property
+    def flag(self) -> str:
+        return self.option.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def default(self) -> Any:
+        return self.field.default
+
+
+def declared(cls: type, python: bool = False) -> Iterator[Declared]:
+    """cls's options in order, each group's own options in its place (on the command line; for Python
+    only a python_flat group's): what a flag parser or a signature lists."""
+    for f in dataclasses.fields(cls):
+        opt = f.metadata.get("option")
+        if opt is None:
+            continue
+        if opt.group and (opt.python_flat or not python):
+            for inner in declared(type(f.default), python):
+                yield dataclasses.replace(inner, group=f)
+        else:
+            yield Declared(opt.name or f.name, f, opt)
+
+
+def typed(name: str, value: Any, kind: str) -> Any:
+    """value, if it is of kind (KIND_WORDS; with "?" after it, None too), in the form a run keeps: an
+    integral number (not a bool) as an int, a path as a str, a list of str joined by commas, a
+    torch.device as its name; else a TypeError that names the parameter as Python code passes it."""
+    optional, kind = kind.endswith("?"), kind.rstrip("?")
+    if value is None and optional:
+        return None
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if kind == "int" and number and isinstance(value, numbers.Integral):
+        return int(value)
+    if kind == "float" and number:
+        return float(value)
+    if kind == "bool" and isinstance(value, bool):
+        return value
+    if kind not in ("int", "float", "bool") and isinstance(value, str):
+        return value
+    if kind == "path" and isinstance(value, os.PathLike) and isinstance(os.fspath(value), str):
+        return os.fspath(value)
+    if kind == "strs" and isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return ",".join(value)
+    if kind == "device" and type(value).__name__ == "device":  # a torch.device, without importing torch here
+        return str(value)
+    raise TypeError(f"{name} must be {KIND_WORDS[kind]}{' or None' if optional else ''}, got "
+                    f"{type(value).__name__} {reprlib.repr(value)}")
+
+
+def check_options(obj: Any) -> None:
+    """Each option field of a frozen dataclass checked and kept in its plain form (in __post_init__):
+    its type (or its convert), its choices and its bound, each error naming the parameter."""
+    for f in dataclasses.fields(obj):
+        opt = f.metadata.get("option")
+        if opt is None:
+            continue
+        name = f.name  # as the dataclass's own constructor names it
+        value = getattr(obj, f.name)
+        if opt.convert is not None:
+            value = opt.convert(name, value)
+        elif opt.group:
+            value = group_value(name, value, type(f.default))
+        else:
+            value = typed(name, value, opt.kind)
+        if opt.choices is not None and value is not None and value not in opt.choices:
+            raise OptionError(name, f"must be one of {', '.join(map(str, opt.choices))}, got {value!r}")
+        if opt.at_least is not None and value is not None and value < opt.at_least:
+            raise OptionError(name, f"must be at least {opt.at_least:g}, got {value}")
+        object.__setattr__(obj, f.name, value)
+
+
+def group_value(name: str, value: Any, cls: type) -> Any:
+    """A group's value: one of cls, or a dict of its fields' names (as a manifest writes it)."""
+    if isinstance(value, Mapping):
+        kinds = {f.name: f.metadata["option"].kind for f in dataclasses.fields(cls) if "option" in f.metadata}
+        unknown = [k for k in value if k not in kinds]
+        if unknown:
+            raise TypeError(f"{name} has no field {unknown[0]!r}: a dict's keys are {cls.__name__}' fields "
+                            f"({', '.join(kinds)})")
+        return cls(**{k: typed(f"{name}.{k}", v, kinds[k]) for k, v in value.items()})
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be a {cls.__name__} or a dict of its fields, got {type(value).__name__} "
+                        f"{reprlib.repr(value)}")
+    return value
+
+
+def split_options(options: Mapping[str, Any], *classes: type, caller: str) -> list[dict[str, Any]]:
+    """Python keyword arguments as each class's fields (a python_flat group's gathered into it); a name
+    none of them has is a TypeError that says the nearest."""
+    parts: list[dict[str, Any]] = []
+    known: set[str] = set()
+    for cls in classes:
+        part: dict[str, Any] = {}
+        for d in declared(cls, python=True):
+            known.add(d.name)
+            if d.name not in options:
+                continue
+            if d.group is None:
+                part[d.field.name] = options[d.name]
+            else:  # checked here, where the caller's name for it is known
+                part.setdefault(d.group.name, {})[d.field.name] = typed(d.name, options[d.name], d.option.kind)
+        parts.append(part)
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        import difflib
+
+        near = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}"
+                        + (f" (did you mean {near[0]!r}?)" if near else ""))
+    return parts
+
+
+def signature_of(func: Callable, *classes: type, defaults: Mapping[str, Any] | None = None) -> inspect.Signature:
+    """func's own parameters (before its **options), then each class's options as keyword-only
+    parameters with their types and defaults (defaults: the caller's own where they differ)."""
+    own = [p for p in inspect.signature(func).parameters.values() if p.kind != p.VAR_KEYWORD]
+    taken = {p.name for p in own}
+    extra = []
+    for cls in classes:
+        for d in declared(cls, python=True):
+            if d.name not in taken:
+                taken.add(d.name)
+                extra.append(inspect.Parameter(d.name, inspect.Parameter.KEYWORD_ONLY, annotation=d.field.type,
+                                               default=(defaults or {}).get(d.name, d.default)))
+    return inspect.signature(func).replace(parameters=own + extra)
+
+
+def options_doc(*classes: type, defaults: Mapping[str, Any] | None = None) -> str:
+    """An ``Options:`` section listing each class's Python options with their help and default."""
+    lines = ["", "Options (keyword-only; gradspec.options declares them):"]
+    seen = set()
+    for cls in classes:
+        for d in declared(cls, python=True):
+            if d.name in seen:
+                continue
+            seen.add(d.name)
+            default = (defaults or {}).get(d.name, d.default)
+            lines.append(f"    {d.name}: {d.option.help} (default: {default!r})")
+    return "\n".join(lines) + "\n"

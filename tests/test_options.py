@@ -1,0 +1,112 @@
+"""One source per option: a field declared with ``option()`` is the Python keyword, the CLI flag, the
+config-file key and the manifest entry, and errors name it as each caller does."""
+
+import argparse
+import dataclasses
+import inspect
+import json
+
+import pytest
+
+import gradspec
+from gradspec.cli import COMMANDS, main
+from gradspec.cli import score as score_cli
+from gradspec.cli.config_file import config_values, run_options
+from gradspec.cli.options import add_options, options_from_args
+from gradspec.options import OptionError, declared, option, signature_of, split_options
+from gradspec.runs.config import RunSettings, ScoreConfig
+from gradspec.training.train import TrainConfig, check
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TemperedConfig(ScoreConfig):
+    """A config with one option more, as a new option would be added."""
+
+    temperature: float = option(1.0, "softmax temperature of the loss", kind="float", at_least=0)
+
+
+def _parser(config: type) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gradspec score")
+    score_cli.add_run_arguments(parser, "scores.parquet", skip=("task", "aggregate", "spectra", "project"))
+    add_options(parser, config, skip={d.name for d in declared(ScoreConfig)})  # only what the subclass adds
+    return parser
+
+
+def test_an_added_field_is_a_flag_a_config_key_a_manifest_entry_and_a_keyword(tmp_path):
+    parser = _parser(TemperedConfig)
+    assert "--temperature" in parser.format_help() and "softmax temperature" in parser.format_help()
+    args = parser.parse_args(["--temperature", "2", "--max-length", "64"])
+    config = TemperedConfig(**options_from_args(TemperedConfig, args))
+    assert (config.temperature, config.max_length) == (2.0, 64)
+
+    (tmp_path / "run.yaml").write_text("temperature: 0.5\n")
+    assert config_values(tmp_path / "run.yaml", parser, "score") == {"temperature": 0.5}
+
+    described = json.loads(json.dumps(config.describe()))
+    assert described["temperature"] == 2.0
+    assert TemperedConfig.from_manifest(described) == config
+    assert run_options(config, described.keys())["temperature"] == 2.0  # a run replayed gives it back
+
+    given, settings = split_options({"temperature": 3, "device": "cpu"}, TemperedConfig, RunSettings, caller="score")
+    assert given == {"temperature": 3} and settings == {"device": "cpu"}
+    assert "temperature" in signature_of(gradspec.score, TemperedConfig, RunSettings).parameters
+    with pytest.raises(TypeError, match="^temperature must be a number, got str 'hot'$"):
+        TemperedConfig(temperature="hot")
+    with pytest.raises(OptionError, match="^temperature must be at least 0, got -1.0$"):
+        TemperedConfig(temperature=-1)
+
+
+def test_score_and_align_take_every_declared_option():
+    for function in (gradspec.score, gradspec.align):
+        parameters = inspect.signature(function).parameters
+        for d in [*declared(ScoreConfig, python=True), *declared(RunSettings, python=True)]:
+            assert d.name in parameters, (function.__name__, d.name)
+    assert inspect.signature(gradspec.score).parameters["max_length"].default == 2048
+    assert inspect.signature(gradspec.align).parameters["spectra"].default is False
+    assert "max_length: tokens per sample at most" in gradspec.score.__doc__
+
+
+@pytest.mark.parametrize(("command", "own"), [
+    ("score", set()), ("align", {"store"}), ("project", set()),
+])
+def test_a_run_command_has_no_flag_but_the_declared_ones(command, own):
+    """Every flag of a scoring command is a declared option, but the run folder's own (and align's store)."""
+    parser = argparse.ArgumentParser()
+    COMMANDS[command].add_parser(parser.add_subparsers())
+    dests = {a.dest for a in parser._subparsers._group_actions[0].choices[command]._actions}
+    declared_names = {d.name for d in [*declared(ScoreConfig), *declared(RunSettings)]}
+    assert dests - declared_names == {"help", "config", "out", "shard", "merge"} | own
+
+
+def test_train_flags_come_from_its_config():
+    parser = argparse.ArgumentParser()
+    COMMANDS["train"].add_parser(parser.add_subparsers())
+    train = parser._subparsers._group_actions[0].choices["train"]
+    assert {a.dest for a in train._actions} - {"help"} == {d.name for d in declared(TrainConfig)}
+
+
+def test_an_unknown_keyword_names_the_nearest():
+    with pytest.raises(TypeError, match=r"score\(\) got an unexpected keyword argument 'max_lenght' "
+                                        r"\(did you mean 'max_length'\?\)"):
+        gradspec.score(max_lenght=3)
+
+
+def test_errors_name_options_as_the_caller_does(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"instruction": "Say hi.", "output": "Hi."}) + "\n")
+    with pytest.raises(OptionError, match=f"^task {tmp_path / 'nope.jsonl'}: no such file or folder"):
+        gradspec.align(data, tmp_path / "nope.jsonl", progress=False)
+    assert main(["align", "--data", str(data), "--target", str(tmp_path / "nope.jsonl")]) == 2
+    assert f"gradspec: error: --target {tmp_path / 'nope.jsonl'}: no such file or folder" in capsys.readouterr().err
+    assert main(["project", "--data", str(data), "--k", "0"]) == 2
+    assert "gradspec: error: --k must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(OptionError, match="^split, config_name and streaming apply to data read through datasets"):
+        gradspec.score(data, split="test", progress=False)
+    assert main(["score", "--data", str(data), "--split", "test"]) == 2
+    assert "gradspec: error: --split, --config-name and --streaming apply to" in capsys.readouterr().err
+
+    (tmp_path / "run" / "model").mkdir(parents=True)
+    with pytest.raises(FileExistsError, match="pass overwrite or choose another out$"):
+        check(TrainConfig(out=str(tmp_path / "run")))
+    assert main(["train", "--out", str(tmp_path / "run")]) == 2
+    assert "pass --overwrite or choose another --out" in capsys.readouterr().err
