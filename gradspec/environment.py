@@ -35,7 +35,12 @@ def cpu(cpuinfo: str = "/proc/cpuinfo") -> dict[str, Any]:
 
 
 def environment() -> dict[str, Any]:
-    """The paths, devices, threads and versions, as plain values."""
+    """The paths, devices, threads and versions, as plain values.
+
+    Returns:
+        A JSON-ready dict: "cpp_extension", "triton", "cupy", "cuda" (its devices), "threads",
+        "cpu", "python", "platform" and "versions" (of the installed packages among PACKAGES).
+    """
     import scipy.linalg  # noqa: F401  (loads SciPy's BLAS, so threadpoolctl can see it)
     from threadpoolctl import threadpool_info
 

@@ -42,7 +42,31 @@ METHODS = ("exact", "lowrank")  # every singular value, or the top rank of a ran
 @dataclass
 class BatchScores:
     """Per-sample results of one batch; metrics[part] is (N, n) in the engine's metric_names order
-    (NaN where a sample did not reach a routed part)."""
+    (NaN where a sample did not reach a routed part).
+
+    Made by SpectralEngine.score for a batch of N samples; every tensor is on the host.
+
+    Args:
+        loss: (N,) fp64, each sample's mean loss over its response tokens; meaningful where
+            ``scored`` only (0 for a sample without response tokens, NaN or inf where not finite).
+        num_response_tokens: (N,) int64, the labelled (response) tokens of each sample.
+        flags: Per sample, what went wrong for it (e.g. "no_response_tokens", "nonfinite_loss",
+            "nonfinite_gradient", "zero_gradient"); empty when nothing did.
+        metrics: Part name -> (N, len(engine.metric_names)) fp64: the spectral metrics, then the
+            "align_<aggregate>" cosines; NaN where a sample has no value.
+        spectra: Part name -> per sample its nonzero singular values, descending (an empty array for
+            a sample not scored); filled only with ``keep_spectra``.
+        token_stats: "mean_entropy", "token_accuracy", "mean_token_prob" -> (N,) fp64 means over
+            the response tokens; filled only with ``token_stats``.
+        alignment: "align_<aggregate>" -> (N,) fp64 cosines over the whole scored model; filled
+            only after ``set_task``.
+        projection: (N, dims) fp32 projected gradients, parts in order (gradspec.align.projection);
+            NaN rows for samples not scored; None without ``project``.
+        routed_tokens: "<experts module>.<e>" -> (N,) int64 tokens each sample routed to expert e,
+            for every expert with a scored part.
+        scored: (N,) bool, the samples with response tokens and a finite loss: the ones whose
+            gradients were scored.
+    """
 
     loss: torch.Tensor
     num_response_tokens: torch.Tensor
@@ -56,6 +80,14 @@ class BatchScores:
     scored: torch.Tensor | None = None  # (N,) bool: which samples had a loss to differentiate
 
     def status(self, i: int) -> str:
+        """A sample's flags as a score file's status column writes them.
+
+        Args:
+            i: The sample's row in the batch.
+
+        Returns:
+            Its flags, sorted and joined by ";", or "ok" when it has none.
+        """
         return ";".join(sorted(self.flags[i])) or "ok"
 
 
@@ -63,7 +95,34 @@ class SpectralEngine:
     """Scores tokenized batches for one model; reusable across batches and inside training loops.
 
     The model is borrowed, not taken: for each batch it is put in eval mode with frozen
-    parameters, and its modes and requires_grad flags are restored after the backward."""
+    parameters, and its modes and requires_grad flags are restored after the backward.
+
+    Args:
+        model: The causal LM to score with (a PEFT model: the model it adapts, LoRA parts included).
+        modules: What to score: a preset (attn, mlp, experts, router, all, lora), role names
+            ("q,k") or globs of part names ("*.3.*q_proj"), comma-separated or as a list.
+        backend: "cpp" or "torch" forces that path wherever a linear-algebra stage has it; "auto"
+            measures or prefers (gradspec.linalg.policy).
+        keep_spectra: Also keep each sample's singular values (BatchScores.spectra).
+        method: "exact", or "lowrank" to approximate the top `rank` singular values
+            (gradspec.linalg.lowrank; adds the column topk_energy).
+        rank: Singular values kept per part by the low-rank method.
+        power_iters: The low-rank method's power iterations.
+        seed: Seeds the low-rank sketches and the projection.
+        token_stats: Also each sample's mean predictive entropy, token accuracy and mean target-token
+            probability (BatchScores.token_stats).
+        precision: "fp64" (default) or "fp32": what the Grams and sketch products accumulate in;
+            eigenproblems are solved in fp64 either way.
+        force: {stage: path} for single stages (gradspec.linalg.policy.STAGES); ``policy.describe()``
+            says what ran.
+        spectra: False leaves the spectral metrics out (for alignment or projection alone: see
+            set_task).
+        project: k > 0 adds each sample's gradient under a seeded k x k Kronecker projection per
+            part (a store's rows, BatchScores.projection); 0: none.
+        overlap: Whether submit runs each batch's eigen stage on a worker thread beside the next
+            pass. None: where the pass runs on a GPU; on the CPU the two compete for the same cores,
+            and finishing each batch first measured 8% faster on 2 cores (benchmarks/RESULTS.md).
+    """
 
     def __init__(
         self, model: nn.Module, modules: str | list[str] = "attn",
@@ -72,14 +131,6 @@ class SpectralEngine:
         precision: str = "fp64", force: dict[str, str] | None = None, spectra: bool = True, project: int = 0,
         overlap: bool | None = None,
     ) -> None:
-        """method="lowrank" approximates the top `rank` singular values (see gradspec.linalg.lowrank);
-        token_stats adds each sample's mean predictive entropy and token accuracy; precision and
-        force (a path per stage) are gradspec.linalg.policy's, and ``policy.describe()`` says what ran.
-        spectra=False leaves the spectral metrics out (for alignment alone: see set_task); project=k
-        adds each sample's gradient under a seeded k x k Kronecker projection per part (a store's rows).
-        overlap: submit runs each batch's eigen stage on a worker thread beside the next pass (None:
-        where the pass runs on a GPU; on the CPU the two compete for the same cores, and finishing
-        each batch first measured 8% faster on 2 cores: benchmarks/RESULTS.md)."""
         if method not in METHODS:
             raise ValueError(f"method must be 'exact' or 'lowrank', got {method!r}")
         self.model = unwrap(model)  # a PEFT model: the model it adapts (the same modules)
@@ -100,6 +151,8 @@ class SpectralEngine:
 
     @property
     def spectral_names(self) -> tuple[str, ...]:
+        """The spectral metrics' columns, in order (the metrics registered when the engine was
+        built; none with spectra=False)."""
         return self._spectral_names if self.spectra else ()
 
     @property
@@ -113,12 +166,28 @@ class SpectralEngine:
     ) -> TaskGradients:
         """Compare every later batch's gradients with these task examples' (right-padded batches,
         as for score), under the model as it is now: call again to follow a training model. Adds the
-        cosine columns "align_<aggregate>" per part and over the whole scored model."""
+        cosine columns "align_<aggregate>" per part and over the whole scored model.
+
+        Args:
+            batches: The task examples as (input_ids, attention_mask, labels) batches, as score
+                takes them; example j is the j-th row over all batches. Examples without a usable
+                gradient are left out with a warning.
+            aggregates: One or more of "mean_gradient" (the cosine with the task's mean gradient),
+                "mean" and "max" (of the cosines with each example's gradient), as a list or
+                comma-separated. "max" keeps one direction per example instead of three per part.
+            route: How each part's directions are held: "dense" (K d_out x d_in matrices), "cross"
+                (the task's own inputs and output gradients), or "auto": the cheaper per part,
+                within GRADSPEC_TASK_BYTES (default 8 GiB) of held directions.
+
+        Returns:
+            The task's directions, also kept as ``self.task``.
+        """
         self.task = collect_task(self.backward_pass, self.targets, batches, aggregates, self.policy.dtype, route)
         return self.task
 
     @property
     def part_names(self) -> list[str]:
+        """The scored parts' names, in column order."""
         return [p.name for p in self.parts]
 
     @property
@@ -127,7 +196,11 @@ class SpectralEngine:
         return [f"{t.name}.{e}" for t in self.targets if isinstance(t, ExpertsTarget) for e in t.experts_scored]
 
     def describe(self) -> dict:
-        """How the scored targets were captured, where a kind says (experts: the implementation run)."""
+        """How the scored targets were captured, where a kind says (experts: the implementation run).
+
+        Returns:
+            The targets' descriptions merged into one dict, as a score file's metadata records them.
+        """
         out: dict = {}
         for t in self.targets:
             out.update(t.describe() or {})
@@ -135,7 +208,16 @@ class SpectralEngine:
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, labels: torch.Tensor) -> BatchScores:
         """Right-padded batch; labels are input_ids with IGNORE_INDEX outside the response. Given on the
-        host, the batch goes to the model's device without the host waiting for the device."""
+        host, the batch goes to the model's device without the host waiting for the device.
+
+        Args:
+            input_ids: (N, T) token ids, N >= 1.
+            attention_mask: (N, T), each row a prefix of ones (right padding; left padding is refused).
+            labels: (N, T) the input ids at the response's tokens, IGNORE_INDEX (-100) elsewhere.
+
+        Returns:
+            The batch's per-sample results, on the host.
+        """
         return self._finish(*self._forward_backward(input_ids, attention_mask, labels))
 
     def submit(
@@ -145,7 +227,16 @@ class SpectralEngine:
         forward, the backward and the Grams run now; the caller can start the next batch on the GPU
         while the host solves this one's eigenproblems. A batch whose eigen stage is still to be
         measured for its size finishes here instead: its timings must not share the device with the
-        next batch. Either way the result comes as a Future."""
+        next batch. Either way the result comes as a Future.
+
+        Args:
+            input_ids: (N, T) token ids, as for score.
+            attention_mask: (N, T) right-padded mask, as for score.
+            labels: (N, T) response labels, as for score.
+
+        Returns:
+            A Future of the batch's BatchScores; its result() raises what scoring raised.
+        """
         work = self._forward_backward(input_ids, attention_mask, labels)
         captures = work[0]
         overlap = self.overlap if self.overlap is not None else captures[0].batch.device.type != "cpu"
@@ -185,7 +276,17 @@ class SpectralEngine:
 
     def backward_pass(self, captures: list[Capture], batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]):
         """One forward and input-gradient backward of a right-padded batch with every target's hooks
-        delivering to these captures -> (loss, count, finite, token stats), the per-sample values on the CPU."""
+        delivering to these captures -> (loss, count, finite, token stats), the per-sample values on the CPU.
+
+        Args:
+            captures: What receives each target's X and D (gradspec.layers.hooks.Capture).
+            batch: (input_ids, attention_mask, labels), right-padded, as for score.
+
+        Returns:
+            (loss, count, finite, stats): (N,) fp64 mean response losses, (N,) response-token counts,
+            (N,) bool which samples had a finite loss over at least one token, and the token stats
+            (empty without ``token_stats``).
+        """
         passed = self._pass(captures, batch)
         passed.copies.wait()
         return passed.loss, passed.count, passed.finite, passed.stats

@@ -92,7 +92,22 @@ def linear_target(model: nn.Module, name: str, module: nn.Module, weight: str = 
                   ) -> LinearTarget | None:
     """A linear-like module's target: its weight parameter (d_out, d_in), or (d_in, d_out) where
     transposed, cut into one part per role along its output features (roles: from the module's name
-    when not given; none: not scored). For a user's own layer kinds too."""
+    when not given; none: not scored). For a user's own layer kinds too.
+
+    Args:
+        model: The whole model (its config sizes fused projections' parts).
+        name: The module's name in the model, as named_modules gives it.
+        module: The module; its first input is X and its output's gradient D.
+        weight: The name of the module's weight parameter.
+        roles: The roles of its output features in order, e.g. ("q", "k", "v") for a fused
+            projection; None: from the module's name (gradspec.layers.roles); empty: not scored.
+        transposed: The weight is stored (d_in, d_out) (y = x W), as GPT-2's Conv1D.
+        flat: A router's layout: tokens as (N T, d) rows and a tuple output whose first element is
+            the logits.
+
+    Returns:
+        The module's target, or None where it has no role.
+    """
     roles = roles_of(name) if roles is None else tuple(roles)
     if not roles:
         return None

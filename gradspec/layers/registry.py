@@ -75,7 +75,15 @@ LAYER_KINDS: list[LayerKind] = []
 
 def register(kind: LayerKind) -> LayerKind:
     """Registers a layer kind (usable as a decorator); kinds registered later are asked first, so a
-    user's kind can take over a module a built-in one would claim."""
+    user's kind can take over a module a built-in one would claim.
+
+    Args:
+        kind: (model, module name, module) -> the module's Target (e.g. from linear_target), or
+            None where the kind does not recognise the module. Engines built after use it.
+
+    Returns:
+        kind itself.
+    """
     LAYER_KINDS.insert(0, kind)
     return kind
 

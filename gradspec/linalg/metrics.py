@@ -19,7 +19,17 @@ _METRICS: dict[str, Metric] = {}
 def register_metric(name: str, metric: Metric | None = None) -> Metric | Callable[[Metric], Metric]:
     """Registers a metric of the singular values: every path (the extension, torch, CuPy, the
     reference) computes it here, and engines built after get its column "<part>/<name>". Usable as
-    a decorator. Sums should run in order (``ordered_sum``), so a metric does not depend on the batch."""
+    a decorator. Sums should run in order (``ordered_sum``), so a metric does not depend on the batch.
+
+    Args:
+        name: The column suffix: non-empty, without "/". A registered name is replaced, keeping
+            its column position.
+        metric: sigma (..., n) -> (...): from a gradient's singular values (fp64, descending,
+            zero-padded) to one value each. None: register the function decorated.
+
+    Returns:
+        metric itself, or without it a decorator that registers and returns the function.
+    """
     if not name or "/" in name:
         raise ValueError(f"a metric's name is a non-empty column suffix without '/', got {name!r}")
 

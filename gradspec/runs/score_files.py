@@ -113,7 +113,18 @@ def schema_metadata(schema: pa.Schema) -> dict[str, Any]:
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
     """What a score file says of its run: model, data, template, modules, parts, metrics, ...; or an
-    error that says what the path is instead."""
+    error that says what the path is instead.
+
+    Args:
+        path: A score file (the --out of gradspec score, align or project, or of the API's score).
+
+    Returns:
+        The run's metadata as recorded; "parts" lists each scored part's name, role, layer, d_in
+        and d_out, "metrics" the metric columns per part, in order.
+
+    Raises:
+        InputError: path is a folder, missing, not Parquet, or another kind of file.
+    """
     what = "pass a score file (the --out of gradspec score, align or project)"
     schema = parquet_schema(path, what)
     if "status" not in schema.names:
@@ -135,7 +146,16 @@ def check_scored_input(meta: dict[str, Any], data: str | Path, scores: str | Pat
 
 
 def read_scores(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(wide, long): the file as a DataFrame, and one row per (sample, layer, module, metric)."""
+    """(wide, long): the file as a DataFrame, and one row per (sample, layer, module, metric).
+
+    Args:
+        path: A score file, as for read_metadata.
+
+    Returns:
+        (wide, long): wide is the file, one row per input sample; long has columns index, layer,
+        module (the part's role), name (the part's), metric and value, sorted by index, layer,
+        module and metric.
+    """
     meta = read_metadata(path)
     wide = pq.read_table(path).to_pandas()
     parts = meta.get("parts", [])

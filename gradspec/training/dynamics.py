@@ -125,7 +125,17 @@ def from_checkpoints(checkpoints: list[str], samples: list[Sample], template: st
 
 
 class DynamicsCallback(TrainerCallback):
-    """Measures every training sample at the end of each epoch; writes the dynamics at the end."""
+    """Measures every training sample at the end of each epoch; writes the dynamics at the end.
+
+    Args:
+        tokenizer: The model's tokenizer.
+        samples: The training samples, measured teacher-forced in forward passes alone.
+        out: The dynamics file (Parquet), written at the end of training.
+        template: "plain" or "chat", as the training tokenizes.
+        max_length: Tokens kept per sample (truncated on the right).
+        learned_accuracy: The token accuracy from which a sample counts as learned at a checkpoint
+            (correctness, forgetting_events).
+    """
 
     def __init__(self, tokenizer, samples: list[Sample], out: str | Path, template: str = "plain",
                  max_length: int = 2048, learned_accuracy: float = LEARNED_ACCURACY) -> None:
@@ -134,10 +144,25 @@ class DynamicsCallback(TrainerCallback):
         self.checkpoints: dict[str, dict[int, dict[str, Any]]] = {}
 
     def on_epoch_end(self, args, state, control, model=None, **kwargs):
+        """Measures every sample under the model as it is now, as checkpoint "epoch <n>".
+
+        Args:
+            args: Trainer's TrainingArguments (unused).
+            state: Trainer's TrainerState: its epoch names the checkpoint.
+            control: Trainer's TrainerControl (unused).
+            model: The model being trained.
+        """
         name = f"epoch {state.epoch:g}"
         self.checkpoints[name] = measure(model, self.tokenizer, self.samples, self.template, self.max_length)
 
     def on_train_end(self, args, state, control, **kwargs):
+        """Writes the per-sample statistics across the measured epochs to ``out``.
+
+        Args:
+            args: Trainer's TrainingArguments (unused).
+            state: Trainer's TrainerState (unused).
+            control: Trainer's TrainerControl (unused).
+        """
         if self.checkpoints:
             write_dynamics(summarise(self.checkpoints, self.learned_accuracy), self.out, list(self.checkpoints),
                            self.learned_accuracy)

@@ -113,7 +113,18 @@ class _Step(NamedTuple):
 
 
 class SpectralMonitor:
-    """Per-sample gradient spectra of a training loop's own passes; rows go to ``out`` (Parquet)."""
+    """Per-sample gradient spectra of a training loop's own passes; rows go to ``out`` (Parquet).
+
+    Args:
+        every: Monitor the optimizer steps whose number (1, 2, ...) is a multiple of this.
+        modules: What to score, as for SpectralEngine: a preset, role names or part-name globs.
+        out: The Parquet file, rewritten whole at each monitored step; None: rows are only
+            returned by end() (and summarised).
+        backend: "auto", "cpp" or "torch", as for SpectralEngine.
+        overwrite: Overwrite an existing ``out`` (else a ValueError at a run's first monitored step).
+        index_column: A keyword of the model call holding each row's dataset index: popped from
+            monitored calls (the model never sees it there) into the sample_index column; None: none.
+    """
 
     def __init__(self, every: int = 50, modules: str | list[str] = "attn", out: str | Path | None = None,
                  backend: str = "auto", overwrite: bool = False, index_column: str | None = "sample_index") -> None:
@@ -141,7 +152,14 @@ class SpectralMonitor:
         return self._current is not None
 
     def wants(self, step: int) -> bool:
-        """Whether optimizer step `step` (1, 2, ...) is monitored: every N-th."""
+        """Whether optimizer step `step` (1, 2, ...) is monitored: every N-th.
+
+        Args:
+            step: The optimizer step's number, from 1.
+
+        Returns:
+            True where step is a multiple of ``every``.
+        """
         return step % self.every == 0
 
     @contextmanager
@@ -150,7 +168,23 @@ class SpectralMonitor:
         """One optimizer step's forwards and backwards, captured where the step is monitored (step:
         its number, 1, 2, ...; by default the count of calls). indices: the dataset index of each
         row, over the step's micro-batches in order. On exit the rows are reduced and written; an
-        exception removes the hooks and drops the step's rows."""
+        exception removes the hooks and drops the step's rows.
+
+        Args:
+            model: The model the loop calls; hooks go on it and on its ``base_model``, if any.
+            step: The optimizer step's number, from 1; None: one more than the last step's.
+            num_items_in_batch: The step's loss denominator N where the model call does not pass it
+                (the labelled tokens of the whole accumulated batch); None: each micro-batch's own
+                count times ``accumulation``.
+            accumulation: Micro-batches per optimizer step, where the loop divides a mean loss by them.
+            processes: The factor the loss is multiplied by across processes (Trainer under DDP with
+                average_tokens_across_devices: the world size); it divides N.
+            indices: The dataset index of each row (each packed sequence), over the step's
+                micro-batches in order; for batches without ``index_column``.
+
+        Yields:
+            Nothing: the loop's forwards and backwards run inside.
+        """
         self._steps = self._steps + 1 if step is None else step
         if not self.wants(self._steps):
             yield
@@ -171,7 +205,18 @@ class SpectralMonitor:
         """Hooks on the model: each grad-enabled forward from now on is a captured micro-batch.
         loss_known=False: the trainer's loss is not the model's (rows unscaled, loss_kind unknown).
         most: the micro-batches a step has at most; a forward beyond them means the step was left
-        by an exception the caller could not see (a trainer's backward): the hooks come off then."""
+        by an exception the caller could not see (a trainer's backward): the hooks come off then.
+
+        Args:
+            model: The model the loop calls, as for step.
+            step: The optimizer step's number, recorded in the rows.
+            accumulation: As for step.
+            processes: As for step.
+            num_items_in_batch: As for step.
+            indices: As for step.
+            loss_known: False where the trainer's loss is not the model's.
+            most: The step's micro-batches at most; None: no limit.
+        """
         self.abort()
         if not self._started:
             self._start()
@@ -194,7 +239,12 @@ class SpectralMonitor:
         self._handles = []
 
     def end(self) -> list[dict[str, Any]]:
-        """Reduces the step's captures to rows, writes them and returns them."""
+        """Reduces the step's captures to rows, writes them and returns them.
+
+        Returns:
+            The step's rows, one per sample (a row, or a packed sequence) of each micro-batch, as
+            the file's columns; ``summary`` then holds their per-role means.
+        """
         try:
             self.detach()
             rows = self._rows()

@@ -20,16 +20,33 @@ from gradspec.training.monitor import SpectralMonitor
 
 
 class SpectralMonitorCallback(TrainerCallback):
-    """Rows of every N-th optimizer step to ``out`` (Parquet), per-role means to the logs."""
+    """Rows of every N-th optimizer step to ``out`` (Parquet), per-role means to the logs.
+
+    Args:
+        every: Monitor every N-th optimizer step (set ``logging_steps`` to it, so rows land on logged steps).
+        modules: What to score, as for SpectralEngine.
+        out: The Parquet file, rewritten whole at each monitored step; None: logs only.
+        backend: "auto", "cpp" or "torch", as for SpectralEngine.
+        overwrite: Overwrite an existing ``out`` (else a ValueError at the run's first monitored step).
+        index_column: A batch column of dataset indices (remove_unused_columns=False, a collator
+            that passes it): taken out of monitored calls into sample_index; on other steps the
+            model gets it (transformers' models take **kwargs). None: none.
+    """
 
     def __init__(self, every: int = 50, modules: str | list[str] = "attn", out: str | Path | None = None,
                  backend: str = "auto", overwrite: bool = False, index_column: str | None = "sample_index") -> None:
-        # A batch column of dataset indices (remove_unused_columns=False, a collator that passes it):
-        # taken out of monitored calls; on other steps the model gets it (transformers' take **kwargs).
         self.monitor = SpectralMonitor(every, modules, out, backend, overwrite, index_column)
         self.pending_logs: dict[str, float] = {}
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        """A new run: a new file; refuses DataParallel; reads the accumulation, processes and loss type.
+
+        Args:
+            args: Trainer's TrainingArguments.
+            state: Trainer's TrainerState (unused).
+            control: Trainer's TrainerControl (unused).
+            model: The model Trainer trains, hooked on monitored steps.
+        """
         self.monitor.restart()  # a new run: hooks a raised run left are gone, a new file
         refuse_unmonitorable(args)
         self.model = model
@@ -39,21 +56,49 @@ class SpectralMonitorCallback(TrainerCallback):
         self.loss_known = getattr(args, "loss_type", "nll") in ("nll", None)
 
     def on_step_begin(self, args, state, control, **kwargs):
+        """Hooks on where the step about to run is monitored.
+
+        Args:
+            args: Trainer's TrainingArguments (unused).
+            state: Trainer's TrainerState: global_step + 1 is this step's number.
+            control: Trainer's TrainerControl (unused).
+        """
         step = state.global_step + 1
         if self.monitor.wants(step):
             self.monitor.begin(self.model, step, self.accumulation, self.processes, loss_known=self.loss_known,
                                most=self.accumulation)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        """Hooks off: every micro-batch's backward has run.
+
+        Args:
+            args: Trainer's TrainingArguments (unused).
+            state: Trainer's TrainerState (unused).
+            control: Trainer's TrainerControl (unused).
+        """
         self.monitor.detach()  # every micro-batch's backward has run: nothing stays on the model
 
     def on_step_end(self, args, state, control, **kwargs):
+        """Writes a monitored step's rows and keeps their per-role means for the next log.
+
+        Args:
+            args: Trainer's TrainingArguments (unused).
+            state: Trainer's TrainerState (unused).
+            control: Trainer's TrainerControl (unused).
+        """
         if self.monitor.active:
             self.monitor.end()
             self.pending_logs = dict(self.monitor.summary)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        """Adds the latest summaries to the log record (callbacks after this one see them too)."""
+        """Adds the latest summaries to the log record (callbacks after this one see them too).
+
+        Args:
+            args: Trainer's TrainingArguments (unused).
+            state: Trainer's TrainerState: its log_history's record of this step gets them too.
+            control: Trainer's TrainerControl (unused).
+            logs: The record being logged, updated in place.
+        """
         if logs is not None and self.pending_logs:
             logs.update(self.pending_logs)
             if state.log_history and state.log_history[-1].get("step") == state.global_step:
@@ -61,6 +106,13 @@ class SpectralMonitorCallback(TrainerCallback):
             self.pending_logs = {}
 
     def on_train_end(self, args, state, control, **kwargs):
+        """Hooks off; an unfinished step's captures are dropped.
+
+        Args:
+            args: Trainer's TrainingArguments (unused).
+            state: Trainer's TrainerState (unused).
+            control: Trainer's TrainerControl (unused).
+        """
         self.monitor.close()
 
 

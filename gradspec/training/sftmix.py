@@ -112,6 +112,14 @@ class SFTMixTrainer(Trainer):
 
     Losses are token means per micro-batch (divided by the accumulation steps, as Trainer does
     for losses that do not take the global token count).
+
+    Args:
+        *args: Trainer's positional arguments.
+        confident: Dataset positions of the confident half (confidence_halves).
+        unconfident: Dataset positions of the unconfident half.
+        alpha: The Beta(alpha, alpha) that each pair's mixing coefficient lam is drawn from.
+        mu: The weight of the Mixup term added to next-token prediction.
+        **kwargs: Trainer's keyword arguments (model, args, train_dataset, data_collator, ...).
     """
 
     def __init__(self, *args, confident: list[int], unconfident: list[int], alpha: float = ALPHA,
@@ -125,12 +133,31 @@ class SFTMixTrainer(Trainer):
         self.model_accepts_loss_kwargs = False
 
     def get_train_dataloader(self) -> DataLoader:
+        """Trainer's hook: batches of paired samples.
+
+        Returns:
+            A loader of per_device_train_batch_size / 2 confident then as many unconfident rows per
+            batch (PairedBatchSampler, seeded by args.seed), prepared by the accelerator.
+        """
         sampler = PairedBatchSampler(self.confident, self.unconfident, self.args.per_device_train_batch_size // 2,
                                      self.args.seed)
         loader = DataLoader(self.train_dataset, batch_sampler=sampler, collate_fn=self.data_collator)
         return self.accelerator.prepare(loader)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Trainer's hook: NTP + mu * Mixup from one pass of the model's base (no logits over all tokens).
+
+        Args:
+            model: The causal LM; its ``base_model`` gives the last hidden states and its output
+                embeddings the head.
+            inputs: The batch: "input_ids", "attention_mask", "labels" (-100 outside the response),
+                its first half confident, its second unconfident.
+            return_outputs: Also return {"hidden": the last hidden states}.
+            num_items_in_batch: Ignored: the losses are per-micro-batch token means.
+
+        Returns:
+            The scalar loss, or (loss, {"hidden": ...}) with return_outputs.
+        """
         labels = inputs["labels"]
         hidden = model.base_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                                   use_cache=False).last_hidden_state

@@ -47,7 +47,20 @@ def encode_labels(input_ids: torch.Tensor, response_mask: torch.Tensor, attentio
 def wit_loss(logits: torch.Tensor, labels: torch.Tensor, prompt_weight: float, response_weight: float,
              num_items: torch.Tensor | int | None = None) -> torch.Tensor:
     """The WIT loss of a (micro-)batch. num_items: the global batch's denominator (Trainer's
-    num_items_in_batch); None counts this batch's own labelled tokens."""
+    num_items_in_batch); None counts this batch's own labelled tokens.
+
+    Args:
+        logits: (N, T, vocab) the model's logits.
+        labels: (N, T) WIT labels (encode_labels, WITCollator): response ids, prompt ids encoded
+            as -(id + 101), -100 elsewhere; position t is predicted from t - 1.
+        prompt_weight: lp, the weight of each prompt token's loss.
+        response_weight: lr, the weight of each response token's loss.
+        num_items: The denominator: Trainer's num_items_in_batch (the labels != -100 of the whole
+            accumulated batch); None: this batch's own weighted targets.
+
+    Returns:
+        A scalar: the weighted sum of the targets' cross-entropies over num_items.
+    """
     target = labels[:, 1:]
     response, prompt = target >= 0, target <= -PROMPT_OFFSET
     rows, cols, wanted = next_token_positions(labels, response | prompt)
@@ -71,7 +84,12 @@ def check_weights(prompt_weight: float, response_weight: float) -> None:
 
 @dataclass
 class WITLoss:
-    """``compute_loss_func`` for transformers' Trainer and TRL's SFTTrainer (with WITCollator)."""
+    """``compute_loss_func`` for transformers' Trainer and TRL's SFTTrainer (with WITCollator).
+
+    Args:
+        prompt_weight: lp, the weight of the prompt tokens' loss (>= 0; 0: completion-only).
+        response_weight: lr, the weight of the response tokens' loss (>= 0; not both 0).
+    """
 
     prompt_weight: float = 0.0
     response_weight: float = 1.0
@@ -80,25 +98,64 @@ class WITLoss:
         check_weights(self.prompt_weight, self.response_weight)
 
     def __call__(self, outputs: Any, labels: torch.Tensor, num_items_in_batch: torch.Tensor | int | None = None):
+        """The loss of a batch, as Trainer calls a ``compute_loss_func``.
+
+        Args:
+            outputs: The model's outputs: a dict with "logits", or a tuple whose first element they are.
+            labels: (N, T) WIT labels, as WITCollator makes them.
+            num_items_in_batch: Trainer's count of the global batch's labels != -100; None: this
+                batch's own.
+
+        Returns:
+            The scalar WIT loss (wit_loss).
+        """
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
         return wit_loss(logits, labels, self.prompt_weight, self.response_weight, num_items_in_batch)
 
     def model_loss(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int | None = None,
                    num_items_in_batch: torch.Tensor | int | None = None, **kwargs: Any) -> torch.Tensor:
-        """The signature of a transformers model's ``loss_function`` (see use_wit_loss)."""
+        """The signature of a transformers model's ``loss_function`` (see use_wit_loss).
+
+        Args:
+            logits: (N, T, vocab) the model's logits.
+            labels: (N, T) WIT labels, as WITCollator makes them.
+            vocab_size: Unused (the model passes it).
+            num_items_in_batch: Trainer's count of the global batch's labels != -100; None: this
+                batch's own.
+
+        Returns:
+            The scalar WIT loss (wit_loss).
+        """
         return wit_loss(logits, labels, self.prompt_weight, self.response_weight, num_items_in_batch)
 
 
 def use_wit_loss(model: nn.Module, loss: WITLoss) -> None:
     """Makes the model itself compute WIT when called with labels: Trainer then passes it the
-    labels and the global token count, and hooks on the model (SpectralMonitor) see them."""
+    labels and the global token count, and hooks on the model (SpectralMonitor) see them.
+
+    Args:
+        model: A transformers model; its ``loss_function`` is replaced.
+        loss: The WIT weights to compute with.
+    """
     model.loss_function = loss.model_loss
 
 
 @dataclass
 class WITCollator:
     """Rows (Alpaca fields or chat messages, as gradspec score reads them) -> right-padded
-    input_ids, attention_mask and WIT labels, with either template."""
+    input_ids, attention_mask and WIT labels, with either template.
+
+    A row with no response token (its response cannot be located, is empty, or lies beyond
+    max_length) gets no labels: it trains on nothing, not on its prompt alone.
+
+    Args:
+        tokenizer: The model's tokenizer.
+        prompt_weight: lp, as for WITLoss: 0 leaves the prompt unlabelled.
+        template: "plain" or "chat" (the tokenizer's chat template), as gradspec score's.
+        max_length: Tokens kept per row (truncated on the right).
+        fields: The rows' text field names.
+        response_weight: lr, as for WITLoss: 0 leaves the response unlabelled.
+    """
 
     tokenizer: Any
     prompt_weight: float = 0.0
@@ -111,6 +168,14 @@ class WITCollator:
         check_weights(self.prompt_weight, self.response_weight)
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        """Collates a batch.
+
+        Args:
+            rows: The batch's dataset rows.
+
+        Returns:
+            "input_ids", "attention_mask" and "labels", each (N, T) int64, right-padded, on the CPU.
+        """
         tokens = [tokenize(to_sample(i, f"batch row {i}", row, self.fields).messages, self.tokenizer,
                            self.template, self.max_length) for i, row in enumerate(rows)]
         pad_id = pad_id_of(self.tokenizer)
