@@ -158,10 +158,10 @@ def one_token_model_dir(tmp_path_factory):
     return path
 
 
-# The stated tolerances (README): fp64 is exact; fp32 Grams square the gradient's condition
+# The stated tolerances (docs/method.md): fp64 is exact; fp32 Grams square the gradient's condition
 # number, so they resolve singular values only down to ~sqrt(d * eps32) of the largest: the norms
 # stay close, the tail-sensitive metrics do not. FP32_RTOL holds on short samples (shorter than every
-# module's smaller side, as here); on longer ones the tail metrics are further off (README).
+# module's smaller side, as here); on longer ones the tail metrics are further off (docs/method.md).
 FP64_RTOL = 1e-4
 FP32_RTOL = {"spectral_norm": 1e-3, "frobenius_norm": 1e-3, "stable_rank": 2e-3,
              "nuclear_norm": 0.1, "sigma1_ratio": 0.1, "effective_rank": 0.3}
