@@ -66,7 +66,7 @@ def _not_judged(table: pd.DataFrame) -> list[str]:
         return []
     counts = ", ".join(f"{n} `{status}`" for status, n in flagged["status"].value_counts().items())
     return [f"{len(flagged)} more samples were not judged: they have no response token to score ({counts}; "
-            "see `status` in `diagnosis.parquet` and the statuses in gradspec's README).", ""]
+            "see `status` in `diagnosis.parquet` and the statuses in gradspec's docs/inputs.md).", ""]
 
 
 def write_diagnosis(table: pd.DataFrame, samples: list[Sample], out: str | Path, examples: int = 3) -> Path:

@@ -70,7 +70,8 @@ class ScoreConfig:
     chunk_rows: int = option(CHUNK_ROWS, "input rows per part file: the most a killed run loses per process",
                              kind="int", at_least=1)
     precision: str = option("fp64", "of the Grams: fp64 (exact) or fp32 (the Triton kernels; norms close, nuclear "
-                            "norm and effective rank approximate: docs/method.md)", choices=tuple(PRECISIONS))
+                            "norm and effective rank approximate: docs/method.md#precision-is-configuration)",
+                            choices=tuple(PRECISIONS))
     task: str | None = option(None, "examples of the task to align with (same formats and fields as data)",
                               kind="path?", flag="--target")
     aggregate: str = option(",".join(DEFAULT_AGGREGATES), f"comma-separated, of {', '.join(AGGREGATES)}: the "
@@ -175,7 +176,7 @@ class RunSettings:
                         "model larger than one device; each process still scores its own chunks", kind="bool")
     batch_tokens: int | None = option(None, f"padded tokens per batch at most (default: {CPU_BATCH_TOKENS} on the "
                                       f"CPU, {BATCH_TOKENS} on a GPU); batches are also sized to fit the memory "
-                                      "available (docs/method.md: memory)", kind="int?", at_least=1)
+                                      "available (docs/method.md#memory)", kind="int?", at_least=1)
     backend: str = option("auto", "eigen stage: auto (C++ on the CPU; on CUDA the fastest path, measured per size), "
                           "cpp, torch", choices=BACKENDS)
     on_error: str = option("fail", "a malformed input row stops the run (fail) or is skipped and listed in <out "

@@ -55,7 +55,7 @@ MODEL_IDENTITY = ("model_path", "model_fingerprint")  # the model a run's config
 # model; named beside a model_fingerprint that differs
 _RECORDED = ("model_path",)
 # The input files' sizes: recorded, warned about when they change, not refused: fixing a malformed
-# row (README: inputs) changes its file, and the parts written before that row stay valid.
+# row (docs/inputs.md) changes its file, and the parts written before that row stay valid.
 _INPUT_SIZES = ("data_bytes", "task_bytes")
 FINGERPRINT = "config_fingerprint"  # in each part's metadata (and the merged file's): the run's config, hashed
 PART = "part"  # in each part's metadata: {"chunk", "first_row", "last_row"}

@@ -24,6 +24,7 @@ from gradspec.data.readers import Fields
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.layers.hooks import BatchLayout
 from gradspec.options import OptionExists, mention
+from gradspec.runs.config import ScoreConfig
 from gradspec.runs.score_files import METADATA_KEY, PROJECTION, atomic_write, column, read_metadata
 from gradspec.runs.task_set import task_batches
 
@@ -35,7 +36,8 @@ def store_engine(meta: dict[str, Any], store: str | Path, device: str, trust_rem
     projection = meta.get("projection")
     if not projection:
         raise ValueError(f"{store} holds no projected gradients; write a store with `gradspec project`")
-    model, tokenizer = load_model(meta["model"], device, meta.get("dtype", "float32"), trust_remote_code)
+    model, tokenizer = load_model(ScoreConfig.from_manifest(meta).model, device, meta.get("dtype", "float32"),
+                                  trust_remote_code)  # the recorded name read back as a run reads it (the default)
     engine = SpectralEngine(model, meta["modules"], spectra=False, project=projection["k_in"],
                             seed=projection["seed"], precision=meta.get("precision", "fp64"))
     if engine.projection.describe() != projection:

@@ -39,7 +39,8 @@ def run_summary(out: str | Path, statuses: Counter[str]) -> str:
     wide, long = read_scores(out)
     complete_rows = int(complete(wide["status"]).sum())
     if complete_rows == 0:
-        return "\n".join([*lines, "no row was scored: the statuses above say why (README: Inputs)"])
+        return "\n".join([*lines, "no row was scored: the statuses above say why (docs/inputs.md: malformed rows "
+                                  "and statuses)"])
     means = _means(wide, long)
     if not means.empty:
         lines += ["means over complete rows and layers, per module type:",
