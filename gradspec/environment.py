@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ def cpu(cpuinfo: str = "/proc/cpuinfo") -> dict[str, Any]:
     """The CPU's model and the vector units its fp32 and fp64 rates depend on (AVX-512, AMX): the
     same run's ratio to its floor differs between CPU models, so every figure names it."""
     try:
-        text = open(cpuinfo, encoding="utf-8").read()
+        text = Path(cpuinfo).read_text(encoding="utf-8")
     except OSError:
         return {"model": platform.processor() or None}
     fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)

@@ -58,3 +58,5 @@ def test_a_metric_is_one_registration(registries, tmp_path, tiny_model_dir):
     assert gradspec.read_metadata(tmp_path / "s.parquet")["metrics"][-1] == "sum_sq"
     with pytest.raises(ValueError, match="without '/'"):
         gradspec.register_metric("a/b", lambda sigma: sigma.sum(-1))
+    with pytest.raises(ValueError, match="nuclear_norm is a built-in metric"):  # its column flags zero gradients
+        gradspec.register_metric("nuclear_norm", lambda sigma: sigma.sum(-1))

@@ -9,6 +9,7 @@ X X^T and D D^T when T is smallest, else the Gram of the materialised G.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
@@ -48,7 +49,7 @@ class BatchScores:
 
     Args:
         loss: (N,) fp64, each sample's mean loss over its response tokens; meaningful where
-            ``scored`` only (0 for a sample without response tokens, NaN or inf where not finite).
+            ``scored`` only (NaN for a sample without response tokens, NaN or inf where not finite).
         num_response_tokens: (N,) int64, the labelled (response) tokens of each sample.
         flags: Per sample, what went wrong for it (e.g. "no_response_tokens", "nonfinite_loss",
             "nonfinite_gradient", "zero_gradient"); empty when nothing did.
@@ -354,6 +355,9 @@ class SpectralEngine:
             flags: list[set[str]] = [set() for _ in range(len(loss))]
             for i in torch.nonzero(~finite).flatten().tolist():
                 flags[i].add("no_response_tokens" if count[i] == 0 else "nonfinite_loss")
+            loss[count == 0] = math.nan  # no token to average over: no loss, flagged (never a 0 that reads as learned)
+            for values in stats.values():
+                values[count == 0] = math.nan
             routed = captures[0].batch.routed_tokens if captures else {}
             zeros = torch.zeros(len(loss), dtype=torch.int64)
             scores = BatchScores(loss, count, flags, token_stats=stats, scored=finite,

@@ -14,6 +14,7 @@ ZERO_NUCLEAR_NORM = 1e-12
 # A metric: sigma (..., n) -> (...), from a gradient's singular values, fp64, descending, zero-padded.
 Metric = Callable[[torch.Tensor], torch.Tensor]
 _METRICS: dict[str, Metric] = {}
+_BUILT_IN: set[str] = set()  # METRICS, once registered below
 
 
 def register_metric(name: str, metric: Metric | None = None) -> Metric | Callable[[Metric], Metric]:
@@ -22,8 +23,9 @@ def register_metric(name: str, metric: Metric | None = None) -> Metric | Callabl
     a decorator. Sums should run in order (``ordered_sum``), so a metric does not depend on the batch.
 
     Args:
-        name: The column suffix: non-empty, without "/". A registered name is replaced, keeping
-            its column position.
+        name: The column suffix: non-empty, without "/", not a built-in's (METRICS: the engine
+            reads nuclear_norm to flag zero gradients). A name the user registered is replaced,
+            keeping its column position.
         metric: sigma (..., n) -> (...): from a gradient's singular values (fp64, descending,
             zero-padded) to one value each. None: register the function decorated.
 
@@ -32,6 +34,9 @@ def register_metric(name: str, metric: Metric | None = None) -> Metric | Callabl
     """
     if not name or "/" in name:
         raise ValueError(f"a metric's name is a non-empty column suffix without '/', got {name!r}")
+    if name in _BUILT_IN:
+        raise ValueError(f"{name} is a built-in metric (gradspec.METRICS), which gradspec itself reads; register "
+                         "yours under another name")
 
     def add(fn: Metric) -> Metric:
         _METRICS[name] = fn
@@ -72,6 +77,7 @@ register_metric("frobenius_norm", lambda s: ordered_sum(s * s).sqrt())
 register_metric("stable_rank", lambda s: _defined(ordered_sum(s * s) / _spectral(s).square(), s))
 register_metric("sigma1_ratio", lambda s: _defined(_spectral(s) / ordered_sum(s), s))
 METRICS: tuple[str, ...] = metric_names()  # the built-in ones, in column order
+_BUILT_IN.update(METRICS)
 
 
 def metrics_from_singular_values(sigma: torch.Tensor, names: tuple[str, ...] | None = None) -> torch.Tensor:

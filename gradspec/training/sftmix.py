@@ -14,7 +14,7 @@ mixed token by token over the response positions, both responses cut to the shor
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -29,10 +29,24 @@ ALPHA = 0.5
 MU = 0.2
 
 
-def confidence_halves(dynamics: pd.DataFrame) -> tuple[list[int], list[int]]:
-    """(confident, unconfident) sample indices: above and below the median of -mean perplexity.
-    With an odd count the middle sample goes to the unconfident half. A sample without a
-    perplexity (no response token to measure) is in neither: it has nothing to mix."""
+def confidence_halves(dynamics: pd.DataFrame, trained: Sequence[int] | None = None) -> tuple[list[int], list[int]]:
+    """(confident, unconfident): above and below the median of -mean perplexity. With an odd count
+    the middle sample goes to the unconfident half. A sample without a perplexity (no response
+    token to measure) is in neither: it has nothing to mix.
+
+    Args:
+        dynamics: per-sample rows with index and mean_perplexity (a dynamics file's).
+        trained: the trained samples' indices in training order; the halves are then split among
+            those rows alone and given as positions in it (a reference file may hold more rows).
+
+    Returns:
+        The two halves: sample indices, or positions in trained when it is given; each sorted.
+    """
+    if trained is not None:
+        position = {index: k for k, index in enumerate(trained)}
+        dynamics = dynamics[dynamics["index"].isin(position)]
+        confident, unconfident = confidence_halves(dynamics)
+        return sorted(position[i] for i in confident), sorted(position[i] for i in unconfident)
     dynamics = dynamics[np.isfinite(dynamics["mean_perplexity"])]
     ranked = dynamics.assign(confidence=-dynamics["mean_perplexity"]).sort_values(
         ["confidence", "index"], ascending=[False, True], kind="stable")

@@ -129,7 +129,8 @@ def train(config: TrainConfig) -> Path:
     ]
     common = {"model": model, "args": args, "train_dataset": rows, "data_collator": collator, "callbacks": callbacks}
     if config.loss == "sftmix":
-        confident, unconfident = confidence_halves(_reference(config, model, tokenizer, samples))
+        confident, unconfident = confidence_halves(_reference(config, model, tokenizer, samples),
+                                                   [s.index for s in samples])  # positions in rows
         mix = {k: v for k, v in (("alpha", config.alpha), ("mu", config.mu)) if v is not None}
         trainer = SFTMixTrainer(**common, confident=confident, unconfident=unconfident, **mix)
     else:

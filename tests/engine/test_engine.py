@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from conftest import assert_matches_reference, padded_batch, random_sequences, tiny_model
@@ -97,8 +99,10 @@ def test_sample_without_response_tokens_is_flagged():
     model = tiny_model("llama", vocab=VOCAB)
     seqs = random_sequences([10, 14], VOCAB)
     seqs[0][1][:] = -100
-    scores = SpectralEngine(model, "attn").score(*padded_batch(seqs))
+    scores = SpectralEngine(model, "attn", token_stats=True).score(*padded_batch(seqs))
     assert scores.status(0) == "no_response_tokens" and scores.status(1) == "ok"
+    assert math.isnan(scores.loss[0]) and math.isfinite(scores.loss[1])  # no tokens: no loss, not a 0
+    assert all(math.isnan(v[0]) and math.isfinite(v[1]) for v in scores.token_stats.values())
 
 
 def test_spectra_kept_on_request():

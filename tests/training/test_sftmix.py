@@ -34,6 +34,14 @@ def test_confidence_halves_split_at_the_median():
     assert confidence_halves(unmeasured) == ([0, 2], [1, 3, 4])  # no response tokens: in neither half
 
 
+def test_confidence_halves_of_the_trained_rows_are_their_positions():
+    """A reference file of the whole data, training on rows 2 to 4 of it (their positions 0 to 2):
+    the halves split those rows alone and name positions in the training rows."""
+    dynamics = pd.DataFrame({"index": [0, 1, 2, 3, 4, 5], "mean_perplexity": [1.0, 2.0, 9.0, 3.0, 5.0, 0.5]})
+    assert confidence_halves(dynamics, [2, 3, 4]) == ([1], [0, 2])
+    assert confidence_halves(dynamics, [4, 2]) == ([0], [1])  # training order, not index order
+
+
 def test_paired_batches_are_balanced_and_cover_every_sample():
     confident, unconfident = [0, 2, 4, 6], [1, 3, 5, 7, 9, 11]
     sampler = PairedBatchSampler(confident, unconfident, pairs=2, seed=1)
