@@ -64,6 +64,7 @@ class Option:
         kind: the values it takes (KIND_WORDS' keys; "?" after it: or None).
         choices: the values allowed, where they are few (taken from the policy's constants).
         at_least: the smallest value allowed.
+        at_most: the largest value allowed (a share: at_least=0, at_most=1).
         name: the option's name where it differs from the field's (Hub.name is config_name).
         flag: the command line's flag where it differs from --name-with-dashes (task is --target);
             an option on by default and given a flag is turned off by it (progress: --quiet).
@@ -77,6 +78,7 @@ class Option:
     kind: str = "str"
     choices: tuple[str, ...] | None = None
     at_least: float | None = None
+    at_most: float | None = None
     name: str | None = None
     flag: str | None = None
     flag_help: str | None = None
@@ -166,8 +168,10 @@ def check_options(obj: Any) -> None:
             value = typed(name, value, opt.kind)
         if opt.choices is not None and value is not None and value not in opt.choices:
             raise OptionError(name, f"must be one of {', '.join(map(str, opt.choices))}, got {value!r}")
-        if opt.at_least is not None and value is not None and value < opt.at_least:
-            raise OptionError(name, f"must be at least {opt.at_least:g}, got {value}")
+        low, high = opt.at_least, opt.at_most
+        if value is not None and ((low is not None and value < low) or (high is not None and value > high)):
+            raise OptionError(name, f"must be at least {low:g}, got {value}" if high is None else
+                              f"must be between {low:g} and {high:g}, got {value}")
         object.__setattr__(obj, f.name, value)
 
 

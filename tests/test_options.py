@@ -13,6 +13,7 @@ from gradspec.cli import COMMANDS, main
 from gradspec.cli import score as score_cli
 from gradspec.cli.config_file import config_values, run_options
 from gradspec.cli.options import add_options, options_from_args
+from gradspec.diagnose.diagnosis import Thresholds
 from gradspec.options import OptionError, declared, option, signature_of, split_options
 from gradspec.runs.config import RunSettings, ScoreConfig
 from gradspec.training.train import TrainConfig, check
@@ -110,3 +111,14 @@ def test_errors_name_options_as_the_caller_does(tmp_path, capsys):
         check(TrainConfig(out=str(tmp_path / "run")))
     assert main(["train", "--out", str(tmp_path / "run")]) == 2
     assert "pass --overwrite or choose another --out" in capsys.readouterr().err
+
+
+def test_diagnose_thresholds_are_declared_options(capsys):
+    parser = argparse.ArgumentParser()
+    COMMANDS["diagnose"].add_parser(parser.add_subparsers())
+    diagnose = parser._subparsers._group_actions[0].choices["diagnose"]
+    assert {d.name for d in declared(Thresholds)} <= {a.dest for a in diagnose._actions}
+    with pytest.raises(OptionError, match="^conflict_share must be between 0 and 1, got 2.0$"):
+        Thresholds(conflict_share=2)
+    assert main(["diagnose", "--base", "b", "--model", "m", "--data", "d.jsonl", "--conflict-share", "2"]) == 2
+    assert "gradspec: error: --conflict-share must be between 0 and 1, got 2.0" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from gradspec.cli.options import add_options, options_from_args
 from gradspec.cli.score import add_field_arguments, fields_of
 from gradspec.data.templates import TEMPLATES
 
@@ -25,16 +26,13 @@ def add_parser(sub) -> None:
     p.add_argument("--limit", type=int)
     p.add_argument("--device", default="cpu")
     add_field_arguments(p)
-    for name, default in vars(Thresholds()).items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default,
-                       help=f"{'seed of the sampling' if name == 'seed' else 'threshold'} (default {default}; see "
-                            "gradspec.diagnose.diagnosis.Thresholds)")
+    add_options(p, Thresholds)
 
 
 def run(args: argparse.Namespace) -> int:
     from gradspec.diagnose.diagnosis import Thresholds, diagnose
 
-    thresholds = Thresholds(**{k: getattr(args, k) for k in vars(Thresholds())})
+    thresholds = Thresholds(**options_from_args(Thresholds, args))
     report = diagnose(args.base, args.model, args.data, args.out, args.checkpoints, args.dynamics, args.scores,
                       args.template, args.max_length, args.limit, args.device, thresholds,
                       args.overwrite, fields_of(args))

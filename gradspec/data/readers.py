@@ -257,14 +257,17 @@ def _is_scalar(value: Any) -> bool:
 def read_samples(
     path: str | Path, fields: Fields = Fields(), limit: int | None = None,
     wanted: Callable[[int], bool] | None = None, on_error: str = "fail", hub: Hub = Hub(),
+    ended: Callable[[int], None] | None = None,
 ) -> Iterator[Sample]:
     """Samples in input order, index = 0-based position in the input; only those wanted.
 
     A bad row raises InputError (on_error="fail") or becomes a Sample whose error says what
-    is wrong and where (on_error="skip").
+    is wrong and where (on_error="skip"). ended(n): called with the input's rows when it ends
+    before the limit (a stream whose size nothing said).
     """
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+    index = -1
     for index, (where, record) in enumerate(read_records(path, wanted, hub)):
         if limit is not None and index >= limit:
             return
@@ -279,6 +282,8 @@ def read_samples(
                 raise RowError(str(e), index) from None
             sample = Sample(index, [], error=str(e))
         yield sample
+    if ended is not None and limit is not None and index + 1 < limit:
+        ended(index + 1)
 
 
 HUMANEVAL_SIZE = 164
@@ -301,10 +306,11 @@ def humaneval_samples(limit: int | None = None) -> Iterator[Sample]:
 def data_samples(
     path: str | Path | None, fields: Fields = Fields(), limit: int | None = None,
     wanted: Callable[[int], bool] | None = None, on_error: str = "fail", hub: Hub = Hub(),
+    ended: Callable[[int], None] | None = None,
 ) -> Iterator[Sample]:
     """``read_samples`` of path, or of the built-in HumanEval where no path is given."""
     if path is not None:
-        return read_samples(path, fields, limit, wanted, on_error, hub)
+        return read_samples(path, fields, limit, wanted, on_error, hub, ended)
     return (s for s in humaneval_samples(limit) if wanted is None or wanted(s.index))
 
 
@@ -315,6 +321,7 @@ class SampleStream(Iterator[Sample]):
 
     def __init__(self, samples: Iterator[Sample], head: Callable[[int], Iterator[Sample]]) -> None:
         self._samples, self._head = samples, head
+        self.input_rows: int | None = None  # the input's rows, once it ended before the limit
 
     def __next__(self) -> Sample:
         return next(self._samples)

@@ -37,13 +37,13 @@ import torch
 from rapidfuzz.distance import LCSseq
 
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
-from gradspec.data.errors import InputError, check_at_least, check_covers, check_share, check_writable
+from gradspec.data.errors import InputError, check_at_least, check_covers, check_writable
 from gradspec.data.models import check_device, check_model, load_model
 from gradspec.data.readers import Fields, Sample, read_samples
 from gradspec.data.templates import IGNORE_INDEX, Tokenized, check_response_tokens, tokenize
 from gradspec.diagnose.report import write_diagnosis
 from gradspec.engine.loss import next_token_positions
-from gradspec.options import OptionError, OptionExists, mention
+from gradspec.options import OptionError, OptionExists, check_options, mention, option
 from gradspec.runs.score_files import check_scored_input, module_mean, read_metadata, read_scores
 from gradspec.training.dynamics import from_checkpoints, measure, measure_tokens, read_dynamics, summarise
 
@@ -54,34 +54,43 @@ CAUSES = ("inconsistent_data", "forgetting", "pretraining_conflict", "missing_kn
 CRITERIA = ("reproduction", "likelihood")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Thresholds:
-    distractors: int = 3  # K
-    repetitions: int = 5  # R draws of distractors, and R sampled continuations
-    criterion: str = "reproduction"  # or "likelihood"
-    reproduced_rouge: float = 0.7
-    pool: int = 8  # distractors are drawn from this many most similar prompts
-    learned_accuracy: float = 0.9
-    near_duplicate: float = 0.95  # token ROUGE-L between prompts
-    divergent_rouge: float = 0.5  # responses below this ROUGE-L diverge
-    familiar_margin: float = 0.25  # prompt perplexity within this of the best-known quarter's: familiar
-    conflict_confidence: float = 0.5
-    conflict_share: float = 0.3
-    js_threshold: float = 0.1  # nats
-    missing_probability: float = 0.3
-    rare_count: int = 2  # a response token seen at most this often in all responses is rare
-    falling_loss: float = 0.05  # relative drop of perplexity from the last checkpoint to the final model
-    seed: int = 0
+    """What counts as unlearned, and which evidence points to which cause (docs/diagnose.md). Each
+    field is an option (gradspec.options): a flag of `gradspec diagnose` and a keyword here."""
 
-    def check(self) -> None:
-        """Each threshold in its range, or an error naming it."""
-        check_at_least({"distractors": self.distractors, "repetitions": self.repetitions, "pool": self.pool})
-        check_at_least({"rare_count": self.rare_count}, 0)
-        check_share({name: getattr(self, name) for name in (
-            "reproduced_rouge", "learned_accuracy", "near_duplicate", "divergent_rouge", "conflict_confidence",
-            "conflict_share", "missing_probability")})
-        if self.criterion not in CRITERIA:
-            raise OptionError("criterion", f"must be one of {', '.join(CRITERIA)}, got {self.criterion!r}")
+    distractors: int = option(3, "K: responses of similar prompts the gold one is tested against", kind="int",
+                              at_least=1)
+    repetitions: int = option(5, "R: draws of distractors, and sampled continuations", kind="int", at_least=1)
+    criterion: str = option("reproduction", "unlearned: no continuation reproduces the response (reproduction), "
+                            "or the gold response loses every draw (likelihood)", choices=CRITERIA)
+    reproduced_rouge: float = option(0.7, "token ROUGE-L a continuation must reach to reproduce the response",
+                                     kind="float", at_least=0, at_most=1)
+    pool: int = option(8, "distractors are drawn from this many most similar prompts", kind="int", at_least=1)
+    learned_accuracy: float = option(0.9, "teacher-forced token accuracy that counts as learned (forgetting: "
+                                     "learned at a checkpoint, below it now)", kind="float", at_least=0, at_most=1)
+    near_duplicate: float = option(0.95, "token ROUGE-L between prompts that makes them near-duplicates",
+                                   kind="float", at_least=0, at_most=1)
+    divergent_rouge: float = option(0.5, "near-duplicates whose responses' ROUGE-L is below this diverge "
+                                    "(inconsistent data)", kind="float", at_least=0, at_most=1)
+    familiar_margin: float = option(0.25, "a prompt is familiar to the base model when its perplexity is within "
+                                    "this share of the best-known quarter's", kind="float", at_least=0)
+    conflict_confidence: float = option(0.5, "the base model's probability on a wrong token that counts as "
+                                        "confident disagreement", kind="float", at_least=0, at_most=1)
+    conflict_share: float = option(0.3, "share of the response's tokens with confident disagreement for a "
+                                   "conflict with pre-training", kind="float", at_least=0, at_most=1)
+    js_threshold: float = option(0.1, "Jensen-Shannon divergence (nats) between the base and fine-tuned "
+                                 "next-token laws for a conflict", kind="float", at_least=0)
+    missing_probability: float = option(0.3, "mean token probability of the response below which an unfamiliar "
+                                        "prompt's knowledge is missing", kind="float", at_least=0, at_most=1)
+    rare_count: int = option(2, "a response token seen at most this often in all responses is rare", kind="int",
+                             at_least=0)
+    falling_loss: float = option(0.05, "relative drop of perplexity from the last checkpoint to the final model "
+                                 "that counts as still falling", kind="float", at_least=0)
+    seed: int = option(0, "seed of the distractor draws and the sampled continuations", kind="int")
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 def rouge_l(candidate: list[int], reference: list[int]) -> float:
@@ -225,7 +234,6 @@ def detect(tuned, base, tokenizer, samples: list[Sample], template: str = "plain
     the response and of the prompt, and the nearest other prompt with its response's ROUGE-L
     against this one. A sample with no response token to judge keeps its status and gets no
     signals and no verdict (`unlearned` is NA); most samples without one stop the run."""
-    thresholds.check()
     items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples]
     check_response_tokens(Counter(i.tokens.status for i in items))
     judged = [i for i in items if i.tokens.scorable]
@@ -328,13 +336,12 @@ def diagnose(base: str, model: str, data: str | Path, out: str | Path, checkpoin
              thresholds: Thresholds = Thresholds(), overwrite: bool = False, fields: Fields = Fields()) -> Path:
     """Detects and explains the unlearned samples of `model` (fine-tuned from `base` on `data`);
     writes diagnosis.parquet and report.md under out and returns the report's path."""
-    thresholds.check()  # every argument that can be checked, before the models load
     check_at_least({"limit": limit, "max_length": max_length})
     check_device(device)
     if dynamics is not None and checkpoints:
         raise OptionError((), f"give {mention('dynamics')} or {mention('checkpoints')}, not both")
-    for name, option in ((base, "base"), (model, "model"), *((c, "checkpoints") for c in checkpoints or [])):
-        check_model(name, option)
+    for name, given in ((base, "base"), (model, "model"), *((c, "checkpoints") for c in checkpoints or [])):
+        check_model(name, given)
     if Path(out).exists() and not Path(out).is_dir():
         raise OptionError("out", f"{out} is a file; diagnose writes a folder")
     if any((Path(out) / name).exists() for name in OUTPUTS) and not overwrite:

@@ -152,14 +152,18 @@ class ScoreConfig:
         values mix kinds, as text: readers.mixed_columns_of), and the input's head (SampleStream)."""
         def stream() -> Iterator[Sample]:
             text = mixed_columns_of(self.data, self.fields, self.limit, self.hub)  # read at the first row
-            for sample in data_samples(self.data, self.fields, self.limit, wanted, on_error, self.hub):
+            for sample in data_samples(self.data, self.fields, self.limit, wanted, on_error, self.hub, ended):
                 yield with_text_columns(sample, text)
 
         def head(n: int) -> Iterator[Sample]:
             limit = n if self.limit is None else min(n, self.limit)
             return data_samples(self.data, self.fields, limit, on_error="skip", hub=self.hub)
 
-        return SampleStream(stream(), head)
+        def ended(rows: int) -> None:
+            samples.input_rows = rows
+
+        samples = SampleStream(stream(), head)
+        return samples
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -62,6 +62,7 @@ PART = "part"  # in each part's metadata: {"chunk", "first_row", "last_row"}
 LOCK_BEAT_S = 30.0  # a lock's owner refreshes its file's time this often
 LOCK_STALE_S = 600.0  # a lock on another host not refreshed for this long: its owner is gone
 _MANIFEST = "manifest.json"
+_INPUT_END = "input_end.json"  # {"rows": n}: the input (a stream shorter than the limit) held n rows
 _SHARDS = "shards"  # the manifest's record of how many --shard processes split the run
 _WHOLE = "run.lock"
 _SHARD_LOCK = re.compile(r"shard-(\d+)-of-(\d+)\.lock")
@@ -282,10 +283,23 @@ class RunFolder:
             raise ValueError(f"cannot continue the run in {self.path}, its config differs: " + "; ".join(differences)
                              + "; pass --overwrite to start again with the new config")
 
+    def input_ended(self, rows: int) -> None:
+        """Records that the input held only rows rows (a stream that ended before the run's limit,
+        whose size nothing said before): the run's chunks end there, for merge and --resume alike."""
+        atomic_write(self.path / _INPUT_END, lambda f: f.write(json.dumps({"rows": rows}).encode()))
+
+    def _rows(self, records: int | None) -> int | None:
+        """The run's rows: records (planned), or fewer where the input was found to end sooner."""
+        try:
+            ended = json.loads((self.path / _INPUT_END).read_text())["rows"]
+        except (FileNotFoundError, ValueError, KeyError, TypeError):
+            return records
+        return records if records is None or not isinstance(ended, int) else min(records, ended)
+
     def _vet(self, config: dict[str, Any], records: int | None = None, shard: Shard | None = None) -> None:
         """Refuses the parts of another config or of other rows (records: the run's rows; None: rows
         unchecked), naming each; moves this shard's unreadable parts aside (shard None: leaves them)."""
-        config = _as_json(config)
+        config, records = _as_json(config), self._rows(records)
         fingerprint, chunk_rows = config_fingerprint(config), config.get("chunk_rows")
         chunks = None if records is None or chunk_rows is None else math.ceil(records / chunk_rows)
         problems = []
@@ -377,11 +391,12 @@ class RunFolder:
         if self._lock is None:
             self.acquire(Shard(), whole=True)
         try:
-            parts = self._mergeable(records, chunk_rows)
+            parts = self._mergeable(self._rows(records), chunk_rows)
             rows = self._write_merged(parts, chunk_rows)
             for p in parts:
                 p.unlink()
             (self.path / _MANIFEST).unlink(missing_ok=True)
+            (self.path / _INPUT_END).unlink(missing_ok=True)
             for p in self.path.iterdir():  # a killed write's temporaries: no live process writes here
                 if _TEMPORARY.fullmatch(p.name) and p.is_file():
                     p.unlink(missing_ok=True)

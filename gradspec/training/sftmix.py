@@ -159,11 +159,13 @@ class SFTMixTrainer(Trainer):
         return self.accelerator.prepare(loader)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Trainer's hook: NTP + mu * Mixup from one pass of the model's base (no logits over all tokens).
+        """Trainer's hook: NTP + mu * Mixup from one pass of the model (its logits at one position
+        only: the head is applied where the losses need it).
 
         Args:
-            model: The causal LM; its ``base_model`` gives the last hidden states and its output
-                embeddings the head.
+            model: The causal LM as Trainer passes it (wrapped by DDP or PEFT or not): called
+                itself, so that a wrapper's forward runs (DDP's gradient sync), for the last hidden
+                states; its output embeddings are the head.
             inputs: The batch: "input_ids", "attention_mask", "labels" (-100 outside the response),
                 its first half confident, its second unconfident.
             return_outputs: Also return {"hidden": the last hidden states}.
@@ -173,9 +175,10 @@ class SFTMixTrainer(Trainer):
             The scalar loss, or (loss, {"hidden": ...}) with return_outputs.
         """
         labels = inputs["labels"]
-        hidden = model.base_model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                                  use_cache=False).last_hidden_state
-        head = model.get_output_embeddings()
+        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False,
+                    output_hidden_states=True, logits_to_keep=1)
+        hidden = out.hidden_states[-1]  # after the final norm: what the head reads
+        head = self.accelerator.unwrap_model(model).get_output_embeddings()
         lam = self.beta.sample((len(labels) // 2,)).to(hidden.device, hidden.dtype)
         loss = ntp_loss(hidden, labels, head) + self.mu * mixup_loss(hidden, labels, head, lam)
         return (loss, {"hidden": hidden}) if return_outputs else loss

@@ -122,10 +122,15 @@ class WITLoss:
             vocab_size: Unused (the model passes it).
             num_items_in_batch: Trainer's count of the global batch's labels != -100; None: this
                 batch's own.
+            **kwargs: What else the model passes; shift_labels (labels shifted already, e.g. by
+                sequence parallelism) and an ignore_index other than -100 are refused, not ignored.
 
         Returns:
             The scalar WIT loss (wit_loss).
         """
+        if kwargs.get("shift_labels") is not None or kwargs.get("ignore_index", -100) != -100:
+            raise ValueError("WITLoss reads unshifted labels with -100 for no loss; this model call passed "
+                             "shift_labels or another ignore_index, which it cannot honour")
         return wit_loss(logits, labels, self.prompt_weight, self.response_weight, num_items_in_batch)
 
 

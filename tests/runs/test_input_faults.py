@@ -241,3 +241,22 @@ def test_the_response_token_guard_stops_every_part_of_a_run_alike(tmp_path, tiny
         assert "3 of 4 rows have no response tokens (empty_response 3): the responses are blank: check the output " \
                "or messages field (judged on the input's first 4 rows)" in capsys.readouterr().err
         assert not out.with_name(out.name + ".parts").exists()
+
+
+def test_a_stream_shorter_than_the_limit_ends_the_run_where_it_ends(tmp_path, tiny_model_dir):
+    """A folder of JSONL files streamed says nothing of its size: the run plans --limit rows (51 chunks
+    of 2 here), the stream ends after 5, and the run merges the 3 chunks it held (the README's
+    `--streaming --limit 100000` on a smaller split); a later merge of the same run agrees."""
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    _jsonl(folder / "part.jsonl", [GOOD] * 5)
+    out = tmp_path / "s.parquet"
+    df = gradspec.score(folder, tiny_model_dir, out, streaming=True, limit=101, chunk_rows=2, progress=False)
+    assert df["index"].tolist() == [0, 1, 2, 3, 4] and set(df["status"]) == {"ok"}
+    assert not (tmp_path / "s.parquet.parts").exists()
+    parted = tmp_path / "p.parquet"
+    assert main(["score", "--data", str(folder), "--model", str(tiny_model_dir), "--out", str(parted), "--streaming",
+                 "--limit", "101", "--chunk-rows", "2", "--no-merge", "--quiet"]) == 0
+    assert main(["merge", "--out", str(parted)]) == 0
+    pd.testing.assert_frame_equal(pd.read_parquet(parted).drop(columns="status"), df.drop(columns="status"),
+                                  check_dtype=False)

@@ -69,3 +69,28 @@ def test_sftmix_trainer_trains(tiny_model_dir, tokenizer, tmp_path):
     result = trainer.train()
     assert result.global_step == 4 and torch.isfinite(torch.tensor(result.training_loss))
     assert not torch.equal(before, model.model.layers[0].self_attn.q_proj.weight)
+
+
+def test_the_loss_goes_through_the_wrapper_trainer_passes(tiny_model_dir, tokenizer, tmp_path):
+    """Under DDP Trainer passes the wrapper: its forward must run (its gradient sync), and the loss is the
+    one of the model's last hidden states after the final norm (a one-process gloo group here)."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, report_to=[],
+                             remove_unused_columns=False, use_cpu=True)
+    trainer = SFTMixTrainer(model=model, args=args, train_dataset=ROWS, data_collator=WITCollator(tokenizer),
+                            confident=[0, 2], unconfident=[1, 3], mu=0.0)  # mu 0: no random Mixup weight
+    batch = WITCollator(tokenizer)([ROWS[0], ROWS[2], ROWS[1], ROWS[3]])
+    hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+    want = ntp_loss(hidden, batch["labels"], model.get_output_embeddings())
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        got = trainer.compute_loss(wrapped, batch)
+        got.backward()
+    finally:
+        dist.destroy_process_group()
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-6)
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is not None

@@ -40,6 +40,11 @@ def test_wit_equals_a_hand_computation():
         # what Trainer counts as num_items_in_batch is WIT's denominator, lr = 0 included
         assert int((labels[:, 1:] != IGNORE_INDEX).sum()) == count
         assert float(wit_loss(logits, labels, lp, lr, num_items=count)) == pytest.approx(-total / count, rel=1e-6)
+    loss = WITLoss(0.3, 0.8)
+    assert float(loss.model_loss(logits, labels, V, ignore_index=-100)) == float(wit_loss(logits, labels, 0.3, 0.8))
+    for unhonoured in ({"shift_labels": labels[:, 1:]}, {"ignore_index": 0}):  # refused, never ignored
+        with pytest.raises(ValueError, match="cannot honour"):
+            loss.model_loss(logits, labels, V, **unhonoured)
 
 
 def test_wit_at_0_1_is_the_standard_completion_loss(tokenizer):
