@@ -2,7 +2,7 @@
 
 Accuracy: the pool (HumanEval 0-47) and the task (20 other problems, 100-119) are aligned exactly
 (``SpectralEngine.set_task``), and through the Kronecker projection at k = 4, 8, 16, 32 per side. One
-pass at k = 32 gives every smaller k (``gradspec.align.projection.leading_block``). For the
+pass at k = 32 gives every smaller k (``gradspec.alignment.projection.leading_block``). For the
 whole-model `align_mean` and `align_mean_gradient`, printed: Pearson and Spearman correlation with the
 exact cosines, the mean absolute error, and how many of the exact top 10 are in the projected top 10.
 
@@ -22,8 +22,8 @@ import pytest
 import torch
 from scipy.stats import pearsonr, spearmanr
 
-from gradspec.align.cosines import projected_cosines
-from gradspec.align.projection import leading_block
+from gradspec.alignment.cosines import projected_cosines
+from gradspec.alignment.projection import leading_block
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, token_batches
 from gradspec.data.models import load_model
 from gradspec.data.readers import humaneval_samples

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gradspec.align.cosines import projected_cosines
-from gradspec.align.projection import leading_block
+from gradspec.alignment.cosines import projected_cosines
+from gradspec.alignment.projection import leading_block
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, token_batches
 from gradspec.data.models import load_model
 from gradspec.data.readers import Fields, humaneval_samples, read_samples

@@ -9,8 +9,6 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-import torch
-
 PACKAGES = ("gradspec", "torch", "transformers", "numpy", "scipy", "triton", "cupy-cuda12x", "cupy-cuda11x",
             "nvmath-python", "datasets", "peft", "pyarrow", "accelerate", "gguf")
 
@@ -43,6 +41,7 @@ def environment() -> dict[str, Any]:
         "cpu", "python", "platform" and "versions" (of the installed packages among PACKAGES).
     """
     import scipy.linalg  # noqa: F401  (loads SciPy's BLAS, so threadpoolctl can see it)
+    import torch  # here: `import gradspec` stays light
     from threadpoolctl import threadpool_info
 
     from gradspec.kernels import triton

@@ -131,3 +131,23 @@ def test_the_docstring_check_reads_google_sections():
     assert _problems("documented", documented, documented.__doc__, skip_first=False) == []
     assert _problems("undocumented", undocumented, undocumented.__doc__, skip_first=False) == [
         "undocumented: b not under Args:", "undocumented: returns something (annotated) but has no Returns:"]
+
+
+def test_import_gradspec_is_light():
+    """The public names load on first use: `import gradspec` (and so the command line, before it knows
+    its command) loads neither torch, pandas nor transformers."""
+    code = "import sys, gradspec; print(sorted({'torch', 'pandas', 'transformers'} & set(sys.modules)))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+def test_public_names_stay_what_they_are_whatever_is_imported():
+    """No public name is also a sub-package's: importing gradspec.<name> would replace the function."""
+    import importlib
+    import pkgutil
+    import types
+
+    for module in pkgutil.iter_modules(gradspec.__path__, "gradspec."):
+        if module.name != "gradspec.__main__":  # that one runs the command line
+            importlib.import_module(module.name)
+    for name in gradspec.__all__:
+        assert not isinstance(getattr(gradspec, name), types.ModuleType), name

@@ -13,7 +13,8 @@ from gradspec.cli import COMMANDS, main
 from gradspec.cli import score as score_cli
 from gradspec.cli.config_file import config_values, run_options
 from gradspec.cli.options import add_options, options_from_args
-from gradspec.diagnose.diagnosis import Thresholds
+from gradspec.data.shared_options import Reading
+from gradspec.diagnose.thresholds import Thresholds
 from gradspec.options import OptionError, declared, option, signature_of, split_options
 from gradspec.runs.config import RunSettings, ScoreConfig
 from gradspec.training.train import TrainConfig, check
@@ -122,3 +123,15 @@ def test_diagnose_thresholds_are_declared_options(capsys):
         Thresholds(conflict_share=2)
     assert main(["diagnose", "--base", "b", "--model", "m", "--data", "d.jsonl", "--conflict-share", "2"]) == 2
     assert "gradspec: error: --conflict-share must be between 0 and 1, got 2.0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("command", "classes", "own"), [
+    ("diagnose", (Reading, Thresholds), {"base", "model", "data", "checkpoints", "dynamics", "scores", "out",
+                                         "overwrite"}),
+    ("dynamics", (Reading,), {"checkpoints", "data", "out", "overwrite", "learned_accuracy"}),
+])
+def test_commands_that_read_data_take_the_shared_options(command, classes, own):
+    parser = argparse.ArgumentParser()
+    COMMANDS[command].add_parser(parser.add_subparsers())
+    dests = {a.dest for a in parser._subparsers._group_actions[0].choices[command]._actions} - {"help"}
+    assert dests == own | {d.name for cls in classes for d in declared(cls)}

@@ -3,18 +3,38 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+from collections.abc import Iterator, Mapping
+from types import ModuleType
 from typing import NoReturn
 
-from gradspec.cli import align, diagnose, dynamics, env, merge, project, report, score, select, train
 from gradspec.cli.config_file import config_values
 from gradspec.cli.given import given_options
 from gradspec.cli.options import flags_of
 from gradspec.data.readers import InputError
 from gradspec.options import OptionError
 
-COMMANDS = {"score": score, "align": align, "project": project, "select": select, "report": report, "merge": merge,
-            "train": train, "dynamics": dynamics, "diagnose": diagnose, "env": env}
+_NAMES = ("score", "align", "project", "select", "report", "merge", "train", "dynamics", "diagnose", "env")
+
+
+class _Commands(Mapping[str, ModuleType]):
+    """Each command's module (gradspec.cli.<name>), imported on first use: a command line loads
+    only its own command's modules, so that --help and argument errors come at once."""
+
+    def __getitem__(self, name: str) -> ModuleType:
+        if name not in _NAMES:
+            raise KeyError(name)
+        return importlib.import_module(f"gradspec.cli.{name}")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_NAMES)
+
+    def __len__(self) -> int:
+        return len(_NAMES)
+
+
+COMMANDS = _Commands()
 
 
 def _joined(argv: list[str]) -> list[str]:
@@ -74,9 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(
         prog="gradspec", description="Score SFT data by the singular-value spectra of per-sample layer-wise gradients.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in COMMANDS.values():
-        command.add_parser(sub)
     argv = _joined(sys.argv[1:] if argv is None else list(argv))
+    chosen = next((token for token in argv if not token.startswith("-")), None)
+    for name in [chosen] if chosen in COMMANDS else COMMANDS:  # all of them for `gradspec -h` or a typo
+        COMMANDS[name].add_parser(sub)
     args = _parse(parser, sub, argv)
     try:
         command_parser, from_config = sub.choices[args.command], {}

@@ -12,12 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from gradspec.cli.options import run_flags
-from gradspec.runs.config import ScoreConfig
 
 
-def run_options(config: ScoreConfig, recorded: Collection[str]) -> dict[str, Any]:
-    """A run's config as the options of the command that started it, by the flags' names: those its
-    record holds (describe leaves out what did not apply to the run, e.g. rank without lowrank)."""
+def run_options(config: Any, recorded: Collection[str]) -> dict[str, Any]:
+    """A run's config (a ScoreConfig) as the options of the command that started it, by the flags'
+    names: those its record holds (describe leaves out what did not apply to the run, e.g. rank without lowrank)."""
     return run_flags(asdict(config), type(config), recorded)
 
 
@@ -58,6 +57,8 @@ def config_values(path: str | Path, parser: argparse.ArgumentParser, command: st
     raw = _read(path)
     is_run = "version" in raw and isinstance(raw.get("fields"), dict)  # describe's output: a manifest or a score file
     if is_run:
+        from gradspec.runs.config import ScoreConfig  # a run's record: only the commands that start runs read one
+
         raw = run_options(ScoreConfig.from_manifest(raw), recorded=raw.keys())
     by_dest = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
     by_flag = {o.lstrip("-").replace("-", "_"): a for a in by_dest.values() for o in a.option_strings}

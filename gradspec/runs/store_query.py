@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from gradspec.align.cosines import projected_cosines
-from gradspec.align.projection import ProjectionCapture
-from gradspec.align.task import DEFAULT_AGGREGATES, alignment_metrics, check_aggregates
+from gradspec.alignment.cosines import projected_cosines
+from gradspec.alignment.projection import ProjectionCapture
+from gradspec.alignment.task import DEFAULT_AGGREGATES, alignment_metrics, check_aggregates
 from gradspec.data.batching import batch_tokens_for
 from gradspec.data.models import load_model
 from gradspec.data.readers import Fields

@@ -12,7 +12,8 @@ from pathlib import Path
 from gradspec.data.errors import InputError, check_at_least, check_covers, check_writable
 from gradspec.data.models import check_device, check_model
 from gradspec.data.readers import Fields, Sample, data_samples
-from gradspec.data.templates import NO_RESPONSE, TEMPLATES, check_response_tokens, tokenize
+from gradspec.data.shared_options import device_option, fields_option, limit_option, max_length_option, template_option
+from gradspec.data.templates import NO_RESPONSE, check_response_tokens, tokenize
 from gradspec.options import OptionError, OptionExists, check_options, mention, option
 
 log = logging.getLogger("gradspec")
@@ -40,10 +41,9 @@ class TrainConfig:
     mu: float | None = option(None, "SFTMix: weight of the Mixup term (default 0.2)", kind="float?", at_least=0)
     reference_dynamics: str | None = option(None, "SFTMix: dynamics file giving the confidence (default: "
                                             "perplexity under the starting model)", kind="path?")
-    template: str = option("plain", "how a row becomes text: plain, or the tokenizer's chat template",
-                           choices=TEMPLATES)
-    max_length: int = option(512, "tokens per sample at most", kind="int", at_least=1)
-    limit: int | None = option(None, "train on the first N samples", kind="int?", at_least=1)
+    template: str = template_option()
+    max_length: int = max_length_option(512)
+    limit: int | None = limit_option("train on")
     epochs: float = option(1.0, "passes over the data", kind="float")
     max_steps: int = option(-1, "stop after this many steps (-1: run the epochs)", kind="int")
     batch_size: int = option(4, "samples per step", kind="int", at_least=1)
@@ -51,8 +51,8 @@ class TrainConfig:
     monitor_every: int = option(5, "spectra of the training batch every N steps", kind="int", at_least=1)
     modules: str = option("attn", "modules the monitor scores (as for score)", kind="strs")
     seed: int = option(0, "seed of the data order and the model's initialisation", kind="int")
-    device: str = option("cpu", "cpu or cuda[:i]", kind="device")
-    fields: Fields = option(Fields(), "which of the input's columns holds what", group=True)
+    device: str = device_option()
+    fields: Fields = fields_option()
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -93,6 +93,7 @@ def check(config: TrainConfig) -> None:
 
 def train(config: TrainConfig) -> Path:
     """Runs the fine-tuning; returns the output folder (model, dynamics.parquet, monitor.parquet)."""
+    check(config)  # before transformers' Trainer loads: a mistake is named at once
     from transformers import Trainer, TrainingArguments
 
     from gradspec.data.models import load_model
@@ -101,7 +102,6 @@ def train(config: TrainConfig) -> Path:
     from gradspec.training.sftmix import SFTMixTrainer, confidence_halves
     from gradspec.training.wit import WITCollator, WITLoss, use_wit_loss
 
-    check(config)
     samples: list[Sample] = list(data_samples(config.data, config.fields, config.limit))
     if len(samples) < (2 if config.loss == "sftmix" else 1):
         raise InputError(f"{config.data or 'humaneval'}: {len(samples)} rows; "

@@ -161,7 +161,7 @@ def test_directions_that_would_not_fit_move_to_the_cross_route_or_stop():
     assert {d.route for d in dense.parts.values()} == {"dense"}
     want = engine.score(*pool)
     held = sum(d.W.numel() for d in dense.parts.values()) * 8
-    from gradspec.align.task import collect_task
+    from gradspec.alignment.task import collect_task
 
     engine.task = collect_task(engine.backward_pass, engine.targets, task, ALL, budget_bytes=held // 2)
     routes = [d.route for d in engine.task.parts.values()]

@@ -8,8 +8,8 @@ import pytest
 import torch
 from conftest import materialised_gradients, padded_batch, random_sequences, tiny_model
 
-from gradspec.align.cosines import projected_cosines
-from gradspec.align.projection import KroneckerProjection
+from gradspec.alignment.cosines import projected_cosines
+from gradspec.alignment.projection import KroneckerProjection
 from gradspec.cli import main
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.layers.hooks import BatchLayout, Capture
@@ -141,7 +141,7 @@ def test_projected_cosines_are_those_of_the_vectors():
 
 
 def test_a_leading_block_is_the_projection_by_the_leading_columns():
-    from gradspec.align.projection import leading_block
+    from gradspec.alignment.projection import leading_block
 
     model = tiny_model("llama", vocab=VOCAB).double()
     seqs = random_sequences([6, 11], VOCAB, seed=4)

@@ -129,12 +129,20 @@ def test_train_and_diagnose_write_folders(capsys, tmp_path, run, tiny_model_dir)
 @pytest.mark.parametrize(("flags", "message"), [
     (["--distractors", "0"], "--distractors must be at least 1, got 0"),
     (["--reproduced-rouge", "2"], "--reproduced-rouge must be between 0 and 1, got 2.0"),
-    (["--criterion", "foo"], "--criterion must be one of reproduction, likelihood, got 'foo'"),
     (["--limit", "0"], "--limit must be at least 1, got 0"),
 ])
 def test_diagnose_options(capsys, tmp_path, run, tiny_model_dir, flags, message):
     assert _error(capsys, "diagnose", "--base", tiny_model_dir, "--model", tiny_model_dir, "--data", run / "d.jsonl",
                   "--out", tmp_path / "d", *flags) == message
+
+
+def test_diagnose_choices_are_the_parsers(capsys, tmp_path, run, tiny_model_dir):
+    with pytest.raises(SystemExit) as stopped:  # argparse's own check of a declared option's choices
+        main(["diagnose", "--base", str(tiny_model_dir), "--model", str(tiny_model_dir), "--data",
+              str(run / "d.jsonl"), "--out", str(tmp_path / "d"), "--criterion", "foo"])
+    assert stopped.value.code == 2
+    assert "argument --criterion: invalid choice: 'foo' (choose from 'reproduction', 'likelihood')" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["diagnose", "train"])

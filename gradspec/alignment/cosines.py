@@ -1,5 +1,5 @@
 """Cosines between each pool sample's gradient and the task's, per part and over the whole scored
-model, from the inner products and squared norms the capture gives (see gradspec.align.task)."""
+model, from the inner products and squared norms the capture gives (see gradspec.alignment.task)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from gradspec.align.task import TaskGradients
+    from gradspec.alignment.task import TaskGradients
 
 
 def _nanmax(x: torch.Tensor) -> torch.Tensor:
@@ -58,7 +58,7 @@ def cosines(task: TaskGradients, results: dict[str, tuple[torch.Tensor, torch.Te
 
 def projected_cosines(pool: torch.Tensor, task: torch.Tensor, part_names: list[str], aggregates: tuple[str, ...]
                       ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """The same cosines from projected gradients (gradspec.align.projection): pool (N, dims) and
+    """The same cosines from projected gradients (gradspec.alignment.projection): pool (N, dims) and
     task (m, dims), each part's block of dims/len(part_names) in order -> ({part: (N, A)}, (N, A)).
     Estimates: inner products and norms are those of the projections (task rows: usable ones,
     see gradspec.runs.store_query.task_vectors)."""

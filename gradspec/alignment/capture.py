@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gradspec.align.cosines import cosines, flag_alignment
+from gradspec.alignment.cosines import cosines, flag_alignment
 from gradspec.layers.hooks import BatchLayout, Capture, Captured
 from gradspec.layers.registry import Part, Target
 from gradspec.linalg.host_copies import HostCopies
 
 if TYPE_CHECKING:
-    from gradspec.align.task import TaskGradients
+    from gradspec.alignment.task import TaskGradients
 
 
 class KeptCapture(Capture):

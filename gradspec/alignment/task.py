@@ -1,5 +1,5 @@
 """The task's gradients, as the pool is compared with them: per part, K directions (see
-gradspec.align.directions) and the norms the cosines divide by.
+gradspec.alignment.directions) and the norms the cosines divide by.
 
 Two passes over the task examples, each one forward and backward per batch: the first takes every
 example's squared gradient norm per part (and so over the model); the second builds the directions,
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gradspec.align.capture import KeptCapture
-from gradspec.align.directions import (
+from gradspec.alignment.capture import KeptCapture
+from gradspec.alignment.directions import (
     ROUTES,
     PartDirections,
     gram_norms2,
