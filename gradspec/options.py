@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import numbers
 import os
 import re
 import reprlib
+import textwrap
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +34,9 @@ class OptionError(ValueError):
         self.names = (names,) if isinstance(names, str) else tuple(names)
         self.text = text
         super().__init__(self.named({}))
+
+    def __reduce__(self) -> tuple:  # pickled whole (torchrun's ranks share a rank's error)
+        return type(self), (self.names, self.text)
 
     def named(self, flags: Mapping[str, str]) -> str:
         """The message with each option called by flags[name] (a name not in flags: as is)."""
@@ -166,6 +171,8 @@ def check_options(obj: Any) -> None:
             value = group_value(name, value, type(f.default))
         else:
             value = typed(name, value, opt.kind)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise OptionError(name, f"must be a finite number, got {value}")
         if opt.choices is not None and value is not None and value not in opt.choices:
             raise OptionError(name, f"must be one of {', '.join(map(str, opt.choices))}, got {value!r}")
         low, high = opt.at_least, opt.at_most
@@ -231,15 +238,18 @@ def signature_of(func: Callable, *classes: type, defaults: Mapping[str, Any] | N
     return inspect.signature(func).replace(parameters=own + extra)
 
 
-def options_doc(*classes: type, defaults: Mapping[str, Any] | None = None) -> str:
-    """An ``Options:`` section listing each class's Python options with their help and default."""
-    lines = ["", "Options (keyword-only; gradspec.options declares them):"]
-    seen = set()
+def options_doc(func: Callable, *classes: type, defaults: Mapping[str, Any] | None = None) -> str:
+    """An ``Options:`` section (indented as a docstring's body) listing each class's Python options
+    but func's own parameters, with their help and default."""
+    lines = ["", "    Options (keyword-only; gradspec.options declares them):"]
+    seen = set(inspect.signature(func).parameters)
     for cls in classes:
         for d in declared(cls, python=True):
             if d.name in seen:
                 continue
             seen.add(d.name)
             default = (defaults or {}).get(d.name, d.default)
-            lines.append(f"    {d.name}: {d.option.help} (default: {default!r})")
+            shown = "" if "default" in d.option.help else f" (default: {default!r})"
+            lines.append(textwrap.fill(f"{d.name}: {d.option.help}{shown}", 100, initial_indent=" " * 8,
+                                       subsequent_indent=" " * 12))
     return "\n".join(lines) + "\n"

@@ -8,7 +8,7 @@ Which blocks run
 - ```text blocks are output, layouts and file trees: never run, no marker needed.
 - ``<!-- not run: REASON -->`` on the line just before a fence skips that block. The reason is
   required. Markers are for what this machine cannot do: a GPU, torchrun or several nodes, a Slurm
-  array, the full default run (the README's first block).
+  array.
 - ``<!-- file: NAME -->`` on the line just before a fence: the block is the content of the file NAME,
   written into the page's folder when the page reaches it (not run; any language).
 - This test fails on any other block (another language, or none) without a marker, on a marker
@@ -18,7 +18,9 @@ How commands are run, and the only ways they are adapted
 - A bash block is split into commands: backslash continuations are joined, ``#`` comments dropped,
   new lines and ``&&`` separate commands. ``gradspec ...``, ``.venv/bin/gradspec ...`` and
   ``python -m gradspec ...`` run in-process through ``gradspec.cli.main(argv)`` and must return 0
-  (an argparse exit counts as its code). Any other program fails the test unless its block is marked.
+  (an argparse exit counts as its code). ``bash .ci/setup`` and ``.venv/bin/pytest -q`` (the README's
+  set-up and test commands) are what CI itself runs (.ci/run) around this test: taken as done. Any
+  other program fails the test unless its block is marked.
 - The default model is a tiny random Llama (conftest's ``tiny_model_dir``: 2 layers, SmolLM2's
   tokenizer): $GRADSPEC_CACHE points at a folder whose SmolLM2-135M-Instruct is that model, so the
   commands and python blocks that use the default model (``load_model()``, no ``--model``) load it.
@@ -64,6 +66,7 @@ MARKER = re.compile(r"^<!--\s*(not run|file)\b\s*:?\s*(.*?)\s*-->$")
 FENCE = re.compile(r"^(```+)\s*([\w+-]*)\s*$")
 
 MODEL_OPTIONS = ("--model", "--base", "--checkpoints")
+CI_ITSELF = (["bash", ".ci/setup"], [".venv/bin/pytest", "-q"])  # the README's set-up and test commands: .ci/run
 INPUT_OPTIONS = ("--data", "--target")
 SCORING = {"score", "align", "project", "train", "dynamics", "diagnose"}
 INPUT_FILES = ("data.jsonl", "my.jsonl", "other.jsonl", "train.jsonl", "pool.jsonl", "big.jsonl", "high.jsonl",
@@ -234,6 +237,8 @@ def _gradspec_argv(tokens: list[str]) -> list[str] | None:
 
 def _run_bash(block: Block, folder: Path, tiny: dict[str, Path]) -> None:
     for tokens in _commands(block.code):
+        if tokens in CI_ITSELF:
+            continue  # what .ci/run does before and around this test
         argv = _gradspec_argv(tokens)
         assert argv is not None, f"{block}: cannot run {shlex.join(tokens)!r} here; mark the block " \
                                  "<!-- not run: why --> if it needs what this machine lacks"

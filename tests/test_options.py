@@ -58,14 +58,28 @@ def test_an_added_field_is_a_flag_a_config_key_a_manifest_entry_and_a_keyword(tm
         TemperedConfig(temperature=-1)
 
 
-def test_score_and_align_take_every_declared_option():
-    for function in (gradspec.score, gradspec.align):
-        parameters = inspect.signature(function).parameters
-        for d in [*declared(ScoreConfig, python=True), *declared(RunSettings, python=True)]:
-            assert d.name in parameters, (function.__name__, d.name)
-    assert inspect.signature(gradspec.score).parameters["max_length"].default == 2048
-    assert inspect.signature(gradspec.align).parameters["spectra"].default is False
-    assert "max_length: tokens per sample at most" in gradspec.score.__doc__
+def test_score_and_align_route_each_option_where_it_belongs(monkeypatch, tmp_path):
+    """Each keyword reaches the config (what is computed) or the run settings (how), and align's own
+    defaults differ where they should; the signature and docstring list them all."""
+    from gradspec.runs import api
+
+    started = []
+    monkeypatch.setattr(api, "run", lambda config, out, **settings: started.append((config, out, settings)))
+    monkeypatch.setattr(api, "read_scores", lambda out: (None, None))
+    gradspec.score("d.jsonl", out=tmp_path / "s.parquet", max_length=64, fields={"output": "answer"},
+                   config_name="main", batch_tokens=512, progress=False, on_error="skip")
+    config, out, settings = started[-1]
+    assert (config.data, config.max_length, config.fields.output, config.hub.name) == ("d.jsonl", 64, "answer", "main")
+    assert out == str(tmp_path / "s.parquet")
+    assert (settings["batch_tokens"], settings["progress"], settings["on_error"]) == (512, False, "skip")
+    gradspec.align("d.jsonl", "t.jsonl", out=tmp_path / "a.parquet", aggregate=["max"])
+    config, _, _ = started[-1]
+    assert (config.task, config.aggregate, config.spectra) == ("t.jsonl", "max", False)
+    parameters = inspect.signature(gradspec.score).parameters
+    assert [p for p in parameters if p not in ("data", "model", "out")] == \
+        [d.name for cls in (ScoreConfig, RunSettings) for d in declared(cls, python=True) if d.name not in
+         ("data", "model")]
+    assert "    max_length: tokens per sample at most" in gradspec.score.__doc__
 
 
 @pytest.mark.parametrize(("command", "own"), [
@@ -135,3 +149,18 @@ def test_commands_that_read_data_take_the_shared_options(command, classes, own):
     COMMANDS[command].add_parser(parser.add_subparsers())
     dests = {a.dest for a in parser._subparsers._group_actions[0].choices[command]._actions} - {"help"}
     assert dests == own | {d.name for cls in classes for d in declared(cls)}
+
+
+def test_an_option_error_survives_pickling_and_a_nan_is_no_number():
+    """torchrun's ranks share one rank's error pickled; NaN passes every comparison, so it is refused."""
+    import pickle
+
+    from gradspec.options import OptionExists, mention
+
+    error = pickle.loads(pickle.dumps(OptionExists("out", f"x exists; pass {mention('overwrite')}")))
+    assert isinstance(error, FileExistsError) and error.named({"out": "--out", "overwrite": "--overwrite"}) == \
+        "--out x exists; pass --overwrite"
+    with pytest.raises(OptionError, match="^conflict_share must be a finite number, got nan$"):
+        Thresholds(conflict_share=float("nan"))
+    with pytest.raises(OptionError, match="^learning_rate must be a finite number, got inf$"):
+        TrainConfig(learning_rate=float("inf"))

@@ -13,7 +13,7 @@ from gradspec.cli.config_file import config_values
 from gradspec.cli.given import given_options
 from gradspec.cli.options import flags_of
 from gradspec.data.readers import InputError
-from gradspec.options import OptionError
+from gradspec.options import OptionError, declared
 
 _NAMES = ("score", "align", "project", "select", "report", "merge", "train", "dynamics", "diagnose", "env")
 
@@ -108,11 +108,19 @@ def main(argv: list[str] | None = None) -> int:
         args.given = given_options(command_parser, argv[argv.index(args.command) + 1:], set(from_config))
         return COMMANDS[args.command].run(args)
     except OptionError as e:  # named as the command line names it
-        print(f"gradspec: error: {e.named(flags_of(sub.choices[args.command]))}", file=sys.stderr)
+        print(f"gradspec: error: {e.named(_flags(sub.choices[args.command]))}", file=sys.stderr)
         return 2
     except (InputError, ValueError, OSError, RuntimeError) as e:
         print(f"gradspec: error: {e}", file=sys.stderr)
         return 2
+
+
+def _flags(command: argparse.ArgumentParser) -> dict[str, str]:
+    """Each option's flag: this command's own, else a run's (a merge's errors name score's flags)."""
+    from gradspec.runs.config import RunSettings, ScoreConfig
+
+    runs = {d.name: d.flag for cls in (ScoreConfig, RunSettings) for d in declared(cls)}
+    return {**runs, "shard": "--shard", **flags_of(command)}
 
 
 def _parse(parser: argparse.ArgumentParser, sub, argv: list[str]) -> argparse.Namespace:

@@ -12,7 +12,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("align", help="exact cosines of each sample's gradient with a task's -> Parquet")
     p.add_argument("--store", help="a store from `gradspec project` instead of --data: only the task goes through "
                                    "the model; the cosines are those of the projected gradients (estimates)")
-    score.add_run_arguments(p, "alignment.parquet", skip=("project",), defaults={"spectra": False})
+    score.add_run_arguments(p, "alignment.parquet", skip=("project",), defaults={"spectra": False},
+                            helps={"task": "examples of the task to align with (same formats and fields as --data); "
+                                           "required"})
 
 
 def run(args: argparse.Namespace) -> int:

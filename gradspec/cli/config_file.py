@@ -59,7 +59,10 @@ def config_values(path: str | Path, parser: argparse.ArgumentParser, command: st
     if is_run:
         from gradspec.runs.config import ScoreConfig  # a run's record: only the commands that start runs read one
 
-        raw = run_options(ScoreConfig.from_manifest(raw), recorded=raw.keys())
+        try:
+            raw = run_options(ScoreConfig.from_manifest(raw), recorded=raw.keys())
+        except (TypeError, ValueError) as e:  # a record edited by hand
+            raise ValueError(f"--config {path}: not a run's record as gradspec writes it: {e}") from None
     by_dest = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
     by_flag = {o.lstrip("-").replace("-", "_"): a for a in by_dest.values() for o in a.option_strings}
     values = {}
@@ -81,6 +84,9 @@ def _value(action: argparse.Action, value: Any, where: str, as_flag: bool) -> An
         if not isinstance(value, bool):
             raise ValueError(f"{where}: expected true or false, got {value!r}")
         return (action.const if value else action.default) if as_flag else value
+    if value is None and action.default is not None:
+        raise ValueError(f"{where}: expected a value, got null (leave the key out for the default, "
+                         f"{action.default!r})")
     if value is None:
         return None
     if isinstance(value, (dict, list, bool)):

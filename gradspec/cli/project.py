@@ -10,7 +10,9 @@ from gradspec.data.errors import check_at_least
 
 def add_parser(sub) -> None:
     p = sub.add_parser("project", help="store each sample's gradient under a random projection (for align --store)")
-    score.add_run_arguments(p, "store.parquet", skip=("task", "aggregate"), defaults={"spectra": False, "project": 16})
+    score.add_run_arguments(p, "store.parquet", skip=("task", "aggregate"), defaults={"spectra": False, "project": 16},
+                            helps={"project": "projection size per side: each sample's gradient stored under a k x k "
+                                              "Kronecker projection per module, for align --store"})
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,14 +28,14 @@ def add_parser(sub) -> None:
 
 
 def add_run_arguments(p: argparse.ArgumentParser, out: str, skip: tuple[str, ...] = (),
-                      defaults: dict[str, Any] | None = None) -> None:
+                      defaults: dict[str, Any] | None = None, helps: dict[str, str] | None = None) -> None:
     """The options of a scoring run, shared by score, align and project: ScoreConfig's (but skip) and
-    RunSettings' flags, with this command's defaults, and the run folder's own."""
+    RunSettings' flags, with this command's defaults and helps, and the run folder's own."""
     p.add_argument("--config", metavar="FILE",
                    help="options from a YAML or JSON file (keys: the flags' names), or a run's manifest.json or "
                         "score file to replay that run; flags given here override it")
     p.add_argument("--out", default=out, help=f"output Parquet file (default: {out})")
-    add_options(p, ScoreConfig, skip=skip, defaults=defaults)
+    add_options(p, ScoreConfig, skip=skip, defaults=defaults, helps=helps)
     add_options(p, RunSettings)
     p.add_argument("--shard", type=_shard, metavar="I/N",
                    help="score only shard I of N (e.g. a Slurm array task); join with `gradspec merge` "

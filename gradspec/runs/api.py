@@ -81,6 +81,6 @@ def align(data: str | Path | None, task: str | Path, model: str | Path | None = 
     return score(data, model, out, task=task, spectra=spectra, **options)
 
 
+score.__doc__ += options_doc(score, ScoreConfig, RunSettings)  # before the signature: score's own parameters
 score.__signature__ = signature_of(score, ScoreConfig, RunSettings)  # type: ignore[attr-defined]
-score.__doc__ += options_doc(ScoreConfig, RunSettings)
 align.__signature__ = signature_of(align, ScoreConfig, RunSettings)  # type: ignore[attr-defined]

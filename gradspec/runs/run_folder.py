@@ -43,7 +43,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gradspec.options import OptionExists, mention
+from gradspec.options import OptionError, OptionExists, mention
 from gradspec.runs.score_files import METADATA_KEY, atomic_write, schema_metadata, write_parquet
 
 log = logging.getLogger("gradspec")
@@ -198,8 +198,8 @@ class RunFolder:
         except FileNotFoundError:
             return None
         except json.JSONDecodeError as e:
-            raise ValueError(f"{self.path / _MANIFEST}: not a run's manifest ({e.msg}, line {e.lineno}); the run "
-                             "folder is damaged: --overwrite starts the run again") from None
+            raise OptionError((), f"{self.path / _MANIFEST}: not a run's manifest ({e.msg}, line {e.lineno}); the "
+                              f"run folder is damaged: {mention('overwrite')} starts the run again") from None
 
     def check(self, config: dict[str, Any], resume: bool, overwrite: bool, shards: int = 1,
               shard: Shard | None = None, unknown: tuple[str, ...] = (), member: bool = False) -> None:
@@ -280,8 +280,9 @@ class RunFolder:
                             old.get(k), config.get(k))
         differences = _differences(old, config, (set(old) | set(config)) - set(unknown), "in the run", "now")
         if differences:
-            raise ValueError(f"cannot continue the run in {self.path}, its config differs: " + "; ".join(differences)
-                             + "; pass --overwrite to start again with the new config")
+            raise OptionError((), f"cannot continue the run in {self.path}, its config differs: "
+                              + "; ".join(differences) + f"; pass {mention('overwrite')} to start again with the "
+                              "new config")
 
     def input_ended(self, rows: int) -> None:
         """Records that the input held only rows rows (a stream that ended before the run's limit,
@@ -315,9 +316,9 @@ class RunFolder:
                 continue  # another shard's, or found before the run starts: its owner moves it
             problems.append(f"{self.part(chunk).name}: {why}")
         if problems:
-            raise ValueError(f"cannot continue the run in {self.path}: {_parts(problems)} not of this run: "
-                             + "; ".join(problems) + "; move them out of the folder (their chunks are then scored "
-                             "again) or pass --overwrite to start again")
+            raise OptionError((), f"cannot continue the run in {self.path}: {_parts(problems)} not of this run: "
+                              + "; ".join(problems) + "; move them out of the folder (their chunks are then scored "
+                              f"again) or pass {mention('overwrite')} to start again")
 
     def _part_problem(self, chunk: int, fingerprint: str, config: dict[str, Any], records: int | None,
                       chunk_rows: int | None) -> str | None:
@@ -423,10 +424,9 @@ class RunFolder:
                     if (why := self._part_problem(c, fingerprint, config, records, chunk_rows)) is not None]
         if problems:
             damaged = any("damaged" in p for p in problems)
-            raise ValueError(
-                f"cannot merge {self.path}, nothing was written or deleted: " + "; ".join(problems)
-                + "; move the parts named out of the folder, then score their chunks again with --resume"
-                + (" (which moves a damaged part aside itself)" if damaged else ""))
+            raise OptionError((), f"cannot merge {self.path}, nothing was written or deleted: " + "; ".join(problems)
+                              + "; move the parts named out of the folder, then score their chunks again with "
+                              + mention("resume") + (" (which moves a damaged part aside itself)" if damaged else ""))
         return [self.part(c) for c in chunks]
 
     def _write_merged(self, parts: list[Path], chunk_rows: int) -> int:
@@ -442,9 +442,10 @@ class RunFolder:
                     try:
                         table = _conform(pq.read_table(p), schema)
                     except (pa.ArrowException, OSError) as e:
-                        raise ValueError(f"cannot merge {self.path}: {p.name}: damaged ({' '.join(str(e).split())})"
-                                         "; nothing was written or deleted: move it out of the folder, then --resume "
-                                         "scores its chunk again") from None
+                        raise OptionError((), f"cannot merge {self.path}: {p.name}: damaged "
+                                          f"({' '.join(str(e).split())}); nothing was written or deleted: move it "
+                                          f"out of the folder, then {mention('resume')} scores its chunk "
+                                          "again") from None
                     first = chunk * chunk_rows
                     if table["index"].to_pylist() != list(range(first, first + table.num_rows)):
                         raise ValueError(f"cannot merge {self.path}: {p.name}: its index column is not rows "
@@ -581,8 +582,9 @@ def _as_json(config: dict[str, Any]) -> dict[str, Any]:
 def _differences(recorded: dict[str, Any], config: dict[str, Any], keys: set[str], where: str, here: str) -> list[str]:
     """'key: value where, value here' for each of keys whose value differs between a recorded config
     and this one, less what a run may change (its shard count, its input files' sizes) and the model's
-    folder while its fingerprint is the same."""
-    return [f"{k}: {recorded.get(k)!r} {where}, {config.get(k)!r} {here}"
+    folder while its fingerprint is the same; each key mentioned (an OptionError names it as its
+    caller does: --target on the command line for the record's task)."""
+    return [f"{mention(k)}: {recorded.get(k)!r} {where}, {config.get(k)!r} {here}"
             for k in sorted(keys - {_SHARDS, *_INPUT_SIZES}) if recorded.get(k) != config.get(k)
             and (k not in _RECORDED or _other_model(recorded, config))]
 

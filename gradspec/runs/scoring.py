@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gradspec.data.batching import BATCH_TOKENS, batch_tokens_for
-from gradspec.data.errors import check_parquet_out, check_writable
+from gradspec.data.errors import OptionInputError, check_parquet_out, check_writable
 from gradspec.data.hub import loaded_once
 from gradspec.data.models import DEFAULT_MODEL, input_device, load_model, placement
 from gradspec.data.readers import InputError, count_records, read_samples
@@ -223,7 +223,8 @@ def _score_into(folder: RunFolder, created: bool, config: ScoreConfig, engine: S
         if created:  # stopped before any part: leave no run to --resume (abandon keeps one with parts)
             folder.abandon()
         if isinstance(e, InputError):  # a malformed row past the first
-            raise InputError(f"{e}; --on-error skip scores the other rows and lists the bad ones") from None
+            raise OptionInputError((), f"{e}; {mention('on_error')} skip scores the other rows and lists the bad "
+                                   "ones") from None
         raise
     finally:
         if engine.lockstep is not None:  # the other ranks' passes need this one's until all are done

@@ -47,6 +47,8 @@ def test_yaml_options_and_flags_over_them(tmp_path, started):
     ("max_length: long\n", "max_length: expected int, got 'long'"),
     ("template: fancy\n", "template: 'fancy' is not one of plain, chat"),
     ("classic: 3\n", "classic: expected true or false, got 3"),
+    ("max_length: null\n", "max_length: expected a value, got null (leave the key out for the default, 2048)"),
+    ("instruction-field: null\n", "instruction-field: expected a value, got null"),
     ("modules: [q, k]\n", "modules: expected a single value, got ['q', 'k']"),
     ("- a list\n", "expected a mapping of option names to values, got list"),
     ("data: [unclosed\n", "malformed YAML"),
@@ -56,6 +58,14 @@ def test_config_mistakes_are_named(tmp_path, capsys, started, text, message):
     assert main(["score", "--config", str(tmp_path / "run.yaml")]) == 2
     err = capsys.readouterr().err
     assert f"gradspec: error: --config {tmp_path / 'run.yaml'}" in err and message in err and not started
+
+
+def test_a_record_edited_by_hand_is_named(tmp_path, capsys, started):
+    record = ScoreConfig().describe()
+    (tmp_path / "manifest.json").write_text(json.dumps({**record, "max_length": "32"}))
+    assert main(["score", "--config", str(tmp_path / "manifest.json")]) == 2
+    assert f"--config {tmp_path / 'manifest.json'}: not a run's record as gradspec writes it: max_length must be " \
+           "an int, got str '32'" in capsys.readouterr().err and not started
 
 
 @pytest.mark.parametrize("config", [

@@ -187,7 +187,7 @@ def test_resume_and_replay_say_what_to_do(capsys, run, tiny_model_dir):
         f"{out} is already complete: nothing to resume (--overwrite scores it again)"
     assert main(["score", *map(str, common), "--out", str(run / "p.parquet"), "--no-merge"]) == 0
     err = _error(capsys, "score", *common, "--out", run / "p.parquet", "--resume", "--max-length", "64")
-    assert err.startswith(f"cannot continue the run in {run / 'p.parquet.parts'}, its config differs: max_length: "
+    assert err.startswith(f"cannot continue the run in {run / 'p.parquet.parts'}, its config differs: --max-length: "
                           "2048 in the run, 64 now")
     assert err.endswith("; pass --overwrite to start again with the new config")
     assert _error(capsys, "align", *common, "--target", run / "d.jsonl", "--aggregate", "", "--out",

@@ -67,7 +67,7 @@ def test_streaming_reads_the_same_rows(repo, tmp_path):
     plain.mkdir()
     (plain / "part.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _rows("p", 4)))
     assert len(list(read_samples(plain, hub=Hub(streaming=True)))) == 4
-    with pytest.raises(InputError, match="does not say how many rows split 'train' has: pass --limit N"):
+    with pytest.raises(InputError, match="does not say how many rows split 'train' has: pass limit N"):
         count_records(plain, Hub(streaming=True))
 
 

@@ -156,7 +156,7 @@ def test_tokenizer_that_leaves_no_response_token():
 def test_most_rows_without_response_tokens_stop_the_run():
     check_response_tokens({"ok": 2, "prompt_too_long": 1, "empty_response": 1})  # half: flagged rows, no stop
     with pytest.raises(ValueError, match=r"^412 of 500 rows have no response tokens \(no_response_tokens 400, "
-                                         r"prompt_too_long 12\): check the tokenizer and --template$"):
+                                         r"prompt_too_long 12\): check the tokenizer and template$"):
         check_response_tokens({"ok": 88, "no_response_tokens": 400, "prompt_too_long": 12})
 
 

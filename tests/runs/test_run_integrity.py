@@ -101,10 +101,10 @@ def test_parts_copied_in_from_another_run_are_refused_by_merge_and_resume(tmp_pa
     assert main(["merge", "--out", str(out)]) == 2
     err = _error(capsys)
     assert err.startswith(f"cannot merge {parts}, nothing was written or deleted: 00000001.parquet: its config "
-                          "differs: max_length: 64 in the part, 2048 in the run; 00000003.parquet: ")
+                          "differs: --max-length: 64 in the part, 2048 in the run; 00000003.parquet: ")
     assert not out.exists() and _files(parts) == before
     assert main(_args(tiny_model_dir, data, out, "--resume")) == 2
-    assert "00000005.parquet: its config differs: max_length: 64 in the part, 2048 in the run" in _error(capsys)
+    assert "00000005.parquet: its config differs: --max-length: 64 in the part, 2048 in the run" in _error(capsys)
     assert _files(parts) == before
 
 
@@ -116,7 +116,7 @@ def test_a_deleted_manifest_then_resume_with_another_config_is_refused(tmp_path,
     assert main(_args(tiny_model_dir, data, out, "--resume", "--max-length", "64")) == 2
     err = _error(capsys)
     assert err.startswith(f"cannot continue the run in {parts}: 3 parts are not of this run: 00000000.parquet: "
-                          "its config differs: max_length: 2048 in the part, 64 in the run; ")
+                          "its config differs: --max-length: 2048 in the part, 64 in the run; ")
     assert _files(parts) == ["00000000.parquet", "00000002.parquet", "00000004.parquet"]  # no manifest written
 
 
@@ -160,8 +160,8 @@ def test_merge_deletes_nothing_it_did_not_merge(tmp_path, tiny_model_dir, data, 
                               "folder, then score their chunks again with --resume")
     assert not out.exists() and _files(parts) == before
     (parts / "00000099.parquet").unlink()
-    for edit, said in (({"chunk_rows": 8}, "chunk_rows: 4 in the part, 8 in the run"),
-                       ({"limit": 12}, "limit: None in the part, 12 in the run")):
+    for edit, said in (({"chunk_rows": 8}, "--chunk-rows: 4 in the part, 8 in the run"),
+                       ({"limit": 12}, "--limit: None in the part, 12 in the run")):
         (parts / "manifest.json").write_text(json.dumps({**manifest, **edit}))  # a run's record edited
         assert main(["merge", "--out", str(out)]) == 2
         err = _error(capsys)

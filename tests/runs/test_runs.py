@@ -116,7 +116,7 @@ def test_unfinished_run_needs_resume_and_the_same_config(tmp_path, tiny_model_di
     assert "holds an unfinished run (5 parts done); pass --resume" in capsys.readouterr().err
     assert main(_args(tiny_model_dir, data, out, "--resume", "--max-length", "64", "--modules", "mlp")) == 2
     err = capsys.readouterr().err
-    assert "config differs: max_length: 2048 in the run, 64 now; modules: 'attn' in the run, 'mlp' now" in err
+    assert "config differs: --max-length: 2048 in the run, 64 now; --modules: 'attn' in the run, 'mlp' now" in err
     assert main(["merge", "--out", str(out)]) == 2
     assert "5 chunks not scored yet (1, 3, 5, 7, 9)" in capsys.readouterr().err
     assert main(_args(tiny_model_dir, data, out, "--shard", "1/3")) == 2  # would score chunks 1, 4, 7: a mix

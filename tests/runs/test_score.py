@@ -63,7 +63,7 @@ def test_bad_line_keeps_rows_already_written(tmp_path, tiny_model_dir):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2] + ROWS[4:]) + "{broken\n")
     out = tmp_path / "s.parquet"
-    with pytest.raises(InputError, match=rf"{path}:4: malformed JSON.*; --on-error skip scores the other rows and "
+    with pytest.raises(InputError, match=rf"{path}:4: malformed JSON.*; on_error skip scores the other rows and "
                                          "lists the bad ones"):
         gradspec.score(path, str(tiny_model_dir), out, progress=False, chunk_rows=2)
     kept = pq.read_table(tmp_path / "s.parquet.parts" / "00000000.parquet").to_pandas()
