@@ -80,7 +80,7 @@ def test_cli_align_spectra_resume_and_select(tmp_path, tiny_model_dir, capsys):
     other = _write_jsonl(tmp_path / "other.jsonl", TASK[:1])
     changed = [*halves, "--resume"]
     changed[changed.index(str(task))] = str(other)
-    assert main(changed) == 2 and "config differs: task" in capsys.readouterr().err
+    assert main(changed) == 2 and "config differs: --target" in capsys.readouterr().err
     assert main([*halves, "--resume"]) == 0
     pd.testing.assert_frame_equal(pd.read_parquet(half), first)
     assert main([*args[:-4], "--aggregate", "median", "--overwrite"]) == 2
