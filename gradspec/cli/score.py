@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     folder = RunFolder(args.out)
     # merged: the file is there and no part is left (a folder kept for files the run did not write aside)
     if Path(args.out).exists() and not any(folder.path.glob("*.parquet")):
-        print(run_summary(args.out, statuses))
+        print(run_summary(args.out))
     else:
         print(f"{written(statuses, folder.path)}; when all are done: "
               f"gradspec merge --out {args.out}")

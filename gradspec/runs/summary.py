@@ -33,10 +33,11 @@ def written(statuses: Counter[str], where: str | Path) -> str:
     return f"wrote {sum(statuses.values())} rows to {where}: {counts}"
 
 
-def run_summary(out: str | Path, statuses: Counter[str]) -> str:
-    """The lines printed at the end of a run whose output file is written."""
-    lines = [written(statuses, out)]
+def run_summary(out: str | Path) -> str:
+    """The lines printed at the end of a run whose output file is written: the file's rows (all of
+    them, whichever process or earlier run scored them), their means, the next commands."""
     wide, long = read_scores(out)
+    lines = [written(Counter(wide["status"]), out)]
     complete_rows = int(complete(wide["status"]).sum())
     if complete_rows == 0:
         return "\n".join([*lines, "no row was scored: the statuses above say why (docs/inputs.md: malformed rows "

@@ -36,3 +36,13 @@ def test_a_shard_says_how_to_merge(tmp_path, tiny_model_dir, capsys):
     assert main(["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--quiet",
                  "--shard", "0/2", "--chunk-rows", "1"]) == 0
     assert f"when all are done: gradspec merge --out {out}" in capsys.readouterr().out
+
+
+def test_the_summary_after_a_resume_counts_the_whole_file(tmp_path, tiny_model_dir, capsys):
+    """A resume that only merges what an earlier run scored says how many rows the file holds."""
+    data, out = tmp_path / "d.jsonl", tmp_path / "s.parquet"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    common = ["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--quiet",
+              "--chunk-rows", "1"]
+    assert main([*common, "--no-merge"]) == 0 and main([*common, "--resume"]) == 0
+    assert f"wrote 3 rows to {out}: 3 ok" in capsys.readouterr().out
