@@ -97,6 +97,7 @@ def train(config: TrainConfig) -> Path:
     from transformers import Trainer, TrainingArguments
 
     from gradspec.data.models import load_model
+    from gradspec.layers.targets import select_targets
     from gradspec.training.dynamics import DynamicsCallback
     from gradspec.training.monitor_callback import SpectralMonitorCallback
     from gradspec.training.sftmix import SFTMixTrainer, confidence_halves
@@ -113,6 +114,7 @@ def train(config: TrainConfig) -> Path:
                      "reference_dynamics", config.reference_dynamics)
     model, tokenizer = load_model(config.model, config.device)
     _check_labels(samples, tokenizer, config.template, config.max_length)
+    select_targets(model, config.modules)  # the monitor's modules, named now if none matches: not at its first step
     rows = [{"messages": s.messages} for s in samples]
     out = Path(config.out)
     args = TrainingArguments(

@@ -56,3 +56,12 @@ def test_train_stops_when_most_samples_have_no_response_tokens(data, one_token_m
     assert main(args) == 2
     assert "8 of 8 rows have no response tokens (no_response_tokens 8): check the tokenizer" in capsys.readouterr().err
     assert not (tmp_path / "run" / "model").exists()
+
+
+def test_monitor_modules_that_match_nothing_stop_before_training(data, tiny_model_dir, tmp_path, capsys):
+    """Named before the first step, not when the monitor first runs (after --monitor-every steps)."""
+    args = ["train", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(tmp_path / "run"),
+            "--modules", "zzz", "--max-steps", "1"]
+    assert main(args) == 2
+    assert "no module matches --modules 'zzz'" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "model").exists()
