@@ -19,8 +19,8 @@ def add_parser(sub) -> None:
     p.add_argument("--bottom", action="store_true", help="keep the lowest scores (default: the highest)")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--fraction", type=float)
-    size.add_argument("--count", type=int)
+    size.add_argument("--fraction", type=float, help="keep this share of the complete rows (0 < F <= 1)")
+    size.add_argument("--count", type=int, help="keep this many rows")
     p.add_argument("--length-buckets", type=int, default=0, help="choose within this many length quantiles")
 
 

@@ -83,4 +83,5 @@ def align(data: str | Path | None, task: str | Path, model: str | Path | None = 
 
 score.__doc__ += options_doc(score, ScoreConfig, RunSettings)  # before the signature: score's own parameters
 score.__signature__ = signature_of(score, ScoreConfig, RunSettings)  # type: ignore[attr-defined]
+align.__doc__ += options_doc(align, ScoreConfig, RunSettings)
 align.__signature__ = signature_of(align, ScoreConfig, RunSettings)  # type: ignore[attr-defined]

