@@ -20,6 +20,19 @@ def run_options(config: Any, recorded: Collection[str]) -> dict[str, Any]:
     return run_flags(asdict(config), type(config), recorded)
 
 
+def _model_found(record: dict[str, Any]) -> dict[str, Any]:
+    """The record with its model as found from here: a model folder given by a path relative to where
+    that run started (not found from here) is the folder the record says it resolved to, where that
+    still holds it (a Hub id, resolved into the Hub's cache, and the default model stay as named)."""
+    from gradspec.data.models import DEFAULT_MODEL
+
+    model, folder = record.get("model"), record.get("model_path")
+    if not isinstance(model, str) or not isinstance(folder, str) or model == DEFAULT_MODEL or Path(model).exists() or \
+            Path(model).is_absolute() or "models--" in folder or not Path(folder).is_dir():
+        return record
+    return {**record, "model": folder}
+
+
 def _read(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"--config {path}: {'a folder' if path.is_dir() else 'no such file'}; pass a YAML or JSON "
@@ -60,7 +73,7 @@ def config_values(path: str | Path, parser: argparse.ArgumentParser, command: st
         from gradspec.runs.config import ScoreConfig  # a run's record: only the commands that start runs read one
 
         try:
-            raw = run_options(ScoreConfig.from_manifest(raw), recorded=raw.keys())
+            raw = run_options(ScoreConfig.from_manifest(_model_found(raw)), recorded=raw.keys())
         except (TypeError, ValueError) as e:  # a record edited by hand
             raise ValueError(f"--config {path}: not a run's record as gradspec writes it: {e}") from None
     by_dest = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}

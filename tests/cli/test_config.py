@@ -101,3 +101,23 @@ def test_a_run_replays_from_its_file_and_its_manifest(tmp_path, tiny_model_dir, 
     assert main(["score", "--config", str(aligned), "--out", str(tmp_path / "x.parquet")]) == 2
     assert "'target' is not an option of gradspec score (this run's record is another command's" \
         in capsys.readouterr().err
+
+
+def test_a_run_with_a_relative_model_replays_from_another_folder(tmp_path, tiny_model_dir, monkeypatch):
+    """The record names the model as typed (models/tiny, relative to where the run started) and the
+    folder it resolved to: a replay from elsewhere loads that folder, and scores the same rows."""
+    import shutil
+
+    start, elsewhere = tmp_path / "start", tmp_path / "elsewhere"
+    shutil.copytree(tiny_model_dir, start / "models" / "tiny")
+    elsewhere.mkdir()
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    monkeypatch.chdir(start)
+    first = tmp_path / "first.parquet"
+    assert main(["score", "--model", "models/tiny", "--data", str(data), "--out", str(first), "--quiet",
+                 "--instruction-field", "q", "--output-field", "a", "--max-length", "24", "--modules", "v"]) == 0
+    monkeypatch.chdir(elsewhere)
+    again = tmp_path / "again.parquet"
+    assert main(["score", "--config", str(first), "--out", str(again), "--quiet"]) == 0
+    pd.testing.assert_frame_equal(pd.read_parquet(first), pd.read_parquet(again))
