@@ -223,33 +223,22 @@ def split_options(options: Mapping[str, Any], *classes: type, caller: str) -> li
     return parts
 
 
-def signature_of(func: Callable, *classes: type, defaults: Mapping[str, Any] | None = None) -> inspect.Signature:
-    """func's own parameters (before its **options), then each class's options as keyword-only
-    parameters with their types and defaults (defaults: the caller's own where they differ)."""
+def expose(func: Callable, *classes: type) -> None:
+    """Gives func (which takes ``**options``) each class's Python options but its own parameters:
+    as keyword-only parameters in its signature, with their types and defaults, and as an
+    ``Options:`` section (indented as a docstring's body) with their help and default."""
     own = [p for p in inspect.signature(func).parameters.values() if p.kind != p.VAR_KEYWORD]
     taken = {p.name for p in own}
-    extra = []
+    extra, lines = [], ["", "    Options (keyword-only; gradspec.options declares them):"]
     for cls in classes:
         for d in declared(cls, python=True):
-            if d.name not in taken:
-                taken.add(d.name)
-                extra.append(inspect.Parameter(d.name, inspect.Parameter.KEYWORD_ONLY, annotation=d.field.type,
-                                               default=(defaults or {}).get(d.name, d.default)))
-    return inspect.signature(func).replace(parameters=own + extra)
-
-
-def options_doc(func: Callable, *classes: type, defaults: Mapping[str, Any] | None = None) -> str:
-    """An ``Options:`` section (indented as a docstring's body) listing each class's Python options
-    but func's own parameters, with their help and default."""
-    lines = ["", "    Options (keyword-only; gradspec.options declares them):"]
-    seen = set(inspect.signature(func).parameters)
-    for cls in classes:
-        for d in declared(cls, python=True):
-            if d.name in seen:
+            if d.name in taken:
                 continue
-            seen.add(d.name)
-            default = (defaults or {}).get(d.name, d.default)
-            shown = "" if "default" in d.option.help else f" (default: {default!r})"
+            taken.add(d.name)
+            extra.append(inspect.Parameter(d.name, inspect.Parameter.KEYWORD_ONLY, annotation=d.field.type,
+                                           default=d.default))
+            shown = "" if "default" in d.option.help else f" (default: {d.default!r})"
             lines.append(textwrap.fill(f"{d.name}: {d.option.help}{shown}", 100, initial_indent=" " * 8,
                                        subsequent_indent=" " * 12))
-    return "\n".join(lines) + "\n"
+    func.__signature__ = inspect.signature(func).replace(parameters=own + extra)  # type: ignore[attr-defined]
+    func.__doc__ = (func.__doc__ or "") + "\n".join(lines) + "\n"

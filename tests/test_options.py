@@ -15,7 +15,7 @@ from gradspec.cli.config_file import config_values, run_options
 from gradspec.cli.options import add_options, options_from_args
 from gradspec.data.shared_options import Reading
 from gradspec.diagnose.thresholds import Thresholds
-from gradspec.options import OptionError, declared, option, signature_of, split_options
+from gradspec.options import OptionError, declared, expose, option, split_options
 from gradspec.runs.config import RunSettings, ScoreConfig
 from gradspec.training.train import TrainConfig, check
 
@@ -51,7 +51,12 @@ def test_an_added_field_is_a_flag_a_config_key_a_manifest_entry_and_a_keyword(tm
 
     given, settings = split_options({"temperature": 3, "device": "cpu"}, TemperedConfig, RunSettings, caller="score")
     assert given == {"temperature": 3} and settings == {"device": "cpu"}
-    assert "temperature" in signature_of(gradspec.score, TemperedConfig, RunSettings).parameters
+    def scored(data=None, **options):
+        """Scores."""
+
+    expose(scored, TemperedConfig, RunSettings)
+    assert "temperature" in inspect.signature(scored).parameters
+    assert "temperature: softmax temperature of the loss (default: 1.0)" in scored.__doc__
     with pytest.raises(TypeError, match="^temperature must be a number, got str 'hot'$"):
         TemperedConfig(temperature="hot")
     with pytest.raises(OptionError, match="^temperature must be at least 0, got -1.0$"):

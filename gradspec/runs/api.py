@@ -10,7 +10,7 @@ from typing import Any
 import pandas as pd
 
 from gradspec.data.batching import batch_tokens_for
-from gradspec.options import options_doc, signature_of, split_options, typed
+from gradspec.options import expose, split_options, typed
 from gradspec.runs.chunks import score_samples
 from gradspec.runs.config import RunSettings, ScoreConfig, check_settings
 from gradspec.runs.score_files import read_scores
@@ -81,7 +81,5 @@ def align(data: str | Path | None, task: str | Path, model: str | Path | None = 
     return score(data, model, out, task=task, spectra=spectra, **options)
 
 
-score.__doc__ += options_doc(score, ScoreConfig, RunSettings)  # before the signature: score's own parameters
-score.__signature__ = signature_of(score, ScoreConfig, RunSettings)  # type: ignore[attr-defined]
-align.__doc__ += options_doc(align, ScoreConfig, RunSettings)
-align.__signature__ = signature_of(align, ScoreConfig, RunSettings)  # type: ignore[attr-defined]
+expose(score, ScoreConfig, RunSettings)
+expose(align, ScoreConfig, RunSettings)
