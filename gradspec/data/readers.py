@@ -321,7 +321,6 @@ class SampleStream(Iterator[Sample]):
 
     def __init__(self, samples: Iterator[Sample], head: Callable[[int], Iterator[Sample]]) -> None:
         self._samples, self._head = samples, head
-        self.input_rows: int | None = None  # the input's rows, once it ended before the limit
 
     def __next__(self) -> Sample:
         return next(self._samples)

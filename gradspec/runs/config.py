@@ -153,9 +153,11 @@ class ScoreConfig:
             return self.limit
         return n if self.limit is None else min(n, self.limit)
 
-    def samples(self, wanted: Callable[[int], bool] | None = None, on_error: str = "fail") -> SampleStream:
+    def samples(self, wanted: Callable[[int], bool] | None = None, on_error: str = "fail",
+                ended: Callable[[int], None] | None = None) -> SampleStream:
         """The rows wanted, in order, each carried column typed as in the whole input (a column whose
-        values mix kinds, as text: readers.mixed_columns_of), and the input's head (SampleStream)."""
+        values mix kinds, as text: readers.mixed_columns_of), and the input's head (SampleStream).
+        ended(n): told the input's rows when it ends before the limit (readers.read_samples)."""
         def stream() -> Iterator[Sample]:
             text = mixed_columns_of(self.data, self.fields, self.limit, self.hub)  # read at the first row
             for sample in data_samples(self.data, self.fields, self.limit, wanted, on_error, self.hub, ended):
@@ -165,11 +167,7 @@ class ScoreConfig:
             limit = n if self.limit is None else min(n, self.limit)
             return data_samples(self.data, self.fields, limit, on_error="skip", hub=self.hub)
 
-        def ended(rows: int) -> None:
-            samples.input_rows = rows
-
-        samples = SampleStream(stream(), head)
-        return samples
+        return SampleStream(stream(), head)
 
 
 @dataclass(frozen=True, kw_only=True)

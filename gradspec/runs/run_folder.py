@@ -286,7 +286,8 @@ class RunFolder:
 
     def input_ended(self, rows: int) -> None:
         """Records that the input held only rows rows (a stream that ended before the run's limit,
-        whose size nothing said before): the run's chunks end there, for merge and --resume alike."""
+        whose size nothing said before): the run's chunks end there, for merge and --resume alike.
+        Called as the stream ends, before the part that holds its last row is written."""
         atomic_write(self.path / _INPUT_END, lambda f: f.write(json.dumps({"rows": rows}).encode()))
 
     def _rows(self, records: int | None) -> int | None:
@@ -348,12 +349,7 @@ class RunFolder:
         first, last = chunk * chunk_rows, min((chunk + 1) * chunk_rows, records) - 1
         held = meta.get(PART) or {}
         got = held.get("chunk"), held.get("first_row"), held.get("last_row"), footer.num_rows
-        fits = got == (chunk, first, last, last - first + 1)
-        if not fits and chunk == chunks - 1 and (config.get("hub") or {}).get("streaming"):
-            end = got[2]  # a stream shorter than --limit ends within the run's last chunk
-            fits = got[:2] == (chunk, first) and isinstance(end, int) and first <= end < last and \
-                got[3] == end - first + 1
-        if not fits:
+        if got != (chunk, first, last, last - first + 1):
             return (f"it holds rows {got[1]}-{got[2]} of chunk {got[0]} ({got[3]} rows), but chunk {chunk} of "
                     f"the run is rows {first}-{last}")
         return None

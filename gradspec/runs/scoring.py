@@ -210,15 +210,11 @@ def _score_into(folder: RunFolder, created: bool, config: ScoreConfig, engine: S
     """Scores the rows wanted into the folder's parts (score_samples); the engine is closed however
     that ends. created: this process made the folder, which a run stopped before any part abandons."""
     try:
-        samples = config.samples(wanted, on_error)
-        statuses = score_samples(
-            samples, engine, tokenizer,
+        return score_samples(  # a stream shorter than the limit: the run ends where it did (input_ended)
+            config.samples(wanted, on_error, folder.input_ended), engine, tokenizer,
             lambda chunk, rows: folder.write_part(chunk, rows, {**metadata, **engine.policy.describe()}),
             config.chunk_rows, config.template, config.max_length, batch_tokens, progress, total,
         )
-        if samples.input_rows is not None:  # a stream shorter than the limit: the run ends where it did
-            folder.input_ended(samples.input_rows)
-        return statuses
     except BaseException as e:
         if created:  # stopped before any part: leave no run to --resume (abandon keeps one with parts)
             folder.abandon()

@@ -260,3 +260,24 @@ def test_a_stream_shorter_than_the_limit_ends_the_run_where_it_ends(tmp_path, ti
     assert main(["merge", "--out", str(parted)]) == 0
     pd.testing.assert_frame_equal(pd.read_parquet(parted).drop(columns="status"), df.drop(columns="status"),
                                   check_dtype=False)
+
+
+def test_where_a_stream_ended_is_recorded_before_its_last_part(tmp_path, tiny_model_dir, monkeypatch):
+    """A run killed after writing the part that holds the stream's last row still knows where the
+    input ended: --resume and merge then expect no further chunk."""
+    from gradspec.runs.run_folder import RunFolder
+
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    _jsonl(folder / "part.jsonl", [GOOD] * 5)
+    seen = []
+    write_part = RunFolder.write_part
+
+    def recording(self, chunk, rows, metadata):
+        seen.append((chunk, (self.path / "input_end.json").exists()))
+        write_part(self, chunk, rows, metadata)
+
+    monkeypatch.setattr(RunFolder, "write_part", recording)
+    gradspec.score(folder, tiny_model_dir, tmp_path / "s.parquet", streaming=True, limit=101, chunk_rows=2,
+                   progress=False)
+    assert seen == [(0, False), (1, False), (2, True)]
