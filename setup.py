@@ -16,7 +16,8 @@ setup(
             "gradspec._C",
             ["csrc/spectral.cpp"],
             cxx_std=17,
-            extra_compile_args=["-O3"],
+            extra_compile_args=["-O3", "-fopenmp"],
+            extra_link_args=["-fopenmp"],  # libgomp.so.1: torch's own copy when torch is imported first
         )
     ],
     cmdclass={"build_ext": build_ext},

@@ -408,7 +408,7 @@ def _host_rates(threads: int, quick: bool, reps: int) -> OpRates:
 
         def syrk():
             with extension.ONE_BLAS_THREAD():
-                extension.C.segment_gram(Y.numpy(), lengths, threads)
+                extension.C.segment_gram(Y.numpy(), lengths, None, threads)
 
         dsyrk = jobs * syrk_flops(T, d) / _seconds(syrk, "cpu", reps)
         paths |= {"dsyrk": f"gradspec._C segment_gram (dsyrk) T={T} d={d}", "syevd": "gradspec._C gram_spectra"

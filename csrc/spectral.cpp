@@ -4,7 +4,8 @@
 // LAPACK's dsyevd, factors from dpstrf and products from BLAS's dgemm/dsyrk, all bound at
 // import time as function pointers (SciPy's cython_lapack / cython_blas, or the MKL that
 // torch exports), so the build needs no LAPACK headers or libraries and no torch. Work is
-// spread over the batch on std::threads with the GIL released.
+// spread over the batch on OpenMP threads (torch's own, see parallel_for) with the GIL released.
+#include <omp.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
@@ -17,7 +18,6 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 namespace py = pybind11;
@@ -116,28 +116,34 @@ void singular_values_from_eigenvalues(const double* lam, int n, double eps, int 
   }
 }
 
-// Runs task(i, solver) for i in [0, n) on up to `threads` threads.
+// A thread's solver and scratch, kept across calls (the threads are OpenMP's and persist).
+SymmetricEigen& thread_scratch() {
+  thread_local SymmetricEigen scratch;
+  return scratch;
+}
+
+// Runs task(i, scratch) for i in [0, n) on up to `threads` OpenMP threads. Imported after torch,
+// the extension shares torch's OpenMP runtime (same soname, libgomp.so.1), so these are the very
+// threads torch's own ops run on: none spins beside them, and none is created per call.
 void parallel_for(int n, int threads, const std::function<void(int, SymmetricEigen&)>& task) {
   threads = std::max(1, std::min(threads, n));
   std::atomic<int> next{0};
   std::vector<std::exception_ptr> errors(threads);
-  auto worker = [&](int t) {
-    // The pool supplies the parallelism: OpenMP (hence MKL) stays single-threaded on these
-    // threads. The setting is per thread, and these threads are the pool's own.
-    if (omp_set_num_threads_) omp_set_num_threads_(1);
-    SymmetricEigen solver;
-    try {
-      for (int i = next++; i < n; i = next++) task(i, solver);
-    } catch (...) {
-      errors[t] = std::current_exception();  // rethrown with its type (LapackError stays one)
-      next = n;
-    }
-  };
   {
     py::gil_scoped_release release;
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) pool.emplace_back(worker, t);
-    for (auto& th : pool) th.join();
+#pragma omp parallel num_threads(threads)
+    {
+      // The region supplies the parallelism: OpenMP (hence MKL) stays single-threaded inside it.
+      // The setting belongs to this region's implicit task and ends with it.
+      if (omp_set_num_threads_) omp_set_num_threads_(1);
+      const int t = omp_get_thread_num();
+      try {
+        for (int i = next++; i < n; i = next++) task(i, thread_scratch());
+      } catch (...) {
+        errors[t] = std::current_exception();  // rethrown with its type (LapackError stays one)
+        next = n;
+      }
+    }
   }
   for (const auto& e : errors)
     if (e) std::rethrow_exception(e);
@@ -294,42 +300,93 @@ py::list core_spectra_groups(py::list Bs, py::list As, py::list lengths, py::lis
   return out;
 }
 
-// fp64 Gram of each sample's valid rows, Y_i[:n] Y_i[:n]^T, with BLAS dsyrk (half the work of a
-// GEMM, none spent on padding). Y may be strided (a view of a fused projection's output).
+// Y_i's valid rows [0, n) as fp64 into y (row-major n x d == column-major d x n). Y may be
+// strided (a view of a fused projection's output).
 template <typename Scalar>
-py::array_t<double> segment_gram(py::array_t<Scalar> Y, Lengths lengths, int threads) {
+void rows_as_double(const char* sample, const py::ssize_t* strides, int n, int d, std::vector<double>& y) {
+  sized(y, static_cast<size_t>(n) * d);
+  for (int t = 0; t < n; ++t) {
+    const char* row = sample + t * strides[1];
+    double* dst = y.data() + static_cast<size_t>(t) * d;
+    if (strides[2] == static_cast<py::ssize_t>(sizeof(Scalar))) {  // contiguous features: a vectorisable copy
+      const Scalar* src = reinterpret_cast<const Scalar*>(row);
+      for (int k = 0; k < d; ++k) dst[k] = src[k];
+    } else {
+      for (int k = 0; k < d; ++k) dst[k] = *reinterpret_cast<const Scalar*>(row + k * strides[2]);
+    }
+  }
+}
+
+// fp64 Gram of each sample's valid rows, Y_i[:n] Y_i[:n]^T, with BLAS dsyrk (half the work of a
+// GEMM, none spent on padding), and <Gram_i, other_i> where other (N, T, T) is given. With fewer
+// samples than threads, each sample is two tasks of equal work: its two diagonal blocks (dsyrk)
+// and the block below them (dgemm), so one long sample still keeps two threads busy.
+template <typename Scalar>
+py::tuple segment_gram(py::array_t<Scalar> Y, Lengths lengths, py::object other, int threads) {
   require_bound();
   if (Y.ndim() != 3) throw std::invalid_argument("Y must have shape (N, T, d)");
   const int N = static_cast<int>(Y.shape(0)), T = static_cast<int>(Y.shape(1)), d = static_cast<int>(Y.shape(2));
   const int64_t* len = checked_lengths(lengths, N, T);
+  Array others;
+  if (!other.is_none()) {
+    others = other.cast<Array>();
+    if (others.ndim() != 3 || others.shape(0) != N || others.shape(1) != T || others.shape(2) != T)
+      throw std::invalid_argument("other must have shape (N, T, T) like the Gram");
+  }
   const auto ys = Y.strides();
   const char* base = reinterpret_cast<const char*>(Y.data());
   py::array_t<double> out({N, T, T});
   double* o = out.mutable_data();
   std::fill(o, o + static_cast<size_t>(N) * T * T, 0.0);
-  parallel_for(N, threads, [&](int i, SymmetricEigen& scratch) {
+  const int split = N < threads ? 2 : 1;  // tasks per sample
+  parallel_for(N * split, threads, [&](int task, SymmetricEigen& scratch) {
+    const int i = task / split, part = split == 1 ? -1 : task % split;
     const int n = static_cast<int>(len[i]);
     if (n == 0) return;
-    std::vector<double>& y = sized(scratch.y, static_cast<size_t>(n) * d);  // row-major n x d == column-major d x n
-    for (int t = 0; t < n; ++t) {
-      const char* row = base + i * ys[0] + t * ys[1];
-      double* dst = y.data() + static_cast<size_t>(t) * d;
-      if (ys[2] == static_cast<py::ssize_t>(sizeof(Scalar))) {  // contiguous features: a vectorisable copy
-        const Scalar* src = reinterpret_cast<const Scalar*>(row);
-        for (int k = 0; k < d; ++k) dst[k] = src[k];
-      } else {
-        for (int k = 0; k < d; ++k) dst[k] = *reinterpret_cast<const Scalar*>(row + k * ys[2]);
+    std::vector<double>& y = scratch.y;
+    rows_as_double<Scalar>(base + i * ys[0], ys, n, d, y);
+    char lower = 'L', trans = 'T', nn = 'N';
+    int d_ = d, ld = T;
+    double one = 1.0, zero = 0.0;
+    double* g = o + static_cast<size_t>(i) * T * T;  // column-major, leading dimension T
+    const int h = part < 0 ? n : n / 2;  // rows [0, h) and [h, n)
+    auto syrk = [&](int first, int rows) {
+      if (rows == 0) return;
+      double* block = g + static_cast<size_t>(first) * T + first;
+      dsyrk_(&lower, &trans, &rows, &d_, &one, y.data() + static_cast<size_t>(first) * d, &d_, &zero, block, &ld);
+    };
+    if (part <= 0) {
+      syrk(0, h);
+      syrk(h, n - h);
+    }
+    if (part != 0 && h > 0 && n - h > 0) {  // G[h:n, 0:h] = Y[h:n] Y[0:h]^T
+      int m = n - h, k = h;
+      dgemm_(&trans, &nn, &m, &k, &d_, &one, y.data() + static_cast<size_t>(h) * d, &d_, y.data(), &d_, &zero,
+             g + h, &ld);
+    }
+  });
+  // Mirror the lower triangle into the upper, and <Gram, other> (each off-diagonal entry of the Gram twice).
+  py::object inner = py::none();
+  py::array_t<double> inners(N);
+  double* in_out = inners.mutable_data();
+  const double* oth = other.is_none() ? nullptr : others.data();
+  parallel_for(N, threads, [&](int i, SymmetricEigen&) {
+    const int n = static_cast<int>(len[i]);
+    double* g = o + static_cast<size_t>(i) * T * T;
+    const double* q = oth ? oth + static_cast<size_t>(i) * T * T : nullptr;
+    double diagonal = 0, below = 0;
+    for (int c = 0; c < n; ++c) {
+      const double* column = g + static_cast<size_t>(c) * T;
+      if (q) diagonal += column[c] * q[static_cast<size_t>(c) * T + c];
+      for (int r = c + 1; r < n; ++r) {
+        g[static_cast<size_t>(r) * T + c] = column[r];
+        if (q) below += column[r] * (q[static_cast<size_t>(c) * T + r] + q[static_cast<size_t>(r) * T + c]);
       }
     }
-    char lower = 'L', trans = 'T';
-    int n_ = n, d_ = d, ld = T;
-    double one = 1.0, zero = 0.0;
-    double* g = o + static_cast<size_t>(i) * T * T;
-    dsyrk_(&lower, &trans, &n_, &d_, &one, y.data(), &d_, &zero, g, &ld);
-    for (int c = 0; c < n; ++c)  // mirror the lower triangle (column-major) into the upper
-      for (int r = c + 1; r < n; ++r) g[static_cast<size_t>(r) * T + c] = g[static_cast<size_t>(c) * T + r];
+    in_out[i] = diagonal + below;
   });
-  return out;
+  if (oth) inner = inners;
+  return py::make_tuple(out, inner);
 }
 
 }  // namespace
@@ -340,9 +397,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("bind_lapack", &bind_lapack, py::arg("dsyevd"), py::arg("dpstrf"), py::arg("dgemm"), py::arg("dsyrk"),
         py::arg("omp_set_num_threads") = 0,
         "Bind LAPACK dsyevd, dpstrf and BLAS dgemm, dsyrk by address (Fortran calling convention, 32-bit ints).");
-  m.def("segment_gram", &segment_gram<float>, py::arg("Y"), py::arg("lengths"), py::arg("threads"),
-        "fp64 Gram Y_i Y_i^T over each sample's first lengths[i] rows of Y (N, T, d), zero-padded to (N, T, T).");
-  m.def("segment_gram", &segment_gram<double>, py::arg("Y"), py::arg("lengths"), py::arg("threads"));
+  m.def("segment_gram", &segment_gram<float>, py::arg("Y"), py::arg("lengths"), py::arg("other"), py::arg("threads"),
+        "(fp64 Gram Y_i Y_i^T over each sample's first lengths[i] rows of Y (N, T, d), zero-padded to (N, T, T);\n"
+        "<Gram_i, other_i> (N,) where other (N, T, T) is given, else None).");
+  m.def("segment_gram", &segment_gram<double>, py::arg("Y"), py::arg("lengths"), py::arg("other"), py::arg("threads"));
   const double eps64 = std::numeric_limits<double>::epsilon();
   m.def("gram_spectra", &gram_spectra, py::arg("grams"), py::arg("threads"), py::arg("eps") = eps64,
         py::arg("terms") = 0,

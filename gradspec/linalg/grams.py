@@ -37,9 +37,10 @@ def segment_gram(
 def _segment_gram_cpp(Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None):
     Y = Y.detach() if Y.dtype in (torch.float32, torch.float64) else Y.detach().float()
     with extension.ONE_BLAS_THREAD():
-        gram = extension.C.segment_gram(Y.numpy(), lengths.cpu().to(torch.int64).numpy(), extension.default_threads())
-    gram = torch.from_numpy(gram)
-    return gram, None if other is None else (gram * other.to(gram)).sum((1, 2))
+        gram, inner = extension.C.segment_gram(Y.numpy(), lengths.cpu().to(torch.int64).numpy(),
+                                               None if other is None else extension.as_numpy(other),
+                                               extension.default_threads())
+    return torch.from_numpy(gram), None if inner is None else torch.from_numpy(inner)
 
 
 def segment_tdot(

@@ -41,11 +41,14 @@ BACKENDS = ["torch", pytest.param("cpp", marks=pytest.mark.skipif(not extension.
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_cpu_paths_match_reference_in_fp64(backend, dtype):
+@pytest.mark.parametrize("threads", [1, 4], ids=["one-task-per-sample", "samples-split-in-blocks"])
+def test_cpu_paths_match_reference_in_fp64(backend, dtype, threads, monkeypatch):
+    """With fewer samples than threads the extension splits each sample's Gram into blocks."""
+    monkeypatch.setenv("GRADSPEC_THREADS", str(threads))
     g = torch.Generator().manual_seed(1)
-    Y = torch.randn(3, 20, 7, 2, generator=g).to(dtype)[..., 0]  # strided, like a fused module's part
-    lengths = torch.tensor([20, 3, 0])
-    other = torch.randn(3, 20, 20, generator=g, dtype=torch.float64)
+    Y = torch.randn(3, 21, 7, 2, generator=g).to(dtype)[..., 0]  # strided, like a fused module's part
+    lengths = torch.tensor([21, 3, 0])
+    other = torch.randn(3, 21, 21, generator=g, dtype=torch.float64)  # not symmetric: both triangles count
     gram, inner = grams.segment_gram(Y, lengths, other, backend)
     want, want_inner = segment_gram_torch(Y, lengths, other)
     assert gram.dtype == torch.float64

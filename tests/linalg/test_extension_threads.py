@@ -1,0 +1,42 @@
+"""The extension runs its work on torch's own OpenMP threads, and leaves the caller's thread
+settings as it found them."""
+
+import ctypes
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradspec.linalg import extension
+
+pytestmark = pytest.mark.skipif(not extension.BUILT, reason="gradspec._C not built")
+
+
+def _mapped_openmp_runtimes() -> set[str]:
+    maps = Path("/proc/self/maps").read_text()
+    return {line.split()[-1] for line in maps.splitlines() if "libgomp" in line or "libiomp" in line}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_one_openmp_runtime_in_the_process():
+    """The extension's OpenMP is torch's library (libgomp.so.1, loaded by torch first): a second
+    runtime would bring threads of its own, spinning beside torch's on the same cores (threads of
+    the extension's own made its Grams take 1.9x as long inside a backward: benchmarks/RESULTS.md)."""
+    extension.C.segment_gram(torch.randn(2, 5, 3).numpy(), torch.tensor([5, 2]).numpy(), None, 2)
+    runtimes = _mapped_openmp_runtimes()
+    assert len(runtimes) == 1, runtimes
+
+
+def test_calls_leave_torch_and_openmp_thread_counts_as_found():
+    before = torch.get_num_threads()
+    gomp = next((ctypes.CDLL(path) for path in _mapped_openmp_runtimes() if "gomp" in path), None) \
+        if sys.platform.startswith("linux") else None
+    openmp_before = gomp.omp_get_max_threads() if gomp else None
+    B = torch.randn(3, 6, 6, dtype=torch.float64)
+    B = B @ B.mT
+    extension.C.core_spectra(B.numpy(), B[:, None].contiguous().numpy(), torch.tensor([6, 4, 1]).numpy(), 4)
+    extension.C.gram_spectra(B.numpy(), 4)
+    assert torch.get_num_threads() == before
+    if gomp:
+        assert gomp.omp_get_max_threads() == openmp_before
