@@ -1,7 +1,7 @@
 // Batched spectral reductions for gradspec.
 //
 // Every matrix handed in is a small symmetric PSD Gram (fp64). Eigenvalues come from
-// LAPACK's dsyevd, factors from dpstrf and products from BLAS's dgemm/dsyrk, all bound at
+// LAPACK's dsyevd, factors from dpotrf or dpstrf and products from BLAS's dgemm/dsyrk, all bound at
 // import time as function pointers (SciPy's cython_lapack / cython_blas, or the MKL that
 // torch exports), so the build needs no LAPACK headers or libraries and no torch. Work is
 // spread over the batch on OpenMP threads (torch's own, see parallel_for) with the GIL released.
@@ -26,6 +26,7 @@ namespace {
 
 using dsyevd_t = void(char*, char*, int*, double*, int*, double*, double*, int*, int*, int*, int*);
 using dpstrf_t = void(char*, int*, double*, int*, int*, int*, double*, double*, int*);
+using dpotrf_t = void(char*, int*, double*, int*, int*);
 using dsyrk_t = void(char*, char*, int*, int*, double*, double*, int*, double*, double*, int*);
 using dgemm_t = void(char*, char*, int*, int*, int*, double*, double*, int*, double*, int*, double*,
                      double*, int*);
@@ -33,6 +34,7 @@ using dgemm_t = void(char*, char*, int*, int*, int*, double*, double*, int*, dou
 dsyevd_t* dsyevd_ = nullptr;
 dgemm_t* dgemm_ = nullptr;
 dpstrf_t* dpstrf_ = nullptr;
+dpotrf_t* dpotrf_ = nullptr;
 dsyrk_t* dsyrk_ = nullptr;
 
 // A LAPACK routine that reports failure (info != 0): raised in Python as gradspec._C.LapackError,
@@ -47,17 +49,18 @@ set_threads_t* omp_set_num_threads_ = nullptr;
 // Addresses of the BLAS/LAPACK routines, resolved in Python (SciPy's capsules, or the MKL that
 // torch's CPU build exports). omp_set_num_threads is the OpenMP runtime that MKL threads with
 // (0 when MKL is not used).
-void bind_lapack(uintptr_t dsyevd, uintptr_t dpstrf, uintptr_t dgemm, uintptr_t dsyrk,
+void bind_lapack(uintptr_t dsyevd, uintptr_t dpstrf, uintptr_t dpotrf, uintptr_t dgemm, uintptr_t dsyrk,
                  uintptr_t omp_set_num_threads) {
   dsyevd_ = reinterpret_cast<dsyevd_t*>(dsyevd);
   dpstrf_ = reinterpret_cast<dpstrf_t*>(dpstrf);
+  dpotrf_ = reinterpret_cast<dpotrf_t*>(dpotrf);
   dgemm_ = reinterpret_cast<dgemm_t*>(dgemm);
   dsyrk_ = reinterpret_cast<dsyrk_t*>(dsyrk);
   omp_set_num_threads_ = reinterpret_cast<set_threads_t*>(omp_set_num_threads);
 }
 
 void require_bound() {
-  if (dsyevd_ == nullptr || dpstrf_ == nullptr || dgemm_ == nullptr || dsyrk_ == nullptr)
+  if (dsyevd_ == nullptr || dpstrf_ == nullptr || dpotrf_ == nullptr || dgemm_ == nullptr || dsyrk_ == nullptr)
     throw std::runtime_error("gradspec._C: LAPACK not bound; call bind_lapack first");
 }
 
@@ -124,7 +127,9 @@ SymmetricEigen& thread_scratch() {
 
 // Runs task(i, scratch) for i in [0, n) on up to `threads` OpenMP threads. Imported after torch,
 // the extension shares torch's OpenMP runtime (same soname, libgomp.so.1), so these are the very
-// threads torch's own ops run on: none spins beside them, and none is created per call.
+// threads torch's own ops run on: none spins beside them, and none is created per call. Callers
+// hold SciPy's OpenBLAS at one thread meanwhile (gradspec.linalg.extension.ONE_BLAS_THREAD): its
+// own threads inside an OpenMP region would oversubscribe the cores (and OpenBLAS warns of hangs).
 void parallel_for(int n, int threads, const std::function<void(int, SymmetricEigen&)>& task) {
   threads = std::max(1, std::min(threads, n));
   std::atomic<int> next{0};
@@ -180,8 +185,8 @@ Array gram_spectra(Array grams, int threads, double eps, int terms) {
 
 // Spectra of G_ij = D_ij^T X_i from B_i = X_i X_i^T (N, T, T) and A_ij = D_ij D_ij^T
 // (N, M, T, T): for any factor F with B = F F^T, the singular values of G are the square
-// roots of the eigenvalues of the core F^T A F. F comes from LAPACK's pivoted Cholesky
-// (dpstrf), which is rank-revealing for PSD B and ~25x cheaper than an eigendecomposition;
+// roots of the eigenvalues of the core F^T A F. F comes from a Cholesky (core_sample: unpivoted,
+// or pivoted and rank-revealing), ~25x cheaper than an eigendecomposition;
 // one factorisation serves all M modules that share the input X. Sample i uses the
 // leading lengths[i] x lengths[i] blocks (the rest is padding), so padding costs nothing.
 // One sample's spectra of its M parts: b (ldb x ldb, the leading n x n block read), a[j] likewise,
@@ -194,6 +199,11 @@ void core_sample(const double* b, const std::vector<const double*>& a, int ld, i
   std::vector<int>& piv = sized(eig.piv, std::max(n, 1));
   for (int c = 0; c < n; ++c)
     std::copy(b + static_cast<size_t>(c) * ld, b + static_cast<size_t>(c) * ld + n, l.begin() + static_cast<size_t>(c) * n);
+  // B's factor: the unpivoted Cholesky (dpotrf) where B is positive definite at fp64, as on the
+  // device paths; else the pivoted one (dpstrf), rank-revealing, which drops the pivots below the
+  // cut-off (B's rounding: repeated inputs). Cholesky is backward stable, so either factor gives
+  // the core's eigenvalues to B's rounding; what lies below the core's cut-off is zeroed either way
+  // (measured on SmolLM2: metrics within 2e-9 relative of the pivoted factor's, the core job 7% faster).
   int r = 0;
   if (n > 0) {
     char lower = 'L';
@@ -201,8 +211,18 @@ void core_sample(const double* b, const std::vector<const double*>& a, int ld, i
     double max_diag = 0;
     for (int c = 0; c < n; ++c) max_diag = std::max(max_diag, l[static_cast<size_t>(c) * n + c]);
     double tol = cutoff_of(n, terms, eps, max_diag);  // pivots below it are B's rounding
-    dpstrf_(&lower, &n_, l.data(), &n_, piv.data(), &r, &tol, chol_work.data(), &info);
-    if (info < 0) throw LapackError("dpstrf failed with info=" + std::to_string(info));
+    dpotrf_(&lower, &n_, l.data(), &n_, &info);
+    if (info == 0) {
+      r = n;
+      for (int t = 0; t < n; ++t) piv[t] = t + 1;
+    } else {
+      if (info < 0) throw LapackError("dpotrf failed with info=" + std::to_string(info));
+      for (int c = 0; c < n; ++c)
+        std::copy(b + static_cast<size_t>(c) * ld, b + static_cast<size_t>(c) * ld + n, l.begin() + static_cast<size_t>(c) * n);
+      info = 0;
+      dpstrf_(&lower, &n_, l.data(), &n_, piv.data(), &r, &tol, chol_work.data(), &info);
+      if (info < 0) throw LapackError("dpstrf failed with info=" + std::to_string(info));
+    }
   }
   const int r1 = std::max(r, 1);
   // F = P L: row piv[t]-1 of F is row t of the lower-triangular L (first r columns).
@@ -394,9 +414,11 @@ py::tuple segment_gram(py::array_t<Scalar> Y, Lengths lengths, py::object other,
 PYBIND11_MODULE(_C, m) {
   m.doc() = "gradspec batched spectral reductions (LAPACK via SciPy, threads over the batch)";
   py::register_exception<LapackError>(m, "LapackError", PyExc_RuntimeError);
-  m.def("bind_lapack", &bind_lapack, py::arg("dsyevd"), py::arg("dpstrf"), py::arg("dgemm"), py::arg("dsyrk"),
+  m.def("bind_lapack", &bind_lapack, py::arg("dsyevd"), py::arg("dpstrf"), py::arg("dpotrf"), py::arg("dgemm"),
+        py::arg("dsyrk"),
         py::arg("omp_set_num_threads") = 0,
-        "Bind LAPACK dsyevd, dpstrf and BLAS dgemm, dsyrk by address (Fortran calling convention, 32-bit ints).");
+        "Bind LAPACK dsyevd, dpstrf, dpotrf and BLAS dgemm, dsyrk by address (Fortran calling convention, 32-bit\n"
+        "ints).");
   m.def("segment_gram", &segment_gram<float>, py::arg("Y"), py::arg("lengths"), py::arg("other"), py::arg("threads"),
         "(fp64 Gram Y_i Y_i^T over each sample's first lengths[i] rows of Y (N, T, d), zero-padded to (N, T, T);\n"
         "<Gram_i, other_i> (N,) where other (N, T, T) is given, else None).");

@@ -113,10 +113,10 @@ def core_spectra(
     on the CPU (metrics: registered names, default all).
 
     For any F with B = F F^T, the singular values of D_j^T X are the square roots of the
-    eigenvalues of F^T A_j F. The extension takes F from a pivoted Cholesky, dropping pivots below
-    max(n, terms) * eps * max (eps: the policy's precision; terms: the feature sizes the Grams
-    summed over); the device paths from a batched Cholesky where B lies, a rank-deficient B's
-    sample from the pivoted one (_core_device).
+    eigenvalues of F^T A_j F. F is B's Cholesky factor (the extension's, or a batched one where B
+    lies); where B is not positive definite at fp64, the pivoted Cholesky's, which drops pivots
+    below max(n, terms) * eps * max (eps: the policy's precision; terms: the feature sizes the
+    Grams summed over; _core_device).
     ``lengths`` (N,) are the tokens per sample: beyond them B and
     A are zero padding, which the extension skips (the device paths compute through it).
     """

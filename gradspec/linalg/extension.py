@@ -26,13 +26,13 @@ def _capsule_address(capsule) -> int:
 
 
 def lapack_addresses(prefer_mkl: bool = True) -> dict[str, int]:
-    """SciPy's BLAS/LAPACK, with dsyevd and dgemm from the MKL inside torch's CPU build where
-    it exports them: MKL's small-matrix eigensolver is about 2x faster than OpenBLAS's."""
+    """SciPy's BLAS/LAPACK, with dsyevd, dpotrf and dgemm from the MKL inside torch's CPU build
+    where it exports them (MKL's dpotrf is about 6x faster than OpenBLAS's dpstrf at n = 181)."""
     from scipy.linalg import cython_blas, cython_lapack
 
     lapack, blas = cython_lapack.__pyx_capi__, cython_blas.__pyx_capi__
     found = {name: _capsule_address(caps[name]) for caps, name in
-             ((lapack, "dsyevd"), (lapack, "dpstrf"), (blas, "dgemm"), (blas, "dsyrk"))}
+             ((lapack, "dsyevd"), (lapack, "dpstrf"), (lapack, "dpotrf"), (blas, "dgemm"), (blas, "dsyrk"))}
     if not prefer_mkl:
         return found
     try:
@@ -41,6 +41,7 @@ def lapack_addresses(prefer_mkl: bool = True) -> dict[str, int]:
         omp = ctypes.CDLL(str(torch_lib / "libgomp.so.1"))
         mkl_found = {
             "dsyevd": ctypes.cast(mkl.dsyevd_, ctypes.c_void_p).value,
+            "dpotrf": ctypes.cast(mkl.dpotrf_, ctypes.c_void_p).value,
             "dgemm": ctypes.cast(mkl.dgemm_, ctypes.c_void_p).value,
             "omp_set_num_threads": ctypes.cast(omp.omp_set_num_threads, ctypes.c_void_p).value,
         }
@@ -58,7 +59,7 @@ def _load() -> tuple[object | None, str | None]:
         return None, None
     addresses = lapack_addresses()
     _C.bind_lapack(**addresses)
-    return _C, "MKL in torch (dsyevd, dgemm), SciPy's for the rest" if "omp_set_num_threads" in addresses \
+    return _C, "MKL in torch (dsyevd, dpotrf, dgemm), SciPy's for the rest" if "omp_set_num_threads" in addresses \
         else "SciPy's BLAS/LAPACK"
 
 
