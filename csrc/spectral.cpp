@@ -1,7 +1,7 @@
 // Batched spectral reductions for gradspec.
 //
 // Every matrix handed in is a small symmetric PSD Gram (fp64). Eigenvalues come from
-// LAPACK's dsyevd, factors from dpotrf or dpstrf and products from BLAS's dgemm/dsyrk, all bound at
+// LAPACK's dsyevd, factors from dpotrf or dpstrf and products from BLAS's dgemm/dsyrk/dtrmm, all bound at
 // import time as function pointers (SciPy's cython_lapack / cython_blas, or the MKL that
 // torch exports), so the build needs no LAPACK headers or libraries and no torch. Work is
 // spread over the batch on OpenMP threads (torch's own, see parallel_for) with the GIL released.
@@ -27,6 +27,7 @@ namespace {
 using dsyevd_t = void(char*, char*, int*, double*, int*, double*, double*, int*, int*, int*, int*);
 using dpstrf_t = void(char*, int*, double*, int*, int*, int*, double*, double*, int*);
 using dpotrf_t = void(char*, int*, double*, int*, int*);
+using dtrmm_t = void(char*, char*, char*, char*, int*, int*, double*, double*, int*, double*, int*);
 using dsyrk_t = void(char*, char*, int*, int*, double*, double*, int*, double*, double*, int*);
 using dgemm_t = void(char*, char*, int*, int*, int*, double*, double*, int*, double*, int*, double*,
                      double*, int*);
@@ -35,6 +36,7 @@ dsyevd_t* dsyevd_ = nullptr;
 dgemm_t* dgemm_ = nullptr;
 dpstrf_t* dpstrf_ = nullptr;
 dpotrf_t* dpotrf_ = nullptr;
+dtrmm_t* dtrmm_ = nullptr;
 dsyrk_t* dsyrk_ = nullptr;
 
 // A LAPACK routine that reports failure (info != 0): raised in Python as gradspec._C.LapackError,
@@ -50,17 +52,19 @@ set_threads_t* omp_set_num_threads_ = nullptr;
 // torch's CPU build exports). omp_set_num_threads is the OpenMP runtime that MKL threads with
 // (0 when MKL is not used).
 void bind_lapack(uintptr_t dsyevd, uintptr_t dpstrf, uintptr_t dpotrf, uintptr_t dgemm, uintptr_t dsyrk,
-                 uintptr_t omp_set_num_threads) {
+                 uintptr_t dtrmm, uintptr_t omp_set_num_threads) {
   dsyevd_ = reinterpret_cast<dsyevd_t*>(dsyevd);
   dpstrf_ = reinterpret_cast<dpstrf_t*>(dpstrf);
   dpotrf_ = reinterpret_cast<dpotrf_t*>(dpotrf);
   dgemm_ = reinterpret_cast<dgemm_t*>(dgemm);
   dsyrk_ = reinterpret_cast<dsyrk_t*>(dsyrk);
+  dtrmm_ = reinterpret_cast<dtrmm_t*>(dtrmm);
   omp_set_num_threads_ = reinterpret_cast<set_threads_t*>(omp_set_num_threads);
 }
 
 void require_bound() {
-  if (dsyevd_ == nullptr || dpstrf_ == nullptr || dpotrf_ == nullptr || dgemm_ == nullptr || dsyrk_ == nullptr)
+  if (dsyevd_ == nullptr || dpstrf_ == nullptr || dpotrf_ == nullptr || dgemm_ == nullptr || dsyrk_ == nullptr ||
+      dtrmm_ == nullptr)
     throw std::runtime_error("gradspec._C: LAPACK not bound; call bind_lapack first");
 }
 
@@ -225,25 +229,36 @@ void core_sample(const double* b, const std::vector<const double*>& a, int ld, i
     }
   }
   const int r1 = std::max(r, 1);
-  // F = P L: row piv[t]-1 of F is row t of the lower-triangular L (first r columns).
+  const bool pivoted = r < n || !std::is_sorted(piv.begin(), piv.begin() + n);  // else F = L
+  // Pivoted: F = P L, row piv[t]-1 of F is row t of the lower-triangular L (first r columns).
   std::vector<double>& f = sized(eig.f, static_cast<size_t>(n) * r1);
-  std::fill(f.begin(), f.begin() + static_cast<size_t>(n) * r1, 0.0);
   std::vector<double>& w = sized(eig.w, static_cast<size_t>(n) * r1);
   std::vector<double>& core = sized(eig.core, static_cast<size_t>(r1) * r1);
   std::vector<double>& ev = sized(eig.ev, r1);
-  for (int k = 0; k < r; ++k)
-    for (int t = k; t < n; ++t) f[static_cast<size_t>(k) * n + piv[t] - 1] = l[static_cast<size_t>(k) * n + t];
+  if (pivoted) {
+    std::fill(f.begin(), f.begin() + static_cast<size_t>(n) * r1, 0.0);
+    for (int k = 0; k < r; ++k)
+      for (int t = k; t < n; ++t) f[static_cast<size_t>(k) * n + piv[t] - 1] = l[static_cast<size_t>(k) * n + t];
+  }
   for (int j = 0; j < M; ++j) {
     double* out = sigma + j * sigma_stride;
     std::fill(out, out + T, 0.0);
     if (r > 0) {
-      char nn = 'N', tr = 'T';
+      char nn = 'N', tr = 'T', left = 'L', right = 'R', lower = 'L';
       double one = 1.0, zero = 0.0;
       int n_ = n, r_ = r, ld_ = ld;
       // A is symmetric, so its row-major layout is also its column-major one; its
-      // leading n x n block is read in place with leading dimension ld.
-      dgemm_(&nn, &nn, &n_, &r_, &n_, &one, const_cast<double*>(a[j]), &ld_, f.data(), &n_, &zero, w.data(), &n_);
-      dgemm_(&tr, &nn, &r_, &r_, &n_, &one, f.data(), &n_, w.data(), &n_, &zero, core.data(), &r_);
+      // leading n x n block is read with leading dimension ld.
+      if (pivoted) {
+        dgemm_(&nn, &nn, &n_, &r_, &n_, &one, const_cast<double*>(a[j]), &ld_, f.data(), &n_, &zero, w.data(), &n_);
+        dgemm_(&tr, &nn, &r_, &r_, &n_, &one, f.data(), &n_, w.data(), &n_, &zero, core.data(), &r_);
+      } else {  // L^T A L by two triangular products in place: half the work of two GEMMs
+        for (int c = 0; c < n; ++c)
+          std::copy(a[j] + static_cast<size_t>(c) * ld, a[j] + static_cast<size_t>(c) * ld + n,
+                    core.begin() + static_cast<size_t>(c) * n);
+        dtrmm_(&right, &lower, &nn, &nn, &n_, &n_, &one, l.data(), &n_, core.data(), &n_);
+        dtrmm_(&left, &lower, &tr, &nn, &n_, &n_, &one, l.data(), &n_, core.data(), &n_);
+      }
       eig(core.data(), r, ev.data(), false);
     }
     singular_values_from_eigenvalues(ev.data(), r, eps, terms, out);
@@ -415,9 +430,9 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "gradspec batched spectral reductions (LAPACK via SciPy, threads over the batch)";
   py::register_exception<LapackError>(m, "LapackError", PyExc_RuntimeError);
   m.def("bind_lapack", &bind_lapack, py::arg("dsyevd"), py::arg("dpstrf"), py::arg("dpotrf"), py::arg("dgemm"),
-        py::arg("dsyrk"),
+        py::arg("dsyrk"), py::arg("dtrmm"),
         py::arg("omp_set_num_threads") = 0,
-        "Bind LAPACK dsyevd, dpstrf, dpotrf and BLAS dgemm, dsyrk by address (Fortran calling convention, 32-bit\n"
+        "Bind LAPACK dsyevd, dpstrf, dpotrf and BLAS dgemm, dsyrk, dtrmm by address (Fortran calling convention, 32-bit\n"
         "ints).");
   m.def("segment_gram", &segment_gram<float>, py::arg("Y"), py::arg("lengths"), py::arg("other"), py::arg("threads"),
         "(fp64 Gram Y_i Y_i^T over each sample's first lengths[i] rows of Y (N, T, d), zero-padded to (N, T, T);\n"

@@ -32,7 +32,8 @@ def lapack_addresses(prefer_mkl: bool = True) -> dict[str, int]:
 
     lapack, blas = cython_lapack.__pyx_capi__, cython_blas.__pyx_capi__
     found = {name: _capsule_address(caps[name]) for caps, name in
-             ((lapack, "dsyevd"), (lapack, "dpstrf"), (lapack, "dpotrf"), (blas, "dgemm"), (blas, "dsyrk"))}
+             ((lapack, "dsyevd"), (lapack, "dpstrf"), (lapack, "dpotrf"), (blas, "dgemm"), (blas, "dsyrk"),
+              (blas, "dtrmm"))}
     if not prefer_mkl:
         return found
     try:
