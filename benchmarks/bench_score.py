@@ -3,14 +3,15 @@
 q/k/v/o of all 30 layers, this machine's CPU, two sets of HumanEval samples: the first 16 and
 problems 30-47. Rows, per set:
 
-- floor, padded batches: the batches gradspec makes (token_batches: 4,096 padded tokens, at most
-  20% padding), one forward and one input-gradient backward each, no hooks, with the LM head at
-  response positions only (``gradspec.engine.loss.response_losses``, the engine's own loss) and the
-  backward starting at the scored modules' outputs, as in the engine (``start_graph``);
+- floor, padded batches of 1,024 and of 4,096 tokens: the batches gradspec makes (token_batches, at
+  most 20% padding; 1,024 is score's default on the CPU, 4,096 on a GPU), one forward and one
+  input-gradient backward each, no hooks, with the LM head at response positions only
+  (``gradspec.engine.loss.response_losses``, the engine's own loss) and the backward starting at
+  the scored modules' outputs, as in the engine (``start_graph``);
 - floor, one sample per pass: the same, each sample alone (no padding, attention mask of ones);
-- gradspec engine: ``SpectralEngine.score`` on the padded batches, one after the other;
-- gradspec score: ``gradspec.runs.chunks.score_samples`` as ``gradspec score`` runs it
-  (tokenization, the padded batches, ``submit`` with one batch in flight, the output rows; no
+- gradspec engine: ``SpectralEngine.score`` on score's CPU batches, one after the other;
+- gradspec score: ``gradspec.runs.chunks.score_samples`` as ``gradspec score`` runs it on the CPU
+  (tokenization, its padded batches, ``submit`` with one batch in flight, the output rows; no
   model loading, no Parquet);
 - the reference (first set only): ``gradspec.engine.reference`` one sample at a time, parameter
   gradients and a full SVD per module.
@@ -18,18 +19,19 @@ problems 30-47. Rows, per set:
 Every row gets ROUNDS rounds over the whole set, after an untimed warm-up of the floors and the
 engine; within a round the rows run back to back, each round starting at another row, so rows
 compared share the machine's load of the moment. Medians over rounds are printed with their
-ratios to the faster floor. Run with ``pytest benchmarks/bench_score.py -s``; ratios are only
-meaningful within one run (the machine is noisy); about 20 minutes on 2 cores.
+ratios to the fastest floor. Run with ``pytest benchmarks/bench_score.py -s``; ratios are only
+meaningful within one run (the machine is noisy); about 7 minutes on 2 cores.
 """
 
 import statistics
 from collections.abc import Callable
+from functools import partial
 
 import pytest
 import torch
 from conftest import interleaved_rounds
 
-from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, token_batches
+from gradspec.data.batching import BATCH_TOKENS, CPU_BATCH_TOKENS, Item, pad_batch, token_batches
 from gradspec.data.models import load_model
 from gradspec.data.readers import humaneval_samples
 from gradspec.data.templates import tokenize
@@ -61,14 +63,16 @@ def floor(model: torch.nn.Module, batches: list[tuple[torch.Tensor, ...]], modul
 
 def rows_for(model, tok, engine, name: str, items: list[Item]) -> dict[str, Callable[[], object]]:
     """The timed rows on these items."""
-    padded = [pad_batch([i.tokens for i in b], tok.pad_token_id, "cpu") for b in token_batches(items, BATCH_TOKENS)]
+    padded = {tokens: [pad_batch([i.tokens for i in b], tok.pad_token_id, "cpu") for b in token_batches(items, tokens)]
+              for tokens in (CPU_BATCH_TOKENS, BATCH_TOKENS)}
     single = [pad_batch([i.tokens], tok.pad_token_id, "cpu") for i in items]
     samples = [i.sample for i in items]
     rows = {
-        "floor, padded batches": lambda: floor(model, padded),
+        **{f"floor, {tokens:,}-token batches": partial(floor, model, batches) for tokens, batches in padded.items()},
         "floor, one sample per pass": lambda: floor(model, single),
-        "gradspec engine": lambda: [engine.score(*b) for b in padded],
-        "gradspec score": lambda: score_samples(samples, engine, tok, lambda chunk, rows: None, progress=False),
+        "gradspec engine": lambda: [engine.score(*b) for b in padded[CPU_BATCH_TOKENS]],
+        "gradspec score": lambda: score_samples(samples, engine, tok, lambda chunk, rows: None,
+                                                batch_tokens=CPU_BATCH_TOKENS, progress=False),
     }
     if name == REFERENCE_SET:
         pairs = [(torch.tensor(i.tokens.input_ids), torch.tensor(i.tokens.labels)) for i in items]
@@ -90,16 +94,16 @@ def test_score_vs_floor_and_reference(setup):
     for name, samples in sets.items():
         items = [Item(s, tokenize(s.messages, tok, "plain", 2048)) for s in samples]
         rows = rows_for(model, tok, engine, name, items)
-        for warm in ("floor, padded batches", "floor, one sample per pass", "gradspec engine"):
-            rows[warm]()  # allocator, the extension's thread pool: not timed
+        for row in [r for r in rows if r.startswith("floor")] + ["gradspec engine"]:
+            rows[row]()  # the allocator, the OpenMP threads: not timed
         times = interleaved_rounds(rows, ROUNDS, f"{name}, ")
         tokens = [i.tokens.num_tokens for i in items]
         med = {row: statistics.median(t) for row, t in times.items()}
-        best_floor = min(med["floor, padded batches"], med["floor, one sample per pass"])
+        best_floor = min(m for row, m in med.items() if row.startswith("floor"))
         print(f"\n{name}: {len(samples)} samples, {min(tokens)}-{max(tokens)} tokens ({sum(tokens)} in all), "
               f"median of {ROUNDS} rounds each")
         for row, m in med.items():
-            print(f"  {row:28s} {m:7.2f} s  {m / len(samples):6.3f} s/sample  {m / best_floor:5.2f}x the faster floor  "
-                  f"(rounds: {', '.join(f'{t:.2f}' for t in times[row])})")
+            print(f"  {row:30s} {m:7.2f} s  {m / len(samples):6.3f} s/sample  {m / best_floor:5.2f}x the fastest "
+                  f"floor  (rounds: {', '.join(f'{t:.2f}' for t in times[row])})")
         if "reference" in med:
             print(f"  reference / gradspec score = {med['reference'] / med['gradspec score']:.1f}x")
