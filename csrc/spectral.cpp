@@ -187,6 +187,39 @@ Array gram_spectra(Array grams, int threads, double eps, int terms) {
   return sigma;
 }
 
+// gram_spectra over several groups at once (a batch's materialised parts: each (N_g, n_g, n_g), with
+// its terms): one job of every (group, sample), so a part of one or a few samples does not leave
+// threads idle. Returns each group's sigma (N_g, n_g).
+py::list gram_spectra_groups(py::list grams, py::list terms, int threads, double eps) {
+  require_bound();
+  if (terms.size() != grams.size()) throw std::invalid_argument("grams and terms must have one entry per group");
+  std::vector<Array> in;
+  std::vector<Array> out;
+  std::vector<int> group_terms;
+  std::vector<std::pair<int, int>> tasks;  // (group, sample)
+  for (size_t g = 0; g < grams.size(); ++g) {
+    Array a = grams[g].cast<Array>();
+    if (a.ndim() != 3 || a.shape(1) != a.shape(2)) throw std::invalid_argument("grams must have shape (N, n, n)");
+    for (int i = 0; i < a.shape(0); ++i) tasks.emplace_back(static_cast<int>(g), i);
+    out.push_back(Array({a.shape(0), a.shape(1)}));
+    in.push_back(a);
+    group_terms.push_back(terms[g].cast<int>());
+  }
+  parallel_for(static_cast<int>(tasks.size()), threads, [&](int k, SymmetricEigen& eig) {
+    const auto [g, i] = tasks[k];
+    const int n = static_cast<int>(in[g].shape(1));
+    const double* a = in[g].data() + static_cast<size_t>(i) * n * n;
+    eig.scratch.assign(a, a + static_cast<size_t>(n) * n);
+    eig.values.resize(n);
+    eig(eig.scratch.data(), n, eig.values.data(), false);
+    singular_values_from_eigenvalues(eig.values.data(), n, eps, group_terms[g],
+                                     const_cast<double*>(out[g].data()) + static_cast<size_t>(i) * n);
+  });
+  py::list result;
+  for (auto& sigma : out) result.append(sigma);
+  return result;
+}
+
 // Spectra of G_ij = D_ij^T X_i from B_i = X_i X_i^T (N, T, T) and A_ij = D_ij D_ij^T
 // (N, M, T, T): for any factor F with B = F F^T, the singular values of G are the square
 // roots of the eigenvalues of the core F^T A F. F comes from a Cholesky (core_sample: unpivoted,
@@ -442,6 +475,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("gram_spectra", &gram_spectra, py::arg("grams"), py::arg("threads"), py::arg("eps") = eps64,
         py::arg("terms") = 0,
         "Singular values (descending, zero-padded) of G from a batch (N, n, n) of its Grams.");
+  m.def("gram_spectra_groups", &gram_spectra_groups, py::arg("grams"), py::arg("terms"), py::arg("threads"),
+        py::arg("eps") = eps64,
+        "gram_spectra of several groups in one job over all their samples: grams[g] (N_g, n_g, n_g), terms[g];\n"
+        "returns each group's sigma (N_g, n_g).");
   m.def("core_spectra", &core_spectra, py::arg("B"), py::arg("A"), py::arg("lengths"), py::arg("threads"),
         py::arg("eps") = eps64, py::arg("terms") = 0,
         "Singular values (N, M, T) of G_ij = D_ij^T X_i from B = X X^T (N,T,T), A = D D^T (N,M,T,T)\n"

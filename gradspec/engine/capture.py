@@ -20,7 +20,14 @@ import torch
 from gradspec.layers.hooks import BatchLayout, Capture, Captured, InputKey, token_mask
 from gradspec.layers.registry import Part, Target
 from gradspec.linalg import extension
-from gradspec.linalg.eigen import core_spectra, eigen_faults, eigen_path, gram_spectra, host_core_spectra
+from gradspec.linalg.eigen import (
+    core_spectra,
+    eigen_faults,
+    eigen_path,
+    gram_spectra,
+    host_core_spectra,
+    host_gram_spectra,
+)
 from gradspec.linalg.grams import segment_gram
 from gradspec.linalg.host_copies import HostCopies, to_device
 from gradspec.linalg.lowrank import lowrank_metrics, sketch_matrix, sketch_singular_values
@@ -248,27 +255,45 @@ class BatchCapture(Capture):
     def finish(self, scores) -> None:
         scores.metrics, scores.spectra = self.reduce(scores.scored, scores.flags, self.keep_spectra)
 
-    def _solve_cores(self, groups: list[_CoreGroup]) -> list[_Solved]:
-        """Every group's eigen stage: those the extension solves on the host in one job over all
-        their samples (host_core_spectra), the others, and all of them where that job fails, one by one."""
-        host = [g for g in groups if len(groups) > 1 and extension.BUILT and not g.B.is_cuda
-                and eigen_path(g.B, self.policy, "core") == "cpp"]
+    def _at_once(self, items: list, stage: str, grams_of, job, alone) -> list[_Solved]:
+        """The eigen stage of several items (core groups, or materialised parts): those whose path is
+        the host's in one job of the extension over all their samples (job; an item of one or two
+        samples alone would leave threads idle), the others, and all of them where that job fails,
+        one by one (alone)."""
+        host = [x for x in items if len(items) > 1 and extension.BUILT and not grams_of(x).is_cuda
+                and eigen_path(grams_of(x), self.policy, stage) == "cpp"]
         solved: list[_Solved] = []
         if host:
-            oks = [_finite_rows(g.B) & torch.stack([_finite_rows(a) for _, a, _ in g.items]).all(0) for g in host]
             try:
-                results = host_core_spectra(
-                    [(_zero_rows(g.B, ok), [_zero_rows(a, ok) for _, a, _ in g.items], g.lengths, _terms(g))
-                     for g, ok in zip(host, oks, strict=True)], self.policy, self.metric_names)
+                solved = job(host)
             except eigen_faults() as error:
-                log.warning("eigen stage failed on %d inputs at once (%s: %s); solving each alone", len(host),
-                            type(error).__name__, error)
+                log.warning("%s eigen stage failed on %d items at once (%s: %s); solving each alone", stage,
+                            len(host), type(error).__name__, error)
                 host = []
-            else:
-                for g, ok, (sigma, m) in zip(host, oks, results, strict=True):
-                    solved += self._cross_checked(g, sigma, m, ok, set())
-        joint = {id(g) for g in host}
-        return solved + [r for g in groups if id(g) not in joint for r in self._solve_core(g)]
+        joint = {id(x) for x in host}
+        return solved + [r for x in items if id(x) not in joint for r in alone(x)]
+
+    def _solve_cores(self, groups: list[_CoreGroup]) -> list[_Solved]:
+        return self._at_once(groups, "core", lambda g: g.B, self._cores_job, self._solve_core)
+
+    def _cores_job(self, groups: list[_CoreGroup]) -> list[_Solved]:
+        oks = [_finite_rows(g.B) & torch.stack([_finite_rows(a) for _, a, _ in g.items]).all(0) for g in groups]
+        results = host_core_spectra(
+            [(_zero_rows(g.B, ok), [_zero_rows(a, ok) for _, a, _ in g.items], g.lengths, _terms(g))
+             for g, ok in zip(groups, oks, strict=True)], self.policy, self.metric_names)
+        return [r for g, ok, (sigma, m) in zip(groups, oks, results, strict=True)
+                for r in self._cross_checked(g, sigma, m, ok, set())]
+
+    def _solve_grams(self, materialised: list[tuple[Part, tuple[int, ...], torch.Tensor]]) -> list[_Solved]:
+        return self._at_once(materialised, "gram", lambda x: x[2], self._grams_job, lambda x: self._solve_gram(*x))
+
+    def _grams_job(self, materialised: list[tuple[Part, tuple[int, ...], torch.Tensor]]) -> list[_Solved]:
+        oks = [_finite_rows(gram) for _, _, gram in materialised]
+        results = host_gram_spectra([(_zero_rows(gram, ok), max(part.d_in, part.d_out))
+                                     for (part, _, gram), ok in zip(materialised, oks, strict=True)],
+                                    self.policy, self.metric_names)
+        return [_Solved(part, rows, sigma, m, ok, set(), [])
+                for (part, rows, _), ok, (sigma, m) in zip(materialised, oks, results, strict=True)]
 
     def _solve_core(self, group: _CoreGroup) -> list[_Solved]:
         """The eigen stage of one input's parts, with the Frobenius cross-check of each."""
@@ -348,7 +373,7 @@ class BatchCapture(Capture):
         solved = self.solved + self._solve_cores(list(self.core.values()))
         solved += [_Solved(part, rows, sigma, lowrank_metrics(sigma, frob2, self.metric_names), torch.isfinite(frob2),
                            set(), []) for part, rows, sigma, frob2 in self.sketched]
-        solved += [r for part, rows, gram in self.materialised for r in self._solve_gram(part, rows, gram)]
+        solved += self._solve_grams(self.materialised)
         for r in solved:
             record(r.part, r.batch_rows, r.sigma, r.metrics, r.ok, r.failed)
             for row in r.frobenius_off:

@@ -95,6 +95,20 @@ def gram_spectra(
     return sigma, metrics_from_singular_values(sigma, metrics)
 
 
+def host_gram_spectra(
+    groups: list[tuple[torch.Tensor, int]], policy: Policy | str = "auto", metrics: tuple[str, ...] | None = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """gram_spectra of several groups (grams (N, n, n), terms), solved by the extension in one job over
+    every sample of every group (host_core_spectra's reason). (sigma, metrics) per group."""
+    policy = Policy.of(policy)
+    with extension.ONE_BLAS_THREAD():
+        sigmas = extension.C.gram_spectra_groups([extension.as_numpy(g) for g, _ in groups],
+                                                 [int(terms) for _, terms in groups], extension.default_threads(),
+                                                 policy.eps)
+    policy.record("gram", "cpp")
+    return [(sigma, metrics_from_singular_values(sigma, metrics)) for sigma in map(torch.from_numpy, sigmas)]
+
+
 def _gram_cpp(grams: torch.Tensor, eps: float, terms: int) -> torch.Tensor:
     with extension.ONE_BLAS_THREAD():
         sigma = extension.C.gram_spectra(extension.as_numpy(grams), extension.default_threads(), eps, terms)

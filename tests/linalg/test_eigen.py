@@ -148,6 +148,20 @@ def test_groups_solved_in_one_job_equal_each_group_alone():
 
 
 @pytest.mark.skipif(not extension.BUILT, reason="no _C")
+def test_materialised_parts_solved_in_one_job_equal_each_alone():
+    g = torch.Generator().manual_seed(3)
+    groups = []
+    for N, n, d, terms in [(1, 12, 30, 30), (3, 7, 9, 40), (2, 12, 4, 12)]:  # the last of rank 4
+        G = torch.randn(N, n, d, generator=g, dtype=torch.float64)
+        groups.append((G @ G.transpose(1, 2), terms))
+    joint = eigen.host_gram_spectra(groups, "cpp")
+    for (grams, terms), (sigma, metrics) in zip(groups, joint, strict=True):
+        want_sigma, want_metrics = eigen.gram_spectra(grams, "cpp", terms=terms)
+        assert torch.equal(sigma, want_sigma)
+        torch.testing.assert_close(metrics, want_metrics, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.skipif(not extension.BUILT, reason="no _C")
 def test_a_batch_solves_its_inputs_cores_in_one_job(monkeypatch):
     """The engine hands every input's core group of a batch to the extension at once, whatever the
     batch size: a batch of one long sample keeps every thread busy."""
@@ -163,4 +177,23 @@ def test_a_batch_solves_its_inputs_cores_in_one_job(monkeypatch):
     seqs = random_sequences([13], 500)
     scores = SpectralEngine(model, "attn").score(*padded_batch(seqs))
     assert calls == [2 * model.config.num_hidden_layers]  # q/k/v's input and o's, per layer, in one call
+    assert_matches_reference(model, scores, seqs, "attn")
+
+
+@pytest.mark.skipif(not extension.BUILT, reason="no _C")
+def test_a_batch_solves_its_materialised_parts_in_one_job(monkeypatch):
+    """Samples longer than a part's smaller side take the Gram of G; a batch's such parts go to the
+    extension at once."""
+    from conftest import assert_matches_reference, padded_batch, random_sequences, tiny_model
+
+    from gradspec.engine import capture
+    from gradspec.engine.spectral_engine import SpectralEngine
+
+    calls = []
+    real = capture.host_gram_spectra
+    monkeypatch.setattr(capture, "host_gram_spectra", lambda groups, *a: calls.append(len(groups)) or real(groups, *a))
+    model = tiny_model("llama", vocab=500)
+    seqs = random_sequences([70], 500)  # longer than every attention module's smaller side here
+    scores = SpectralEngine(model, "attn").score(*padded_batch(seqs))
+    assert calls == [4 * model.config.num_hidden_layers]
     assert_matches_reference(model, scores, seqs, "attn")

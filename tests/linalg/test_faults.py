@@ -38,7 +38,8 @@ def test_a_batch_that_fails_everywhere_is_solved_sample_by_sample(monkeypatch, f
     many = lambda args: args[-1].shape[0] > 1 if isinstance(args[0], solvers.Eigensolver) else args[0].shape[0] > 1  # noqa: E731
     for name in ("_core_cpp", "_core_device", "_gram_cpp", "_gram_device"):
         monkeypatch.setattr(eigen, name, _failing(getattr(eigen, name), fault, many))
-    monkeypatch.setattr(capture, "host_core_spectra", _failing(capture.host_core_spectra, fault, lambda args: True))
+    for joint in ("host_core_spectra", "host_gram_spectra"):  # a batch's groups or materialised parts in one job
+        monkeypatch.setattr(capture, joint, _failing(getattr(capture, joint), fault, lambda args: True))
     model = tiny_model("llama", vocab=VOCAB)
     seqs = random_sequences(LENGTHS, VOCAB)
     engine = SpectralEngine(model, "all")
