@@ -31,7 +31,7 @@ from gradspec.layers.hooks import BatchLayout, Capture, attached, token_mask
 from gradspec.layers.lora import unwrap
 from gradspec.layers.registry import Part, Target
 from gradspec.layers.targets import select_targets
-from gradspec.linalg import stages
+from gradspec.linalg import extension, stages
 from gradspec.linalg.host_copies import HostCopies, to_device
 from gradspec.linalg.lowrank import lowrank_metric_names
 from gradspec.linalg.metrics import metric_names
@@ -297,6 +297,9 @@ class SpectralEngine:
         With the labels on the host, nothing here waits for the device."""
         input_ids, attention_mask, labels = batch
         with borrowed(self.model), torch.enable_grad(), ExitStack() as hooked:
+            # SciPy's BLAS at one thread for the whole pass, not once per host Gram (setting it costs
+            # about 50 us: 0.06 s a pass of 600 Grams); restored as found after
+            hooked.enter_context(extension.ONE_BLAS_THREAD())
             check_head_shortcut(self.model, input_ids, attention_mask, labels)
             hooked.enter_context(attached(self.model, captures))
             loss, count, stats = response_losses(self.model, input_ids, attention_mask, labels, self.token_stats)

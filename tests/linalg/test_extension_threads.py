@@ -40,3 +40,41 @@ def test_calls_leave_torch_and_openmp_thread_counts_as_found():
     assert torch.get_num_threads() == before
     if gomp:
         assert gomp.omp_get_max_threads() == openmp_before
+
+
+def test_an_engine_pass_leaves_scipys_blas_threads_as_found():
+    """The pass holds SciPy's BLAS at one thread while it forms host Grams, and gives the count back."""
+    from conftest import padded_batch, random_sequences, tiny_model
+    from threadpoolctl import ThreadpoolController
+
+    from gradspec.engine.spectral_engine import SpectralEngine
+
+    controller = ThreadpoolController()
+    seen = []
+    with controller.limit(limits=2, user_api="blas"):
+        before = [info["num_threads"] for info in controller.info() if info["user_api"] == "blas"]
+        engine = SpectralEngine(tiny_model("llama", vocab=300), "attn")
+        real = extension.C.segment_gram
+
+        def spy(*args):
+            seen.extend(info["num_threads"] for info in ThreadpoolController().info() if info["user_api"] == "blas")
+            return real(*args)
+
+        extension.C = _Spy(extension.C, segment_gram=spy)
+        try:
+            engine.score(*padded_batch(random_sequences([9, 5], 300)))
+        finally:
+            extension.C = extension.C.wrapped
+        after = [info["num_threads"] for info in controller.info() if info["user_api"] == "blas"]
+    assert seen and set(seen) == {1}
+    assert after == before
+
+
+class _Spy:
+    """A module with some attributes replaced."""
+
+    def __init__(self, wrapped, **replaced) -> None:
+        self.wrapped, self.replaced = wrapped, replaced
+
+    def __getattr__(self, name):
+        return self.replaced.get(name) or getattr(self.wrapped, name)
