@@ -169,6 +169,14 @@ const int64_t* checked_lengths(const Lengths& lengths, int N, int T) {
   return len;
 }
 
+// One Gram's singular values (sigma, length n) from its n x n matrix a.
+void gram_sample(const double* a, int n, double eps, int terms, double* sigma, SymmetricEigen& eig) {
+  eig.scratch.assign(a, a + static_cast<size_t>(n) * n);
+  eig.values.resize(n);
+  eig(eig.scratch.data(), n, eig.values.data(), false);
+  singular_values_from_eigenvalues(eig.values.data(), n, eps, terms, sigma);
+}
+
 // Singular values of G from Grams G G^T (or G^T G): grams is (N, n, n).
 Array gram_spectra(Array grams, int threads, double eps, int terms) {
   require_bound();
@@ -179,10 +187,7 @@ Array gram_spectra(Array grams, int threads, double eps, int terms) {
   const double* in = grams.data();
   double* s_out = sigma.mutable_data();
   parallel_for(N, threads, [&](int i, SymmetricEigen& eig) {
-    eig.scratch.assign(in + static_cast<size_t>(i) * n * n, in + static_cast<size_t>(i + 1) * n * n);
-    eig.values.resize(n);
-    eig(eig.scratch.data(), n, eig.values.data(), false);
-    singular_values_from_eigenvalues(eig.values.data(), n, eps, terms, s_out + static_cast<size_t>(i) * n);
+    gram_sample(in + static_cast<size_t>(i) * n * n, n, eps, terms, s_out + static_cast<size_t>(i) * n, eig);
   });
   return sigma;
 }
@@ -208,12 +213,8 @@ py::list gram_spectra_groups(py::list grams, py::list terms, int threads, double
   parallel_for(static_cast<int>(tasks.size()), threads, [&](int k, SymmetricEigen& eig) {
     const auto [g, i] = tasks[k];
     const int n = static_cast<int>(in[g].shape(1));
-    const double* a = in[g].data() + static_cast<size_t>(i) * n * n;
-    eig.scratch.assign(a, a + static_cast<size_t>(n) * n);
-    eig.values.resize(n);
-    eig(eig.scratch.data(), n, eig.values.data(), false);
-    singular_values_from_eigenvalues(eig.values.data(), n, eps, group_terms[g],
-                                     const_cast<double*>(out[g].data()) + static_cast<size_t>(i) * n);
+    gram_sample(in[g].data() + static_cast<size_t>(i) * n * n, n, eps, group_terms[g],
+                const_cast<double*>(out[g].data()) + static_cast<size_t>(i) * n, eig);
   });
   py::list result;
   for (auto& sigma : out) result.append(sigma);
@@ -234,14 +235,18 @@ void core_sample(const double* b, const std::vector<const double*>& a, int ld, i
   std::vector<double>& l = sized(eig.l, static_cast<size_t>(n) * n);
   std::vector<double>& chol_work = sized(eig.chol, 2 * std::max(n, 1));
   std::vector<int>& piv = sized(eig.piv, std::max(n, 1));
-  for (int c = 0; c < n; ++c)
-    std::copy(b + static_cast<size_t>(c) * ld, b + static_cast<size_t>(c) * ld + n, l.begin() + static_cast<size_t>(c) * n);
+  auto copy_b = [&] {  // B's leading n x n block into l
+    for (int c = 0; c < n; ++c)
+      std::copy(b + static_cast<size_t>(c) * ld, b + static_cast<size_t>(c) * ld + n, l.begin() + static_cast<size_t>(c) * n);
+  };
+  copy_b();
   // B's factor: the unpivoted Cholesky (dpotrf) where B is positive definite at fp64, as on the
   // device paths; else the pivoted one (dpstrf), rank-revealing, which drops the pivots below the
   // cut-off (B's rounding: repeated inputs). Cholesky is backward stable, so either factor gives
   // the core's eigenvalues to B's rounding; what lies below the core's cut-off is zeroed either way
   // (measured on SmolLM2: metrics within 2e-9 relative of the pivoted factor's, the core job 7% faster).
   int r = 0;
+  bool pivoted = false;  // else F = L
   if (n > 0) {
     char lower = 'L';
     int n_ = n, info = 0;
@@ -251,18 +256,16 @@ void core_sample(const double* b, const std::vector<const double*>& a, int ld, i
     dpotrf_(&lower, &n_, l.data(), &n_, &info);
     if (info == 0) {
       r = n;
-      for (int t = 0; t < n; ++t) piv[t] = t + 1;
     } else {
       if (info < 0) throw LapackError("dpotrf failed with info=" + std::to_string(info));
-      for (int c = 0; c < n; ++c)
-        std::copy(b + static_cast<size_t>(c) * ld, b + static_cast<size_t>(c) * ld + n, l.begin() + static_cast<size_t>(c) * n);
+      pivoted = true;
+      copy_b();
       info = 0;
       dpstrf_(&lower, &n_, l.data(), &n_, piv.data(), &r, &tol, chol_work.data(), &info);
       if (info < 0) throw LapackError("dpstrf failed with info=" + std::to_string(info));
     }
   }
   const int r1 = std::max(r, 1);
-  const bool pivoted = r < n || !std::is_sorted(piv.begin(), piv.begin() + n);  // else F = L
   // Pivoted: F = P L, row piv[t]-1 of F is row t of the lower-triangular L (first r columns).
   std::vector<double>& f = sized(eig.f, static_cast<size_t>(n) * r1);
   std::vector<double>& w = sized(eig.w, static_cast<size_t>(n) * r1);
@@ -434,7 +437,6 @@ py::tuple segment_gram(py::array_t<Scalar> Y, Lengths lengths, py::object other,
     }
   });
   // Mirror the lower triangle into the upper, and <Gram, other> (each off-diagonal entry of the Gram twice).
-  py::object inner = py::none();
   py::array_t<double> inners(N);
   double* in_out = inners.mutable_data();
   const double* oth = other.is_none() ? nullptr : others.data();
@@ -453,8 +455,7 @@ py::tuple segment_gram(py::array_t<Scalar> Y, Lengths lengths, py::object other,
     }
     in_out[i] = diagonal + below;
   });
-  if (oth) inner = inners;
-  return py::make_tuple(out, inner);
+  return py::make_tuple(out, oth ? py::object(inners) : py::none());
 }
 
 }  // namespace

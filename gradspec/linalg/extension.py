@@ -27,7 +27,7 @@ def _capsule_address(capsule) -> int:
 
 def lapack_addresses(prefer_mkl: bool = True) -> dict[str, int]:
     """SciPy's BLAS/LAPACK, with dsyevd, dpotrf and dgemm from the MKL inside torch's CPU build
-    where it exports them (MKL's dpotrf is about 6x faster than OpenBLAS's dpstrf at n = 181)."""
+    where it exports them (the routines it exports; it has no dpstrf, dsyrk or dtrmm)."""
     from scipy.linalg import cython_blas, cython_lapack
 
     lapack, blas = cython_lapack.__pyx_capi__, cython_blas.__pyx_capi__
