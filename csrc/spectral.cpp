@@ -210,6 +210,9 @@ py::list gram_spectra_groups(py::list grams, py::list terms, int threads, double
     in.push_back(a);
     group_terms.push_back(terms[g].cast<int>());
   }
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const auto& x, const auto& y) {  // largest first
+    return in[x.first].shape(1) > in[y.first].shape(1);
+  });
   parallel_for(static_cast<int>(tasks.size()), threads, [&](int k, SymmetricEigen& eig) {
     const auto [g, i] = tasks[k];
     const int n = static_cast<int>(in[g].shape(1));
@@ -325,7 +328,8 @@ Array core_spectra(Array B, Array A, Lengths lengths, int threads, double eps, i
 // core_spectra over several groups at once (a batch's inputs: each its B (N_g, T_g, T_g), its parts'
 // A's (each (N_g, T_g, T_g)), lengths and terms): one job of every (group, sample), so the threads
 // stay busy when each group has fewer samples than threads (a batch of one long sample), and no
-// stacked copy of the A's is made. Returns each group's sigma (N_g, M_g, T_g).
+// stacked copy of the A's is made. Tasks are handed out largest first, so the job ends on small ones.
+// Returns each group's sigma (N_g, M_g, T_g).
 py::list core_spectra_groups(py::list Bs, py::list As, py::list lengths, py::list terms, int threads, double eps) {
   require_bound();
   const size_t G = Bs.size();
@@ -356,6 +360,12 @@ py::list core_spectra_groups(py::list Bs, py::list As, py::list lengths, py::lis
     for (int i = 0; i < grp.N; ++i) tasks.emplace_back(static_cast<int>(g), i);
     groups.push_back(std::move(grp));
   }
+  auto cost = [&](const std::pair<int, int>& t) {  // n^3 per factor and per part
+    const Group& grp = groups[t.first];
+    const double n = static_cast<double>(grp.len.data()[t.second]);
+    return n * n * n * (grp.A.size() + 1);
+  };
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const auto& x, const auto& y) { return cost(x) > cost(y); });
   parallel_for(static_cast<int>(tasks.size()), threads, [&](int k, SymmetricEigen& eig) {
     const auto [g, i] = tasks[k];
     const Group& grp = groups[g];
@@ -388,10 +398,42 @@ void rows_as_double(const char* sample, const py::ssize_t* strides, int n, int d
   }
 }
 
+// Sample indices by decreasing length: tasks handed out longest first (dynamic scheduling then ends
+// with the short ones, so no thread waits long on another's last task).
+std::vector<int> longest_first(const int64_t* len, int N) {
+  std::vector<int> order(N);
+  for (int i = 0; i < N; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return len[a] > len[b]; });
+  return order;
+}
+
+// A Gram whose lower triangle (column-major, leading dimension T) holds the leading n x n block:
+// its upper triangle mirrored by 32 x 32 tiles (the strided writes stay in L1), the padding zeroed,
+// and <Gram, other> over the n x n block when other is given (contiguous, both triangles counted).
+double finish_gram(double* g, int n, int T, const double* other) {
+  constexpr int B = 32;
+  for (int cb = 0; cb < n; cb += B)
+    for (int rb = cb; rb < n; rb += B)
+      for (int c = cb; c < std::min(cb + B, n); ++c)
+        for (int r = std::max(rb, c + 1); r < std::min(rb + B, n); ++r)
+          g[static_cast<size_t>(r) * T + c] = g[static_cast<size_t>(c) * T + r];
+  for (int c = 0; c < T; ++c) std::fill(g + static_cast<size_t>(c) * T + (c < n ? n : 0), g + static_cast<size_t>(c + 1) * T, 0.0);
+  double inner = 0;
+  if (other)
+    for (int c = 0; c < n; ++c) {
+      const double* gc = g + static_cast<size_t>(c) * T;
+      const double* oc = other + static_cast<size_t>(c) * T;
+#pragma omp simd reduction(+ : inner)
+      for (int r = 0; r < n; ++r) inner += gc[r] * oc[r];
+    }
+  return inner;
+}
+
 // fp64 Gram of each sample's valid rows, Y_i[:n] Y_i[:n]^T, with BLAS dsyrk (half the work of a
-// GEMM, none spent on padding), and <Gram_i, other_i> where other (N, T, T) is given. With fewer
-// samples than threads, each sample is two tasks of equal work: its two diagonal blocks (dsyrk)
-// and the block below them (dgemm), so one long sample still keeps two threads busy.
+// GEMM, none spent on padding), and <Gram_i, other_i> where other (N, T, T) is given. One task per
+// sample does all of its work while its Gram is in cache: rows to fp64, dsyrk, mirror, padding,
+// inner product. With fewer samples than threads each sample is two tasks of equal work (its two
+// diagonal blocks by dsyrk, the block below them by dgemm), finished by whichever ends second.
 template <typename Scalar>
 py::tuple segment_gram(py::array_t<Scalar> Y, Lengths lengths, py::object other, int threads) {
   require_bound();
@@ -406,54 +448,43 @@ py::tuple segment_gram(py::array_t<Scalar> Y, Lengths lengths, py::object other,
   }
   const auto ys = Y.strides();
   const char* base = reinterpret_cast<const char*>(Y.data());
-  py::array_t<double> out({N, T, T});
+  py::array_t<double> out({N, T, T});  // every entry written by its sample's task
   double* o = out.mutable_data();
-  std::fill(o, o + static_cast<size_t>(N) * T * T, 0.0);
-  const int split = N < threads ? 2 : 1;  // tasks per sample
-  parallel_for(N * split, threads, [&](int task, SymmetricEigen& scratch) {
-    const int i = task / split, part = split == 1 ? -1 : task % split;
-    const int n = static_cast<int>(len[i]);
-    if (n == 0) return;
-    std::vector<double>& y = scratch.y;
-    rows_as_double<Scalar>(base + i * ys[0], ys, n, d, y);
-    char lower = 'L', trans = 'T', nn = 'N';
-    int d_ = d, ld = T;
-    double one = 1.0, zero = 0.0;
-    double* g = o + static_cast<size_t>(i) * T * T;  // column-major, leading dimension T
-    const int h = part < 0 ? n : n / 2;  // rows [0, h) and [h, n)
-    auto syrk = [&](int first, int rows) {
-      if (rows == 0) return;
-      double* block = g + static_cast<size_t>(first) * T + first;
-      dsyrk_(&lower, &trans, &rows, &d_, &one, y.data() + static_cast<size_t>(first) * d, &d_, &zero, block, &ld);
-    };
-    if (part <= 0) {
-      syrk(0, h);
-      syrk(h, n - h);
-    }
-    if (part != 0 && h > 0 && n - h > 0) {  // G[h:n, 0:h] = Y[h:n] Y[0:h]^T
-      int m = n - h, k = h;
-      dgemm_(&trans, &nn, &m, &k, &d_, &one, y.data() + static_cast<size_t>(h) * d, &d_, y.data(), &d_, &zero,
-             g + h, &ld);
-    }
-  });
-  // Mirror the lower triangle into the upper, and <Gram, other> (each off-diagonal entry of the Gram twice).
   py::array_t<double> inners(N);
   double* in_out = inners.mutable_data();
   const double* oth = other.is_none() ? nullptr : others.data();
-  parallel_for(N, threads, [&](int i, SymmetricEigen&) {
+  const int split = N < threads ? 2 : 1;  // tasks per sample
+  const std::vector<int> order = longest_first(len, N);
+  std::vector<std::atomic<int>> done(N);
+  for (auto& count : done) count = 0;
+  parallel_for(N * split, threads, [&](int task, SymmetricEigen& scratch) {
+    const int i = order[task / split], part = split == 1 ? -1 : task % split;
     const int n = static_cast<int>(len[i]);
-    double* g = o + static_cast<size_t>(i) * T * T;
-    const double* q = oth ? oth + static_cast<size_t>(i) * T * T : nullptr;
-    double diagonal = 0, below = 0;
-    for (int c = 0; c < n; ++c) {
-      const double* column = g + static_cast<size_t>(c) * T;
-      if (q) diagonal += column[c] * q[static_cast<size_t>(c) * T + c];
-      for (int r = c + 1; r < n; ++r) {
-        g[static_cast<size_t>(r) * T + c] = column[r];
-        if (q) below += column[r] * (q[static_cast<size_t>(c) * T + r] + q[static_cast<size_t>(r) * T + c]);
+    const size_t TT = static_cast<size_t>(T) * T;
+    double* g = o + i * TT;  // column-major, leading dimension T
+    if (n > 0) {
+      std::vector<double>& y = scratch.y;
+      rows_as_double<Scalar>(base + i * ys[0], ys, n, d, y);
+      char lower = 'L', trans = 'T', nn = 'N';
+      int d_ = d, ld = T;
+      double one = 1.0, zero = 0.0;
+      const int h = part < 0 ? n : n / 2;  // rows [0, h) and [h, n)
+      auto syrk = [&](int first, int rows) {
+        if (rows == 0) return;
+        double* block = g + static_cast<size_t>(first) * T + first;
+        dsyrk_(&lower, &trans, &rows, &d_, &one, y.data() + static_cast<size_t>(first) * d, &d_, &zero, block, &ld);
+      };
+      if (part <= 0) {
+        syrk(0, h);
+        syrk(h, n - h);
+      }
+      if (part != 0 && h > 0 && n - h > 0) {  // G[h:n, 0:h] = Y[h:n] Y[0:h]^T
+        int m = n - h, k = h;
+        dgemm_(&trans, &nn, &m, &k, &d_, &one, y.data() + static_cast<size_t>(h) * d, &d_, y.data(), &d_, &zero,
+               g + h, &ld);
       }
     }
-    in_out[i] = diagonal + below;
+    if (split == 1 || ++done[i] == split) in_out[i] = finish_gram(g, n, T, oth ? oth + i * TT : nullptr);
   });
   return py::make_tuple(out, oth ? py::object(inners) : py::none());
 }
