@@ -391,12 +391,17 @@ def borrowed(model: nn.Module) -> Iterator[None]:
     training script must not stop its training."""
     modes = [(m, m.training) for m in model.modules()]
     grads = [(p, p.requires_grad) for p in model.parameters()]
-    model.eval()
-    model.requires_grad_(False)
+    if any(training for _, training in modes):  # a scoring run's model is already in eval mode and frozen:
+        model.eval()  # nothing to walk again per batch
+    for p, requires_grad in grads:
+        if requires_grad:
+            p.requires_grad_(False)
     try:
         yield
     finally:
         for m, training in modes:
-            m.training = training
+            if m.training != training:
+                m.training = training
         for p, requires_grad in grads:
-            p.requires_grad_(requires_grad)
+            if requires_grad:
+                p.requires_grad_(True)

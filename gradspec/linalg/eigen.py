@@ -24,6 +24,7 @@ from gradspec.linalg.metrics import (
     EPS64,
     eigenvalue_cutoff,
     metrics_from_singular_values,
+    metrics_of_groups,
     singular_values_from_gram_eigenvalues,
 )
 from gradspec.linalg.policy import Policy
@@ -106,7 +107,8 @@ def host_gram_spectra(
                                                  [int(terms) for _, terms in groups], extension.default_threads(),
                                                  policy.eps)
     policy.record("gram", "cpp")
-    return [(sigma, metrics_from_singular_values(sigma, metrics)) for sigma in map(torch.from_numpy, sigmas)]
+    sigmas = [torch.from_numpy(sigma) for sigma in sigmas]
+    return list(zip(sigmas, metrics_of_groups(sigmas, metrics), strict=True))
 
 
 def _gram_cpp(grams: torch.Tensor, eps: float, terms: int) -> torch.Tensor:
@@ -157,7 +159,8 @@ def host_core_spectra(
             [lengths.cpu().to(torch.int64).numpy() for _, _, lengths, _ in groups],
             [int(terms) for _, _, _, terms in groups], extension.default_threads(), policy.eps)
     policy.record("core", "cpp")
-    return [(sigma, metrics_from_singular_values(sigma, metrics)) for sigma in map(torch.from_numpy, sigmas)]
+    sigmas = [torch.from_numpy(sigma) for sigma in sigmas]
+    return list(zip(sigmas, metrics_of_groups(sigmas, metrics), strict=True))
 
 
 def _core_cpp(B: torch.Tensor, A: torch.Tensor, lengths: torch.Tensor, eps: float, terms: int) -> torch.Tensor:
