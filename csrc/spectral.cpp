@@ -432,8 +432,8 @@ double finish_gram(double* g, int n, int T, const double* other) {
 // fp64 Gram of each sample's valid rows, Y_i[:n] Y_i[:n]^T, with BLAS dsyrk (half the work of a
 // GEMM, none spent on padding), and <Gram_i, other_i> where other (N, T, T) is given. One task per
 // sample does all of its work while its Gram is in cache: rows to fp64, dsyrk, mirror, padding,
-// inner product. With fewer samples than threads each sample is two tasks of equal work (its two
-// diagonal blocks by dsyrk, the block below them by dgemm), finished by whichever ends second.
+// inner product. With fewer samples than threads each sample is two tasks of about equal time (below),
+// finished by whichever ends second.
 template <typename Scalar>
 py::tuple segment_gram(py::array_t<Scalar> Y, Lengths lengths, py::object other, int threads) {
   require_bound();
@@ -464,24 +464,27 @@ py::tuple segment_gram(py::array_t<Scalar> Y, Lengths lengths, py::object other,
     double* g = o + i * TT;  // column-major, leading dimension T
     if (n > 0) {
       std::vector<double>& y = scratch.y;
-      rows_as_double<Scalar>(base + i * ys[0], ys, n, d, y);
+      // Split: part 0 the rows [0, h) by dsyrk; part 1 the rows [h, n) by dsyrk and the block below part 0's by
+      // dgemm (MKL's, faster than OpenBLAS's dsyrk). h = 0.68 n gives part 0 46% of the FLOPs: the fastest split
+      // measured of 0.5-0.72 n at n = 84-372 (2-core Xeon; 0.75 ms against 1.05 at n = 372 for h = n / 2).
+      const int h = part < 0 ? n : static_cast<int>(0.68 * n);
+      rows_as_double<Scalar>(base + i * ys[0], ys, part == 0 ? h : n, d, y);
       char lower = 'L', trans = 'T', nn = 'N';
       int d_ = d, ld = T;
       double one = 1.0, zero = 0.0;
-      const int h = part < 0 ? n : n / 2;  // rows [0, h) and [h, n)
       auto syrk = [&](int first, int rows) {
         if (rows == 0) return;
         double* block = g + static_cast<size_t>(first) * T + first;
         dsyrk_(&lower, &trans, &rows, &d_, &one, y.data() + static_cast<size_t>(first) * d, &d_, &zero, block, &ld);
       };
-      if (part <= 0) {
-        syrk(0, h);
+      if (part <= 0) syrk(0, h);
+      if (part == 1) {
         syrk(h, n - h);
-      }
-      if (part != 0 && h > 0 && n - h > 0) {  // G[h:n, 0:h] = Y[h:n] Y[0:h]^T
-        int m = n - h, k = h;
-        dgemm_(&trans, &nn, &m, &k, &d_, &one, y.data() + static_cast<size_t>(h) * d, &d_, y.data(), &d_, &zero,
-               g + h, &ld);
+        if (h > 0 && n - h > 0) {  // G[h:n, 0:h] = Y[h:n] Y[0:h]^T
+          int m = n - h, k = h;
+          dgemm_(&trans, &nn, &m, &k, &d_, &one, y.data() + static_cast<size_t>(h) * d, &d_, y.data(), &d_, &zero,
+                 g + h, &ld);
+        }
       }
     }
     if (split == 1 || ++done[i] == split) in_out[i] = finish_gram(g, n, T, oth ? oth + i * TT : nullptr);
