@@ -501,6 +501,9 @@ def environment(device: str) -> dict:
             "gpus": torch.cuda.device_count() if cuda else 0, "torch": torch.__version__, "cuda": torch.version.cuda,
             **versions, "extension": extension.BUILT, "host_threads": extension.default_threads(),
             "float32_matmul_precision": torch.get_float32_matmul_precision(),
+            # variables that force TF32 on cuBLAS whatever torch is told (gpu_run.sh clears them)
+            "tf32_override": {name: os.environ.get(name)
+                              for name in ("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "NVIDIA_TF32_OVERRIDE")},
             "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 

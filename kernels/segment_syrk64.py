@@ -71,9 +71,9 @@ if triton is not None:
 
 
 def lower_tiles(n_tiles: int, device: torch.device | str) -> torch.Tensor:
-    """(n_lower, 2) int32: the (row, column) tile pairs of the lower triangle, row-major."""
-    pairs = [(i, j) for i in range(n_tiles) for j in range(i + 1)]
-    return torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).to(device)
+    """(n_lower, 2) int32: the (row, column) tile pairs of the lower triangle, row-major. Made on the
+    device (a host list copied there would wait for the stream: every call, in the backward's hooks)."""
+    return torch.tril_indices(n_tiles, n_tiles, device=device).T.to(torch.int32).contiguous()
 
 
 def segment_syrk64_triton(
@@ -95,7 +95,7 @@ def segment_syrk64_triton(
         try:
             launch(_segment_syrk64_kernel, (N, len(tiles)), *args, HAS_OTHER=other is not None, DOT=dot,
                    BLOCK_T=block_t, BLOCK_D=block_d if dot else min(block_d, 8))
-        except triton.CompilationError:
+        except Exception:  # noqa: BLE001 - a compiler without fp64 dot fails in the front end or in lowering
             if not dot:
                 raise
             return segment_syrk64_triton(Y, lengths, other, block_t, block_d, dot=False)

@@ -3,6 +3,8 @@
 import json
 import math
 import os
+import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -21,11 +23,26 @@ FORCED = {"fp64/host-eigen", "fp64/device-eigen", "fp64/triton-syrk", "fp32/trit
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    """One smoke run (tiny shapes on the CPU, Triton interpreted, no suite): its output and results."""
-    out = tmp_path_factory.mktemp("acceptance")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_acceptance.py"), "--smoke", "--no-suite",
-                          "--out", str(out)], capture_output=True, text=True, env=env)
+    """One smoke run (tiny shapes on the CPU, Triton interpreted, no suite), as the GPU machine runs it:
+    gpu_run.sh in a bare copy of the tracked files, gradspec not installed (python without site, so no
+    editable install's import hooks; site-packages on PYTHONPATH for torch and the rest), the extension
+    built here copied in (setup.py then finds it up to date). Its output and results."""
+    tree, out, bin_dir = (tmp_path_factory.mktemp(name) for name in ("tree", "acceptance", "bin"))
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for name in files.decode().split("\0"):
+        if name and (ROOT / name).is_file():
+            (tree / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, tree / name)
+    for built in (ROOT / "gradspec").glob("_C*.so"):
+        shutil.copy(built, tree / "gradspec")  # after the sources: newer than they are
+    python3 = bin_dir / "python3"
+    python3.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    python3.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "PYTHONPATH": os.pathsep.join(site.getsitepackages())}
+    run = subprocess.run(["bash", "benchmarks/gpu_run.sh", str(out), "--smoke", "--no-suite"], cwd=tree,
+                         capture_output=True, text=True, env=env)
+    assert (out / "acceptance.json").exists(), run.stdout[-3000:] + run.stderr[-3000:]
     return run, json.loads((out / "acceptance.json").read_text()), (out / "acceptance.md").read_text()
 
 

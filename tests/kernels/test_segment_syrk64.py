@@ -30,15 +30,20 @@ def test_kernel_matches_the_fp64_reference_from_the_dtype_it_reads(shape, dtype,
 
 
 @needs_triton
-def test_a_compiler_without_fp64_dot_falls_back_to_the_fma_loop(monkeypatch):
+@pytest.mark.parametrize("error", ["front end", "lowering"])
+def test_a_compiler_without_fp64_dot_falls_back_to_the_fma_loop(monkeypatch, error):
+    """Whether the compiler refuses fp64 dot in its front end (CompilationError) or in a backend pass
+    (another exception), the kernel is compiled again without it."""
     from gradspec.kernels import segment_syrk64 as module
 
     real, seen = module.launch, []
 
     def launch(kernel, grid, *args, **meta):
         seen.append(meta["DOT"])
-        if meta["DOT"]:
+        if meta["DOT"] and error == "front end":
             raise triton.CompilationError("k.py", None, "fp64 dot unsupported on this GPU")
+        if meta["DOT"]:
+            raise RuntimeError("PassManager::run failed")
         return real(kernel, grid, *args, **meta)
 
     monkeypatch.setattr(module, "launch", launch)
@@ -46,3 +51,17 @@ def test_a_compiler_without_fp64_dot_falls_back_to_the_fma_loop(monkeypatch):
     gram, inner = segment_syrk64_triton(Y, lengths)
     assert seen == [True, False] and inner is None
     torch.testing.assert_close(gram, segment_syrk64_torch(Y, lengths)[0], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 5, 35])
+def test_lower_tiles_are_the_lower_triangles_pairs_row_major_made_on_the_device(n, monkeypatch):
+    """No host list is copied to the device for them (that copy would wait for the stream on every call)."""
+    from gradspec.kernels.segment_syrk64 import lower_tiles
+
+    def no_host_tensor(*args, **kwargs):
+        raise AssertionError("a host tensor was made")
+
+    want = torch.tensor([(i, j) for i in range(n) for j in range(i + 1)], dtype=torch.int32).reshape(-1, 2)
+    monkeypatch.setattr(torch, "tensor", no_host_tensor)
+    tiles = lower_tiles(n, "cpu")
+    assert tiles.dtype == torch.int32 and torch.equal(tiles, want)
