@@ -48,6 +48,7 @@ import subprocess  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
+from concurrent.futures import Future, ThreadPoolExecutor  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any, NamedTuple  # noqa: E402
@@ -168,34 +169,50 @@ def padded_batch(samples: list[tuple[torch.Tensor, torch.Tensor]], device: str) 
 
 class Setup(NamedTuple):
     """A problem made ready: the model on the device, its samples (the last one rank-deficient),
-    and each sample's reference."""
+    and each sample's reference, computed on the host while the device runs checks (references
+    waits for it)."""
 
     model: torch.nn.Module
     device: str
     samples: list[tuple[torch.Tensor, torch.Tensor]]
-    references: list[tuple[float, dict[str, dict[str, float]]]]
-    seconds: dict[str, float]
+    pending: Future  # (references, seconds)
+    build_s: float
 
     @property
     def deficient(self) -> int:
         return len(self.samples) - 1
 
+    @property
+    def references(self) -> list[tuple[float, dict[str, dict[str, float]]]]:
+        return self.pending.result()[0]
 
-def prepare(problem: Problem, device: str) -> Setup:
+    @property
+    def seconds(self) -> dict[str, float]:
+        done = self.pending.done() and not self.pending.cancelled() and self.pending.exception() is None
+        return {"build": self.build_s, "reference": self.pending.result()[1] if done else math.nan}
+
+
+def prepare(problem: Problem, device: str, host: ThreadPoolExecutor) -> Setup:
     """The fp32 model built on the CPU (seeded), its copy on the device, and the reference of every
-    sample on the CPU: one sample at a time, real weight gradients, full SVD, all in fp64 (the same
-    weights run in fp64, so the reference carries no fp32 rounding of its own; in fp32, its rounding
-    tail was half the fp64 tolerance on the rank-deficient sample)."""
+    sample queued on the host thread: one sample at a time, real weight gradients, full SVD, all in
+    fp64 (the same weights run in fp64, so the reference carries no fp32 rounding of its own; in
+    fp32, its rounding tail was half the fp64 tolerance on the rank-deficient sample)."""
     start = time.perf_counter()
     torch.manual_seed(0)
     cpu_model = build_model(problem.kind, problem.shape, "cpu", torch.float32)
     model = copy.deepcopy(cpu_model).to(device)
     cpu_model.double()
-    built = time.perf_counter()
     samples = make_samples(problem)
-    references = [reference_scores(cpu_model, ids, labels, problem.modules)[:2] for ids, labels in samples]
-    seconds = {"build": built - start, "reference": time.perf_counter() - built}
-    return Setup(model, device, samples, references, seconds)
+    pending = host.submit(references_of, cpu_model, samples, problem.modules)
+    return Setup(model, device, samples, pending, time.perf_counter() - start)
+
+
+def references_of(cpu_model: torch.nn.Module, samples: list[tuple[torch.Tensor, torch.Tensor]], modules: str
+                  ) -> tuple[list[tuple[float, dict[str, dict[str, float]]]], float]:
+    """(every sample's reference (loss, metrics), seconds) on the host."""
+    start = time.perf_counter()
+    return [reference_scores(cpu_model, ids, labels, modules)[:2] for ids, labels in samples], \
+        time.perf_counter() - start
 
 
 # ----------------------------------------------------------------------------- comparisons
@@ -597,20 +614,23 @@ class Report:
 # ----------------------------------------------------------------------------- the run
 
 
-def run_problem(problem: Problem, args: argparse.Namespace, report: Report, deadline: float) -> None:
-    """One model shape: prepared once, then every configuration on it, each a recorded check. A
-    shape not started by the deadline is not run; a started one has STARTED_GRACE_S more for its
-    configurations (its CPU reference is the slow part, and is spent by then)."""
+def run_problem(problem: Problem, prepared: tuple[list[Setup] | None, dict], args: argparse.Namespace,
+                report: Report, deadline: float) -> None:
+    """One model shape, prepared (guarded(prepare)): every configuration on it, each a recorded check.
+    A shape not started by the deadline is not run (its reference is dropped if not begun); a started
+    one has STARTED_GRACE_S more for its configurations. Their first comparison waits for the
+    shape's reference, which the host computes meanwhile."""
     name = problem.name
+    setups, info = prepared
     if time.perf_counter() > deadline:
+        if setups is not None:
+            setups[0].pending.cancel()
         report.add({"check": name, "status": "not_run", "problems": ["time budget"]})
         return
-    prepared, info = guarded(lambda: [prepare(problem, args.device)])
-    if prepared is None:
+    if setups is None:
         report.add({"check": f"{name}/setup", "status": "error", **info})
         return
-    setup = prepared[0]
-    report.result["setup"][name] = setup.seconds
+    setup = setups[0]
     for config in CONFIGS:
         check = {"check": f"{name}/{config.name}", "model": name, "config": config.name,
                  "precision": config.precision, "force": config.force, "method": config.method}
@@ -624,6 +644,7 @@ def run_problem(problem: Problem, args: argparse.Namespace, report: Report, dead
             for result in results or [{"status": "error"}]:
                 call = result.get("call", "score")
                 report.add(check | {"check": f"{check['check']}/{call}"} | info | result)
+    report.result["setup"][name] = setup.seconds
 
 
 def run_suite(args: argparse.Namespace, started: float) -> dict:
@@ -682,10 +703,16 @@ def main(argv: list[str] | None = None) -> int:
                     "problems": [f"torch {torch.__version__} sees no GPU (pass --device cpu to run on the host)"]})
         print(verdict(report.checks), flush=True)
         return 1
-    for problem in problems:
-        run_problem(problem, args, report, started + args.correctness_s)
+    # Every shape is built first and its references queued on one host thread, so that each shape's
+    # (the slow part: full SVDs in fp64) are computed while the shapes before it are checked on the device.
+    host = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradspec-reference")
+    prepared = [guarded(lambda problem=problem: [prepare(problem, args.device, host)]) for problem in problems]
+    for problem, setup in zip(problems, prepared, strict=True):
+        run_problem(problem, setup, args, report, started + args.correctness_s)
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
+    # A reference still running (its shape's checks all cut for time) is waited for: the suite must not share the host.
+    host.shutdown(wait=True, cancel_futures=True)
     device, info = guarded(lambda: [device_check(args.device)])
     report.add({"check": "device/launch-on-tensors-gpu", **info, **(device[0] if device else {"status": "error"})})
     synced, info = guarded(lambda: [no_sync_check(args.device)])
