@@ -184,7 +184,9 @@ def _core_device(
     T = B.shape[-1]
     padding = torch.arange(T, device=B.device) >= lengths.to(B.device)[:, None]
     L, info = torch.linalg.cholesky_ex(B + torch.diag_embed(padding.to(B.dtype)))
-    L = L.unsqueeze(1)
+    # A failed factor may hold NaN (a GPU's potrf stops at the failing pivot), which would fail the whole
+    # batch's eigensolver: those samples take the identity here (no wait for the device) and are redone below.
+    L = torch.where((info > 0)[:, None, None], torch.eye(T, dtype=L.dtype, device=L.device), L).unsqueeze(1)
     sigma = singular_values_from_gram_eigenvalues(eigen.eigvalsh(L.mT @ A @ L), eps, terms).cpu()
     failed = torch.nonzero(info.cpu()).flatten()  # the stage's one wait for the device
     if len(failed):

@@ -7,6 +7,7 @@ import shutil
 import site
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -127,3 +128,24 @@ def test_an_exception_in_a_check_is_recorded_not_raised():
 def test_the_two_gpu_device_check_is_skipped_without_them():
     check = acceptance.device_check("cpu")
     assert check["status"] == "skipped" and "SKIPPED" in acceptance.summary({"check": "device", **check})
+
+
+def test_a_failing_reference_fails_its_shapes_checks_and_the_run_goes_on(tmp_path, monkeypatch):
+    """The references are computed on a host thread: an exception there reaches every check that
+    compares with them, as that check's error, and the shape's reference time is recorded as NaN."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def broken(*args):
+        raise RuntimeError("SVD did not converge")
+
+    monkeypatch.setattr(acceptance, "references_of", broken)
+    monkeypatch.setattr(acceptance, "CONFIGS", acceptance.CONFIGS[:1])
+    args = acceptance.parse(["--smoke", "--no-suite", "--out", str(tmp_path)])
+    report = acceptance.Report(tmp_path, {}, {})
+    problem = acceptance.SMOKE_PROBLEMS[1]
+    with ThreadPoolExecutor(1) as host:
+        prepared = acceptance.guarded(lambda: [acceptance.prepare(problem, "cpu", host)])
+        acceptance.run_problem(problem, prepared, args, report, time.perf_counter() + 60)
+    assert [c["status"] for c in report.checks] == ["error"]
+    assert "SVD did not converge" in report.checks[0]["error"]
+    assert math.isnan(report.result["setup"][problem.name]["reference"])

@@ -82,6 +82,33 @@ def test_device_cores_come_from_cholesky_and_a_rank_deficient_b_from_a_rank_reve
     torch.testing.assert_close(sigma[..., :k], _svd(X, D)[..., :k], rtol=1e-7, atol=1e-6)
 
 
+def test_a_failed_device_factor_holding_nan_does_not_fail_the_other_samples(monkeypatch):
+    """A GPU's batched potrf can leave NaN in a factor it could not finish (the CPU's leaves B's finite
+    entries), and cuSOLVER's eigensolver fails the whole batch on them: the device path must keep such
+    factors out of the batch's cores, then redo those samples from a rank-revealing factor."""
+    X, D = _problem(seed=5)  # sample 0's B is singular
+    B, A = X @ X.transpose(-1, -2), D @ D.transpose(-1, -2)
+    real_cholesky = torch.linalg.cholesky_ex
+
+    def device_like(M):
+        L, info = real_cholesky(M)
+        return torch.where((info > 0)[:, None, None], torch.nan, L), info
+
+    class Strict:  # an eigensolver that fails on non-finite input, as torch's does on CUDA
+        def eigvalsh(self, M):
+            if not torch.isfinite(M).all():
+                raise torch.linalg.LinAlgError("linalg.eigh: the algorithm failed to converge")
+            return solvers.TORCH_EIGEN.eigvalsh(M)
+
+        def eigh(self, M):
+            return solvers.TORCH_EIGEN.eigh(M)
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", device_like)
+    sigma = eigen._core_device(Strict(), B, A, LENGTHS)
+    k = min(A.shape[-1], 30)
+    torch.testing.assert_close(sigma[..., :k], _svd(X, D)[..., :k], rtol=1e-7, atol=1e-6)
+
+
 def test_extension_rejects_bad_shapes():
     with pytest.raises(ValueError, match="shape"):
         eigen.gram_spectra(torch.zeros(2, 3, 4), "cpp")
