@@ -9,8 +9,9 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-PACKAGES = ("gradspec", "torch", "transformers", "numpy", "scipy", "triton", "cupy-cuda12x", "cupy-cuda11x",
-            "nvmath-python", "datasets", "peft", "pyarrow", "accelerate", "gguf")
+CUPY = ("cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x")  # CuPy's wheels are named by CUDA major version
+PACKAGES = ("gradspec", "torch", "transformers", "numpy", "scipy", "triton", *CUPY, "nvmath-python", "datasets",
+            "peft", "pyarrow", "accelerate", "gguf")
 
 
 def _version(package: str) -> str | None:
@@ -55,7 +56,7 @@ def environment() -> dict[str, Any]:
     return {
         "cpp_extension": {"built": extension.BUILT, "lapack": extension.LAPACK},
         "triton": {"importable": triton is not None, "interpreter": os.environ.get("TRITON_INTERPRET") == "1"},
-        "cupy": _version("cupy-cuda12x") or _version("cupy-cuda11x"),
+        "cupy": next(filter(None, map(_version, CUPY)), None),
         "cuda": {"torch_built_with": torch.version.cuda, "available": torch.cuda.is_available(), "devices": devices},
         "threads": {"cpus": os.cpu_count(), "usable_cpus": usable,
                     "torch_intra_op": torch.get_num_threads(), "torch_inter_op": torch.get_num_interop_threads(),

@@ -40,3 +40,14 @@ def test_env_names_the_cpu_model_and_its_vector_units(tmp_path):
     assert cpu(str(info)) == {"model": "Intel(R) Xeon(R) Processor", "avx512": True, "amx": True}
     info.write_text("model name\t: AMD EPYC 7B13\nflags\t\t: fpu sse avx2\n")
     assert cpu(str(info)) == {"model": "AMD EPYC 7B13", "avx512": False, "amx": False}
+
+
+def test_env_finds_cupy_by_any_cuda_major_versions_wheel(monkeypatch, capsys):
+    """CuPy's wheel is named by CUDA major version: the H200's image has cupy-cuda13x."""
+    import importlib
+
+    module = importlib.import_module("gradspec.environment")  # the package exports its function by that name
+    found = {"cupy-cuda13x": "14.2.0"}
+    monkeypatch.setattr(module, "_version", lambda package: found.get(package))
+    assert module.environment()["cupy"] == "14.2.0"
+    assert module.environment()["versions"] == found
