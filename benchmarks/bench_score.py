@@ -16,14 +16,16 @@ problems 30-47. Rows, per set:
 - the reference (first set only): ``gradspec.engine.reference`` one sample at a time, parameter
   gradients and a full SVD per module.
 
-Every row gets ROUNDS rounds over the whole set, after an untimed warm-up of the floors and the
-engine; within a round the rows run back to back, each round starting at another row, so rows
-compared share the machine's load of the moment. Medians over rounds are printed with their
+Every row gets ROUNDS rounds over the whole set, after an untimed warm-up of the floors, the engine
+and score (whose first call also runs the engine's one-time memory probes, which plan its batches:
+that call's time is printed apart); within a round the rows run back to back, each round starting
+at another row, so rows compared share the machine's load of the moment. Medians over rounds are printed with their
 ratios to the fastest floor. Run with ``pytest benchmarks/bench_score.py -s``; ratios are only
 meaningful within one run (the machine is noisy); about 7 minutes on 2 cores.
 """
 
 import statistics
+import time
 from collections.abc import Callable
 from functools import partial
 
@@ -94,8 +96,12 @@ def test_score_vs_floor_and_reference(setup):
     for name, samples in sets.items():
         items = [Item(s, tokenize(s.messages, tok, "plain", 2048)) for s in samples]
         rows = rows_for(model, tok, engine, name, items)
-        for row in [r for r in rows if r.startswith("floor")] + ["gradspec engine"]:
-            rows[row]()  # the allocator, the OpenMP threads: not timed
+        for row in [r for r in rows if r.startswith("floor")] + ["gradspec engine", "gradspec score"]:
+            start = time.perf_counter()
+            rows[row]()  # the allocator, the OpenMP threads, score's memory probes: not timed
+            if row == "gradspec score":
+                print(f"\n{name}: score's first call, with the engine's one-time memory probes if not run yet: "
+                      f"{time.perf_counter() - start:.2f} s")
         times = interleaved_rounds(rows, ROUNDS, f"{name}, ")
         tokens = [i.tokens.num_tokens for i in items]
         med = {row: statistics.median(t) for row, t in times.items()}
