@@ -190,23 +190,28 @@ def test_submit_overlaps_batches_and_equals_score():
             torch.testing.assert_close(got.metrics[name], want.metrics[name], rtol=1e-12, atol=0)
 
 
-def _eigen_threads() -> int:
+def _eigen_threads() -> set:
     import threading
 
-    return sum(t.name.startswith("gradspec-eigen") for t in threading.enumerate())
+    return {t for t in threading.enumerate() if t.name.startswith("gradspec-eigen")}
 
 
 def test_close_waits_for_submitted_batches_and_leaves_no_thread():
+    """The engine's own worker threads, told apart from other engines' (an earlier test's engine may
+    still be letting its worker go when this one starts: counting all of them raced)."""
     model = tiny_model("llama", vocab=VOCAB)
-    before = _eigen_threads()
+    others = _eigen_threads()
     with SpectralEngine(model, "attn", overlap=True) as engine:
         future = engine.submit(*padded_batch(random_sequences([8, 40], VOCAB)))
-        assert _eigen_threads() == before + 1
+        mine = _eigen_threads() - others
+        assert len(mine) == 1
     assert future.done() and future.result().flags == [set(), set()]
-    assert _eigen_threads() == before
+    assert not any(t.is_alive() for t in mine)
     engine.submit(*padded_batch(random_sequences([9], VOCAB))).result()  # usable after close: a new worker
+    again = _eigen_threads() - others - mine
+    assert len(again) == 1
     engine.close()
-    assert _eigen_threads() == before
+    assert not any(t.is_alive() for t in again)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2", "phi3"])
