@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from functools import cache, partial
@@ -134,7 +135,11 @@ def reference_seconds_per_sample(model, batch, modules: str) -> float:
     module (of the tall orientation, as gradspec.engine.reference takes it)."""
     ids, _, labels = batch
     parts = [(p.name, p.d_out, p.d_in) for t in select_targets(model, modules) for p in t.parts]
-    one, _ = timed(partial(reference_scores, model, ids[0], labels[0], parts[0][0]), str(ids.device), 1)
+    # No warm-up run: the model's kernels are warm (gradspec and the training step ran it), the SVD
+    # solver is set up here, and a second reference with a 4096 x 4096 fp64 SVD costs a lent GPU seconds.
+    torch.linalg.svdvals(torch.randn(8, 8, dtype=torch.float64, device=ids.device))
+    one, _ = timed(partial(reference_scores, model, ids[0], labels[0], parts[0][0]), str(ids.device), 1,
+                   warm_up=False)
     return one + sum(svd_seconds(max(d_out, d_in), min(d_out, d_in), str(ids.device)) for _, d_out, d_in in parts[1:])
 
 
@@ -193,9 +198,11 @@ def measure(model, T: int, modules: str, batch, args) -> dict:
 
 
 def plan(shapes: dict, lengths: list[int]) -> list[tuple[str, int]]:
-    """(model, T) in the order measured: every model at the first length, then every model at the
-    next, and so on; none above its MAX_T."""
-    return [(name, T) for T in lengths for name in shapes if T <= MAX_T.get(name, T)]
+    """(model, T) in the order measured: every model at the first length, the largest first (the
+    issue's targets are Llama-3-8B's, and a lent GPU's budget may not reach the last rows), then
+    every model at the next length, and so on; none above its MAX_T."""
+    largest_first = sorted(shapes, key=lambda name: -shapes[name][1]["hidden_size"])
+    return [(name, T) for T in lengths for name in largest_first if T <= MAX_T.get(name, T)]
 
 
 class RowBudget:
@@ -432,9 +439,11 @@ def main(argv: list[str] | None = None) -> None:
     result: dict = {"environment": environment(args.device), "reference": REFERENCE_NOTE}
 
     def write(**parts) -> None:
+        """Both files replaced whole: a run cut off while writing keeps the previous ones."""
         result.update(parts)
-        (out / "results.json").write_text(json.dumps(result, indent=1))
-        (out / "results.md").write_text(markdown(result))
+        for name, text in (("results.json", json.dumps(result, indent=1)), ("results.md", markdown(result))):
+            (out / f"{name}.part").write_text(text)
+            os.replace(out / f"{name}.part", out / name)
 
     rates, model = measure_rates(args)
     write(cost_model=model)

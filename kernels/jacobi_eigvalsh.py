@@ -29,7 +29,7 @@ if triton is not None:
 
     @triton.jit
     def _jacobi_kernel(a_ptr, out_ptr, sweeps, BLOCK: tl.constexpr):
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)  # b * BLOCK * BLOCK passes 2**31 at 131,072 matrices of 128
         rows = tl.arange(0, BLOCK)
         A = tl.load(a_ptr + b * BLOCK * BLOCK + rows[:, None] * BLOCK + rows[None, :])
         eye = rows[:, None] == rows[None, :]
