@@ -187,14 +187,25 @@ def measure(model, T: int, modules: str, batch, args) -> dict:
     p_s, _ = timed(partial(pipelined, engine, batch, k), args.device, 1, warm_up=False)  # warm: score ran
     t_s, t_mem = timed(partial(train_step, model, batch), args.device, args.reps)
     model.requires_grad_(False)
-    reference = reference_columns(model, batch, modules)
     tokens = n * T
     return {"gradspec_samples_s": n / g_s, "gradspec_tokens_s": tokens / g_s,
             "pipelined_samples_s": k * n / p_s, "pipelined_tokens_s": k * tokens / p_s,
-            "train_step_samples_s": n / t_s, "train_step_tokens_s": tokens / t_s, **reference,
-            "vs_train_step": t_s / g_s, "pipelined_vs_train_step": k * t_s / p_s,
-            "vs_reference": (n / g_s) / reference["reference_samples_s"], "gradspec_peak_gib": g_mem,
+            "train_step_samples_s": n / t_s, "train_step_tokens_s": tokens / t_s,
+            "vs_train_step": t_s / g_s, "pipelined_vs_train_step": k * t_s / p_s, "gradspec_peak_gib": g_mem,
             "train_step_peak_gib": t_mem}
+
+
+def reference_of_row(model, batch, modules: str, gradspec_samples_s: float) -> dict:
+    """The row's reference columns and gradspec's speed-up over it."""
+    reference = reference_columns(model, batch, modules)
+    return reference | {"vs_reference": gradspec_samples_s / reference["reference_samples_s"]}
+
+
+def _reference_cell(row: dict) -> str:
+    """gradspec / reference, and how the reference was had (or why not: not reached, failed)."""
+    if "vs_reference" in row:
+        return f"{row['vs_reference']:.3g}x ({row['reference_kind']})"
+    return row.get("reference_kind", "not measured")
 
 
 def plan(shapes: dict, lengths: list[int]) -> list[tuple[str, int]]:
@@ -243,13 +254,22 @@ def run(args: argparse.Namespace, write: Callable[[list[dict]], None], pairs: li
                     row["skipped"] = f"{type(e).__name__}: {e}"[:300]
                     if args.device.startswith("cuda"):
                         torch.cuda.empty_cache()
-                budget.spend(started)
             row.update(predicted_columns(shape, modules, T, n, rates, dtype))
             if "predicted_samples_s" in row and "gradspec_samples_s" in row:
                 row["measured_vs_predicted"] = row["gradspec_samples_s"] / row["predicted_samples_s"]
             rows.append(row)
+            write(rows)  # before the reference: a run cut off during its SVDs keeps the row's measurements
+            if "gradspec_samples_s" in row:
+                try:
+                    row.update(reference_of_row(model, batch, modules, row["gradspec_samples_s"]))
+                except Exception as e:  # noqa: BLE001 - the row stands without its reference column
+                    row["reference_kind"] = f"failed: {type(e).__name__}: {e}"[:300]
+                    if args.device.startswith("cuda"):
+                        torch.cuda.empty_cache()
+                write(rows)
+            if "skipped" not in row or row["skipped"] != "time budget":
+                budget.spend(started)
             print(json.dumps(row), flush=True)
-            write(rows)
     del model
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
@@ -391,7 +411,7 @@ def markdown(result: dict) -> str:
                      f"| {r['gradspec_tokens_s']:.0f} | {r['pipelined_tokens_s']:.0f} "
                      f"| {r['train_step_tokens_s']:.0f} | {r['vs_train_step']:.2f}x "
                      f"| {r['pipelined_vs_train_step']:.2f}x "
-                     f"| {r['vs_reference']:.3g}x ({r['reference_kind']}) "
+                     f"| {_reference_cell(r)} "
                      f"| {r['gradspec_peak_gib']:.1f}, {r['train_step_peak_gib']:.1f} |")
     model = result.get("cost_model") or {}
     if model:

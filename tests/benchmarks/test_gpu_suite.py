@@ -51,3 +51,26 @@ def test_gpu_suite_plan_puts_every_model_at_512_first():
     assert pairs[:3] == [("Llama-3-8B", 512), ("Qwen2.5-1.5B", 512), ("SmolLM2-135M", 512)]
     assert ("Llama-3-8B", 1024) not in pairs and all(T < 1024 for name, T in pairs if name == "Llama-3-8B")
     assert {T for _, T in pairs[3:]} <= {1024, 256} and pairs[3][1] == 1024
+
+
+def test_a_row_is_written_before_its_reference_and_kept_when_the_reference_fails(tmp_path, monkeypatch):
+    """The reference (full fp64 SVDs: the slow part on a GPU) runs after the row is on disk; where it
+    fails, the row keeps its measurements and says so in its reference column."""
+    import argparse
+
+    written = []
+
+    def failing_reference(*args):
+        written.append(json.loads(json.dumps(rows)))  # what was on disk when the reference started
+        raise RuntimeError("cusolver error")
+
+    monkeypatch.setattr(gpu_suite, "reference_columns", failing_reference)
+    args = argparse.Namespace(smoke=True, device="cpu", dtype="float32", batch_tokens=64, reps=1)
+    rows: list[dict] = []
+    gpu_suite.run(args, lambda rows: None, [("tiny", 16)], rows, gpu_suite.RowBudget(60))
+    assert [r["modules"] for r in rows] == ["attn", "all"] and len(written) == 2
+    assert all(w[-1]["gradspec_samples_s"] > 0 and "reference_kind" not in w[-1] for w in written)
+    for r in rows:
+        assert r["gradspec_samples_s"] > 0 and r["reference_kind"].startswith("failed: RuntimeError: cusolver error")
+        assert "vs_reference" not in r
+    assert "failed: RuntimeError" in gpu_suite.markdown({"environment": {}, "rows": rows})
