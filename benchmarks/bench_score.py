@@ -19,8 +19,8 @@ problems 30-47. Rows, per set:
 Every row gets ROUNDS rounds over the whole set, after an untimed warm-up of the floors, the engine
 and score (whose first call also runs the engine's one-time memory probes, which plan its batches:
 that call's time is printed apart); within a round the rows run back to back, each round starting
-at another row, so rows compared share the machine's load of the moment. Medians over rounds are printed with their
-ratios to the fastest floor. Run with ``pytest benchmarks/bench_score.py -s``; ratios are only
+at another row, so rows compared share the machine's load of the moment. Medians over rounds are
+printed with their ratios to the fastest floor. Run with ``pytest benchmarks/bench_score.py -s``; ratios are only
 meaningful within one run (the machine is noisy); about 7 minutes on 2 cores.
 """
 

@@ -123,9 +123,15 @@ def train_step(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> None:
 
 
 @cache
+def set_up_svd(device: str) -> None:
+    """The fp64 SVD solver's one-time set-up on device (handles, workspace), kept out of timings."""
+    torch.linalg.svdvals(torch.randn(8, 8, dtype=torch.float64, device=device))
+
+
+@cache
 def svd_seconds(d_out: int, d_in: int, device: str) -> float:
     """Seconds of one fp64 SVD of a d_out x d_in matrix, measured once per shape when first needed."""
-    torch.linalg.svdvals(torch.randn(8, 8, dtype=torch.float64, device=device))  # solver set-up
+    set_up_svd(device)
     G = torch.randn(d_out, d_in, dtype=torch.float64, device=device)
     return timed(partial(torch.linalg.svdvals, G), device, 1, warm_up=False)[0]
 
@@ -137,7 +143,7 @@ def reference_seconds_per_sample(model, batch, modules: str) -> float:
     parts = [(p.name, p.d_out, p.d_in) for t in select_targets(model, modules) for p in t.parts]
     # No warm-up run: the model's kernels are warm (gradspec and the training step ran it), the SVD
     # solver is set up here, and a second reference with a 4096 x 4096 fp64 SVD costs a lent GPU seconds.
-    torch.linalg.svdvals(torch.randn(8, 8, dtype=torch.float64, device=ids.device))
+    set_up_svd(str(ids.device))
     one, _ = timed(partial(reference_scores, model, ids[0], labels[0], parts[0][0]), str(ids.device), 1,
                    warm_up=False)
     return one + sum(svd_seconds(max(d_out, d_in), min(d_out, d_in), str(ids.device)) for _, d_out, d_in in parts[1:])
@@ -267,7 +273,7 @@ def run(args: argparse.Namespace, write: Callable[[list[dict]], None], pairs: li
                     if args.device.startswith("cuda"):
                         torch.cuda.empty_cache()
                 write(rows)
-            if "skipped" not in row or row["skipped"] != "time budget":
+            if row.get("skipped") != "time budget":
                 budget.spend(started)
             print(json.dumps(row), flush=True)
     del model
