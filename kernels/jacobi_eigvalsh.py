@@ -67,5 +67,6 @@ def jacobi_eigvalsh_triton(A: torch.Tensor, sweeps: int = 10) -> torch.Tensor:
     padded[:, :n, :n] = A
     padded.diagonal(dim1=1, dim2=2)[:, n:] = sentinel
     out = torch.empty((B, block), device=A.device, dtype=A.dtype)
-    launch(_jacobi_kernel, (B,), padded, out, sweeps, BLOCK=block)
+    # a whole matrix and two products of it live in one program: more warps, fewer registers each, at 64 and up
+    launch(_jacobi_kernel, (B,), padded, out, sweeps, BLOCK=block, num_warps=8 if block >= 64 else 4)
     return out.sort(dim=1).values[:, block - n:]

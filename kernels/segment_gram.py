@@ -46,8 +46,8 @@ if triton is not None:
         ti = tl.program_id(1)
         tj = tl.program_id(2)
         length = tl.load(len_ptr + n)
-        rows = ti * BLOCK_T + tl.arange(0, BLOCK_T)
-        cols = tj * BLOCK_T + tl.arange(0, BLOCK_T)
+        rows = (ti * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # row offsets may pass 2**31 too
+        cols = (tj * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         acc = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
         base = y_ptr + n * stride_yn
         # Tiles wholly in this sample's padding are zero: skip their products (padding-free compute)

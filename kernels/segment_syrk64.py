@@ -10,6 +10,8 @@ are neither computed nor stored (the output starts as zeros), so padding costs n
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .launch import launch
@@ -20,6 +22,11 @@ try:
     import triton.language as tl
 except ImportError:  # triton is optional: the torch path serves without it
     triton = None
+
+log = logging.getLogger("gradspec")
+# Devices whose compiler failed the fp64 dot -> its error: they take the FMA loop from then on (a failed
+# compilation is not cached, so retrying it would cost every call), and the GPU acceptance reports it.
+FMA_FALLBACK: dict[str, str] = {}
 
 
 def segment_syrk64_torch(
@@ -38,14 +45,14 @@ if triton is not None:
         stride_yn, stride_yt, stride_yd,
         HAS_OTHER: tl.constexpr, DOT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        n = tl.program_id(0).to(tl.int64)  # sample offsets pass 2**31 in large batches
-        tile = tl.program_id(1)
+        tile = tl.program_id(0)  # axis 0: a long sample's tiles pass the 65,535 of axes 1 and 2 (T > 11,552)
+        n = tl.program_id(1).to(tl.int64)  # sample offsets pass 2**31 in large batches
         ti = tl.load(tiles_ptr + 2 * tile)  # a lower tile: ti >= tj
         tj = tl.load(tiles_ptr + 2 * tile + 1)
         length = tl.load(len_ptr + n)
         if ti * BLOCK_T < length:  # a tile whose rows are all padding is left zero (ti >= tj)
-            rows = ti * BLOCK_T + tl.arange(0, BLOCK_T)
-            cols = tj * BLOCK_T + tl.arange(0, BLOCK_T)
+            rows = (ti * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)  # row offsets pass 2**31 too
+            cols = (tj * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
             acc = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float64)
             base = y_ptr + n * stride_yn
             for k0 in range(0, d, BLOCK_D):
@@ -92,11 +99,15 @@ def segment_syrk64_triton(
     args = (Y, lengths.to(device=Y.device, dtype=torch.int32).contiguous(), tiles, gram,
             other64 if other64 is not None else gram, partial, T, d, len(tiles), Y.stride(0), Y.stride(1), Y.stride(2))
     if len(tiles) and N:
+        dot = dot and str(Y.device) not in FMA_FALLBACK
         try:
-            launch(_segment_syrk64_kernel, (N, len(tiles)), *args, HAS_OTHER=other is not None, DOT=dot,
+            launch(_segment_syrk64_kernel, (len(tiles), N), *args, HAS_OTHER=other is not None, DOT=dot,
                    BLOCK_T=block_t, BLOCK_D=block_d if dot else min(block_d, 8))
-        except Exception:  # noqa: BLE001 - a compiler without fp64 dot fails in the front end or in lowering
+        except Exception as error:  # noqa: BLE001 - a compiler without fp64 dot fails in the front end or in lowering
             if not dot:
                 raise
+            FMA_FALLBACK[str(Y.device)] = f"{type(error).__name__}: {str(error)[:300]}"
+            log.warning("the fp64 segment SYRK's tl.dot failed on %s (%s); it sums on the FMA units from now on",
+                        Y.device, FMA_FALLBACK[str(Y.device)])
             return segment_syrk64_triton(Y, lengths, other, block_t, block_d, dot=False)
     return gram, (None if other is None else partial.sum(1))

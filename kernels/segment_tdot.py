@@ -29,7 +29,7 @@ if triton is not None:
         length = tl.load(len_ptr + n)
         acc = tl.zeros((BLOCK_P, BLOCK_Q), dtype=tl.float32)
         for t0 in range(0, length, BLOCK_T):
-            ts = t0 + tl.arange(0, BLOCK_T)
+            ts = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)  # token offsets may pass 2**31 too
             a = tl.load(a_ptr + n * stride_an + ts[:, None] * stride_at + rows[None, :] * stride_ap,
                         mask=(ts[:, None] < length) & (rows[None, :] < p), other=0.0)
             b = tl.load(b_ptr + n * stride_bn + ts[:, None] * stride_bt + cols[None, :] * stride_bq,

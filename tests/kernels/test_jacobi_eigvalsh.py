@@ -11,7 +11,7 @@ def _symmetric(B, n, seed, psd):
     return Y @ Y.transpose(1, 2) if psd else (Y + Y.transpose(1, 2)) / 2
 
 
-@pytest.mark.parametrize(("n", "psd"), [(5, False), (16, True), (16, False), (20, True)])
+@pytest.mark.parametrize(("n", "psd"), [(5, False), (16, True), (16, False), (20, True), (40, True)])
 def test_jacobi_matches_eigvalsh_fp64(n, psd):
     """Sizes below and at a power of two, and one padded to 32, under TRITON_INTERPRET=1 (slow)."""
     A = _symmetric(2, n, n, psd)

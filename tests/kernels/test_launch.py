@@ -60,3 +60,22 @@ def test_a_torchrun_rank_binds_its_own_gpu_before_loading(monkeypatch):
     assert distributed.bind_device("cpu") == "cpu" and bound == [3]
     monkeypatch.delenv("LOCAL_RANK")
     assert distributed.bind_device("cuda") == "cuda" and bound == [3]
+
+
+def test_grids_stay_within_cudas_limits_for_long_samples_and_wide_layers(monkeypatch):
+    """CUDA takes at most 2**31 - 1 programs on grid axis 0 and 65,535 on axes 1 and 2: a 12,000-token
+    sample has 70,500 lower tiles of 32, a 14,336-wide layer 448 column blocks. Shapes only (meta tensors)."""
+    from gradspec.kernels import jacobi_eigvalsh, segment_gram, segment_syrk64, segment_tdot
+
+    grids = []
+    for module in (segment_gram, segment_syrk64, segment_tdot, jacobi_eigvalsh):
+        monkeypatch.setattr(module, "launch", lambda kernel, grid, *args, **meta: grids.append(grid))
+    Y = torch.empty(3, 12_000, 64, device="meta")
+    lengths = torch.full((3,), 12_000, device="meta")
+    segment_syrk64.segment_syrk64_triton(Y, lengths)
+    segment_gram.segment_gram_triton(Y, lengths)
+    segment_tdot.segment_tdot_triton(torch.empty(2, 64, 14_336, device="meta"), torch.empty(2, 64, 14_336,
+                                     device="meta"), lengths[:2])
+    assert len(grids) == 3
+    for grid in grids:
+        assert grid[0] < 2**31 and all(g <= 65_535 for g in grid[1:]), grid

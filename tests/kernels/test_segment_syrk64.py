@@ -1,5 +1,7 @@
 """The fp64 segment SYRK kernel against its torch reference, under TRITON_INTERPRET=1 on the CPU."""
 
+import logging
+
 import pytest
 import torch
 from gradspec.kernels import segment_syrk64_torch, segment_syrk64_triton, triton
@@ -31,7 +33,7 @@ def test_kernel_matches_the_fp64_reference_from_the_dtype_it_reads(shape, dtype,
 
 @needs_triton
 @pytest.mark.parametrize("error", ["front end", "lowering"])
-def test_a_compiler_without_fp64_dot_falls_back_to_the_fma_loop(monkeypatch, error):
+def test_a_compiler_without_fp64_dot_falls_back_to_the_fma_loop(monkeypatch, caplog, error):
     """Whether the compiler refuses fp64 dot in its front end (CompilationError) or in a backend pass
     (another exception), the kernel is compiled again without it."""
     from gradspec.kernels import segment_syrk64 as module
@@ -47,10 +49,16 @@ def test_a_compiler_without_fp64_dot_falls_back_to_the_fma_loop(monkeypatch, err
         return real(kernel, grid, *args, **meta)
 
     monkeypatch.setattr(module, "launch", launch)
+    monkeypatch.setattr(module, "FMA_FALLBACK", {})
     Y, lengths = torch.randn(2, 10, 12, dtype=torch.float64), torch.tensor([10, 6])
-    gram, inner = segment_syrk64_triton(Y, lengths)
-    assert seen == [True, False] and inner is None
-    torch.testing.assert_close(gram, segment_syrk64_torch(Y, lengths)[0], rtol=1e-12, atol=1e-12)
+    with caplog.at_level(logging.WARNING, logger="gradspec"):
+        gram, inner = segment_syrk64_triton(Y, lengths)
+        again, _ = segment_syrk64_triton(Y, lengths)
+    # a failed compilation is not cached by Triton: the device is remembered, not retried every call
+    assert seen == [True, False, False] and inner is None and list(module.FMA_FALLBACK) == ["cpu"]
+    assert sum("FMA units" in r.getMessage() for r in caplog.records) == 1
+    for got in (gram, again):
+        torch.testing.assert_close(got, segment_syrk64_torch(Y, lengths)[0], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 5, 35])
