@@ -303,8 +303,9 @@ def verdict_of(result: dict, config: Config) -> dict:
 
 def unavailable(config: Config, device: str) -> tuple[str, str] | None:
     """(status, reason) where a forced path does not exist here: CuPy, nvmath-python (or a cuSOLVER
-    without XsyevBatched), and Triton off CUDA, are optional (skipped); the C++ extension, and
-    Triton on CUDA, are part of what is accepted (fail)."""
+    without XsyevBatched), and Triton off CUDA, are optional (skipped); the C++ extension, Triton on
+    CUDA, and an nvmath binding that is there but fails its small solve, are part of what is
+    accepted (fail)."""
     probe = torch.zeros(1, 2, 2, device=device)
     for stage, path in config.force.items():
         if path in stages.paths(stage, probe, Policy(config.precision)):
@@ -313,7 +314,8 @@ def unavailable(config: Config, device: str) -> tuple[str, str] | None:
                    "cupy": "CuPy is not installed" if solvers.cupy_eigen() is None else "CuPy runs on CUDA only",
                    "nvmath": solvers.nvmath_unavailable() or "nvmath runs on CUDA only",
                    "triton": "Triton needs CUDA or TRITON_INTERPRET=1"}
-        optional = path in ("cupy", "nvmath") or (path == "triton" and not device.startswith("cuda"))
+        optional = (path == "cupy" or (path == "nvmath" and not solvers.nvmath_broken())
+                    or (path == "triton" and not device.startswith("cuda")))
         return ("skipped" if optional else "fail"), f"no {path} path for {stage}: {reasons.get(path, '?')}"
     return None
 

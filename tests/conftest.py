@@ -1,6 +1,6 @@
 import math
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 # Kernels are tested on the CPU through Triton's interpreter; it must be set before triton.jit runs.
@@ -168,9 +168,32 @@ FP32_RTOL = {"spectral_norm": 1e-3, "frobenius_norm": 1e-3, "stable_rank": 2e-3,
 
 
 class FakeCupy:
-    """The part of CuPy that solvers.eigensolver_via uses, over NumPy on the CPU."""
+    """The part of CuPy (and cupyx.errstate) that solvers.eigensolver_via uses, over NumPy on the CPU.
+    Its solvers insist on being called under errstate(linalg="raise"): CuPy's default ignores a
+    batched solver's failures (a matrix that did not converge comes back as garbage)."""
 
-    linalg = np.linalg
+    raising = False
+
+    @staticmethod
+    @contextmanager
+    def errstate(linalg: str | None = None):
+        before, FakeCupy.raising = FakeCupy.raising, linalg == "raise"
+        try:
+            yield
+        finally:
+            FakeCupy.raising = before
+
+    class linalg:
+        @staticmethod
+        def eigh(x):
+            assert FakeCupy.raising, "CuPy's solver called without errstate(linalg='raise')"
+            return np.linalg.eigh(x)
+
+        @staticmethod
+        def eigvalsh(x):
+            assert FakeCupy.raising, "CuPy's solver called without errstate(linalg='raise')"
+            return np.linalg.eigvalsh(x)
+
     from_dlpack = staticmethod(np.from_dlpack)
     cuda = SimpleNamespace(Device=lambda index: nullcontext(), ExternalStream=lambda pointer: nullcontext())
 

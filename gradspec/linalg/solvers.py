@@ -5,6 +5,7 @@ its cuSOLVER has it (CUDA 12.6 update 2 or later)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -14,6 +15,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+
+log = logging.getLogger("gradspec")
 
 
 class Eigensolver(NamedTuple):
@@ -31,18 +34,22 @@ def cupy_eigen() -> Eigensolver | None:
     """CuPy's batched eigensolver, or None when CuPy is not installed."""
     try:
         import cupy
+        import cupyx
     except ImportError:
         return None
-    return eigensolver_via(cupy)
+    return eigensolver_via(cupy, cupyx.errstate)
 
 
-def eigensolver_via(cupy) -> Eigensolver:
-    """An Eigensolver on torch's CUDA tensors through CuPy: zero-copy by DLPack, on torch's stream."""
+def eigensolver_via(cupy, errstate: Callable[..., AbstractContextManager]) -> Eigensolver:
+    """An Eigensolver on torch's CUDA tensors through CuPy: zero-copy by DLPack, on torch's stream.
+    Under errstate(linalg="raise") (cupyx.errstate): by default CuPy ignores the solver's status, so
+    a matrix that did not converge would come back as garbage; this way it raises LinAlgError, which
+    the eigen stage retries on the host (one wait for the device per call, as on the nvmath path)."""
 
     @contextmanager
     def as_cupy(a: torch.Tensor) -> Iterator:
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(a.device).cuda_stream)
-        with cupy.cuda.Device(a.device.index), stream:
+        with cupy.cuda.Device(a.device.index), stream, errstate(linalg="raise"):
             yield cupy.from_dlpack(a.reshape(-1, *a.shape[-2:]).contiguous())
 
     def eigh(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,10 +82,17 @@ def _torch_stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
 
+# One XsyevBatched call's limits: cuSOLVER needs n * lda * batch below 2**31, and large batches have been
+# reported to fail with INVALID_VALUE; a longer batch is solved in chunks within both.
+MAX_SYEV_ELEMENTS = 2**31 - 1
+MAX_SYEV_BATCH = 16_384
+
+
 def syev_batched_via(
     binding, constants: SyevConstants = CUSOLVER_CONSTANTS, *,
     stream_of: Callable[[torch.device], int] = _torch_stream,
     device_guard: Callable[[torch.device], AbstractContextManager] = torch.cuda.device,
+    max_elements: int = MAX_SYEV_ELEMENTS, max_batch: int = MAX_SYEV_BATCH,
 ) -> Eigensolver:
     """An Eigensolver on torch's CUDA tensors through cuSOLVER's cusolverDnXsyevBatched (batched
     tridiagonalisation, at every n since the cuSOLVER of CUDA 12.6 update 2; torch before 2.12 takes
@@ -92,9 +106,10 @@ def syev_batched_via(
     reads (UPLO="L"). The work runs on torch's current stream of the input's device, with that
     device current (`stream_of`, `device_guard`: injectable, for tests on the host), its device
     workspace from torch's caching allocator on that stream; one handle and params object per
-    device, made on first use and kept. `info` is read back once per call, after the solve: the
-    call's only wait for the device (its host workspace is kept alive until then); a matrix that
-    did not converge raises torch.linalg.LinAlgError naming its batch index. No autograd."""
+    device, made on first use and kept. A batch past one call's limits (max_elements, max_batch) is
+    solved in chunks. `info` is read back once per call, after the solves: the call's only wait for
+    the device (its host workspaces are kept alive until then); a matrix that did not converge
+    raises torch.linalg.LinAlgError naming its batch index. No autograd."""
     handles: dict[int | None, tuple[int, int]] = {}  # device index -> (handle, params)
     lock = threading.Lock()  # one handle per device, its stream set per call: calls one at a time
 
@@ -110,6 +125,8 @@ def syev_batched_via(
         if count == 0 or n == 0:
             return a.new_empty((*batch, n), dtype=dtype)
         kind = constants.r64f if dtype == torch.float64 else constants.r32f
+        chunk = max(1, min(max_batch, max_elements // (n * n)))
+        hosts = []  # each solve's host workspace, held until the device is done with it
         with device_guard(a.device), lock:
             work = torch.empty((count, n, n), dtype=dtype, device=a.device)
             work.copy_(a.reshape(count, n, n))
@@ -117,14 +134,16 @@ def syev_batched_via(
             info = torch.zeros(count, dtype=torch.int32, device=a.device)
             handle, params = handle_of(a.device)
             binding.set_stream(handle, stream_of(a.device))
-            problem = (handle, params, constants.novector, constants.upper, n, kind, work.data_ptr(), n, kind,
-                       w.data_ptr(), kind)
-            device_bytes, host_bytes = binding.xsyev_batched_buffer_size(*problem, count)
-            on_device = torch.empty(device_bytes, dtype=torch.uint8, device=a.device)
-            on_host = torch.empty(host_bytes, dtype=torch.uint8)
-            binding.xsyev_batched(*problem, on_device.data_ptr(), device_bytes, on_host.data_ptr(), host_bytes,
-                                  info.data_ptr(), count)
-        _raise_on_failure(info.cpu(), batch)  # the one wait for the device; on_host is held until it is over
+            for start in range(0, count, chunk):
+                size = min(chunk, count - start)
+                problem = (handle, params, constants.novector, constants.upper, n, kind, work[start].data_ptr(), n,
+                           kind, w[start].data_ptr(), kind)
+                device_bytes, host_bytes = binding.xsyev_batched_buffer_size(*problem, size)
+                on_device = torch.empty(device_bytes, dtype=torch.uint8, device=a.device)
+                hosts.append(torch.empty(host_bytes, dtype=torch.uint8))
+                binding.xsyev_batched(*problem, on_device.data_ptr(), device_bytes, hosts[-1].data_ptr(), host_bytes,
+                                      info[start].data_ptr(), size)
+        _raise_on_failure(info.cpu(), batch)  # the one wait for the device; the host workspaces are held until then
         return w.view(*batch, n)
 
     return Eigensolver(torch.linalg.eigh, eigvalsh)
@@ -145,27 +164,48 @@ def _raise_on_failure(info: torch.Tensor, batch: torch.Size) -> None:
         f"{len(failed)} of {len(info)} failed")
 
 
+class _Nvmath(NamedTuple):
+    solver: Eigensolver | None
+    reason: str  # why solver is None ("" where it is not)
+    broken: bool  # present but failing its small solve (not merely absent: no package, GPU or XsyevBatched)
+
+
 @cache
-def _nvmath() -> tuple[Eigensolver | None, str]:
+def _nvmath() -> _Nvmath:
     try:
         import nvmath
         from nvmath.bindings import cublas, cusolver, cusolverDn
     except ImportError:
-        return None, "nvmath-python is not installed"
+        return _Nvmath(None, "nvmath-python is not installed", False)
     if not torch.cuda.is_available():
-        return None, "no CUDA device"
+        return _Nvmath(None, "no CUDA device", False)
+    if not hasattr(cusolverDn, "xsyev_batched"):
+        return _Nvmath(None, "this nvmath-python has no cusolverDn.xsyev_batched", False)
     try:
         constants = SyevConstants(int(cusolver.EigMode.NOVECTOR), int(cublas.FillMode.UPPER),
                                   int(nvmath.CudaDataType.CUDA_R_32F), int(nvmath.CudaDataType.CUDA_R_64F))
         solver = syev_batched_via(cusolverDn, constants)
         probe = torch.tensor([[2.0, 1.0], [1.0, 2.0]], dtype=torch.float64, device="cuda").expand(3, 2, 2)
         got = solver.eigvalsh(probe).cpu()
-    except Exception as error:  # noqa: BLE001 - FunctionNotFoundError (no XsyevBatched), cuSOLVERError, ...
-        return None, (f"cusolverDnXsyevBatched failed ({type(error).__name__}: {str(error)[:200]}); it needs "
-                      "cuSOLVER from CUDA 12.6 update 2 or later")
+    except Exception as error:  # noqa: BLE001 - told apart by _failed_probe: absent, or a binding that fails
+        return _failed_probe(error)
     if not torch.allclose(got, torch.tensor([1.0, 3.0], dtype=torch.float64).expand(3, 2)):
-        return None, f"cusolverDnXsyevBatched gave {got.tolist()} for eigenvalues [1, 3]"
-    return solver, ""
+        return _broken_nvmath(f"cusolverDnXsyevBatched gave {got.tolist()} for eigenvalues [1, 3]")
+    return _Nvmath(solver, "", False)
+
+
+def _failed_probe(error: Exception) -> _Nvmath:
+    """The small solve raised: a cuSOLVER without the symbol (nvmath's FunctionNotFoundError) is absent;
+    anything else (a wrong argument, a status other than success) is a broken binding."""
+    if type(error).__name__ == "FunctionNotFoundError":
+        return _Nvmath(None, "cusolverDnXsyevBatched is not in this cuSOLVER: it needs CUDA 12.6 update 2 or later",
+                       False)
+    return _broken_nvmath(f"cusolverDnXsyevBatched failed ({type(error).__name__}: {str(error)[:200]})")
+
+
+def _broken_nvmath(reason: str) -> _Nvmath:
+    log.warning("%s: the nvmath eigen path is left out", reason)
+    return _Nvmath(None, reason, True)
 
 
 @cache
@@ -173,9 +213,15 @@ def nvmath_eigen() -> Eigensolver | None:
     """cuSOLVER's XsyevBatched through nvmath-python (syev_batched_via), or None where nvmath-python is
     not installed, there is no CUDA device, or its cuSOLVER lacks XsyevBatched or fails a small solve
     (nvmath_unavailable() says which)."""
-    return _nvmath()[0]
+    return _nvmath().solver
 
 
 def nvmath_unavailable() -> str:
     """Why nvmath_eigen() is None ("" where it is not)."""
-    return _nvmath()[1]
+    return _nvmath().reason
+
+
+def nvmath_broken() -> bool:
+    """Whether nvmath_eigen() is None because the binding failed its small solve, not for want of
+    nvmath-python, a GPU or XsyevBatched: a defect to report, not an optional path left out."""
+    return _nvmath().broken

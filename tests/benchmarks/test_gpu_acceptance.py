@@ -149,3 +149,15 @@ def test_a_failing_reference_fails_its_shapes_checks_and_the_run_goes_on(tmp_pat
     assert [c["status"] for c in report.checks] == ["error"]
     assert "SVD did not converge" in report.checks[0]["error"]
     assert math.isnan(report.result["setup"][problem.name]["reference"])
+
+
+def test_an_absent_nvmath_is_skipped_and_a_broken_one_fails(monkeypatch):
+    """nvmath-python is optional, but a binding that is there and fails its small solve is a defect: its
+    checks must not pass as 'skipped'."""
+    from gradspec.linalg import solvers
+
+    config = next(c for c in acceptance.CONFIGS if c.name == "fp64/nvmath-eigen")
+    monkeypatch.setattr(solvers, "nvmath_unavailable", lambda: "some reason")
+    for broken, status in ((False, "skipped"), (True, "fail")):
+        monkeypatch.setattr(solvers, "nvmath_broken", lambda broken=broken: broken)
+        assert acceptance.unavailable(config, "cpu") == (status, "no nvmath path for core: some reason")

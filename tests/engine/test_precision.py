@@ -56,7 +56,7 @@ def test_every_fp64_path_is_exact(problem, force, monkeypatch):
     if "cupy" in force.values():  # CuPy's eigensolver over NumPy, offered as on a GPU
         monkeypatch.setattr(stages, "on_gpu", lambda t: True)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0}))
-        monkeypatch.setattr(solvers, "cupy_eigen", lambda: solvers.eigensolver_via(FakeCupy))
+        monkeypatch.setattr(solvers, "cupy_eigen", lambda: solvers.eigensolver_via(FakeCupy, FakeCupy.errstate))
     engine = SpectralEngine(model, MODULES, precision="fp64", force=force)
     worst = _worst_errors(engine.score(*padded_batch(seqs, tok.pad_token_id)), references)
     assert max(worst.values()) < FP64_RTOL, worst

@@ -139,7 +139,7 @@ def test_submit_measures_on_the_callers_thread_alone(measured_on_cpu, monkeypatc
 @pytest.fixture
 def cupy_on_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0))
-    return solvers.eigensolver_via(FakeCupy)
+    return solvers.eigensolver_via(FakeCupy, FakeCupy.errstate)
 
 
 def test_the_cupy_eigensolver_gives_torchs_spectra(cupy_on_cpu):

@@ -94,7 +94,8 @@ class FakeCusolverDn:
         codes = np.ctypeslib.as_array((ctypes.c_int32 * batch).from_address(info))
         codes[:] = 0
         for k, code in self.info.items():
-            codes[k] = code
+            if k < batch:
+                codes[k] = code
         self.calls.append(problem)
 
 
@@ -295,3 +296,31 @@ def test_with_nvmath_but_no_gpu_there_is_no_path(fresh_probe, monkeypatch):
     monkeypatch.setitem(sys.modules, "nvmath.bindings", bindings)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert solvers.nvmath_eigen() is None and solvers.nvmath_unavailable() == "no CUDA device"
+
+
+def test_a_batch_past_one_calls_limits_is_solved_in_chunks(fake):
+    """cuSOLVER takes n * lda * batch below 2**31 per call (and large batches have failed): the batch is
+    split within max_elements and max_batch, each chunk at its own offset, its info read back at once."""
+    solver = solvers.syev_batched_via(fake, stream_of=lambda device: STREAM, device_guard=fake.device_guard,
+                                      max_elements=100, max_batch=3)
+    for n, sizes in ((5, [3, 3, 1]), (6, [2, 2, 2, 1])):  # 25 elements a matrix: 4 fit; 36: 2 fit
+        fake.calls.clear()
+        a = spd((7,), n, seed=n)
+        assert_values_close(solver.eigvalsh(a), torch.linalg.eigvalsh(a))
+        assert [call[-1] for call in fake.calls] == sizes
+    fake.info = {1: 3}  # the second matrix of every chunk of 2, 2, 2, 1: matrices 1, 3 and 5 of the batch
+    with pytest.raises(torch.linalg.LinAlgError, match=r"matrix 1 of the batch \(7,\) \(info = 3\); 3 of 7 failed"):
+        solver.eigvalsh(spd((7,), 6))
+
+
+def test_a_cusolver_without_the_symbol_is_absent_and_a_failing_binding_is_broken(caplog):
+    """Absent (no XsyevBatched in the loaded cuSOLVER): an optional path left out. Any other failure of
+    the small solve is a defect: logged, and the GPU acceptance fails the nvmath checks on it."""
+    class FunctionNotFoundError(RuntimeError):  # nvmath's, by name
+        pass
+
+    absent = solvers._failed_probe(FunctionNotFoundError("cusolverDnXsyevBatched"))
+    assert absent.solver is None and not absent.broken and "12.6 update 2" in absent.reason
+    broken = solvers._failed_probe(TypeError("an integer is required"))
+    assert broken.solver is None and broken.broken and "TypeError: an integer is required" in broken.reason
+    assert "the nvmath eigen path is left out" in caplog.text
