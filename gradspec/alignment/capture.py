@@ -35,7 +35,6 @@ class KeptCapture(Capture):
 
     def release(self) -> None:
         self.kept = {}
-        self._copies.release()
 
 
 class AlignmentCapture(KeptCapture):

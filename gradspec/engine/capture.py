@@ -10,9 +10,10 @@ on the host once per batch: the hooks never wait for the device.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ from gradspec.linalg.policy import Policy
 from gradspec.options import OptionError
 
 log = logging.getLogger("gradspec")
+Result = TypeVar("Result")
 # ||G||_F^2 from the spectrum vs <D D^T, X X^T>: 1e-3 relative, or 1e5 epsilons of the Grams' precision
 FROBENIUS_CHECK_RTOL = 1e-3
 
@@ -231,10 +233,6 @@ class BatchCapture(Capture):
             paths.add(path)
             return copies if path == "cpp" else (lambda t: t)
 
-        if self.device.type == "cuda":  # the pinned pool holds two batches' copies
-            copies.pool.fit(sum(t.numel() * t.element_size() for g in self.core.values()
-                                for t in (g.B, *(a for _, a, _ in g.items)))
-                            + sum(g.numel() * g.element_size() for _, _, g in self.materialised))
         for group in self.core.values():
             move = copier_for(group.B, "core")  # B and its A's are solved together, on one path
             group.B = move(group.B)
@@ -248,9 +246,8 @@ class BatchCapture(Capture):
         self._copies.wait()
 
     def release(self) -> None:
-        """Gives the pinned host buffers back once the eigen stage has read them."""
+        """Drops the batch's Grams and host copies once the eigen stage has read them (or failed)."""
         self.core, self.materialised, self.sketched, self.solved, self.inputs = {}, [], [], [], {}
-        self._copies.release()
 
     def finish(self, scores) -> None:
         scores.metrics, scores.spectra = self.reduce(scores.scored, scores.flags, self.keep_spectra)
@@ -297,11 +294,15 @@ class BatchCapture(Capture):
 
     def _solve_core(self, group: _CoreGroup) -> list[_Solved]:
         """The eigen stage of one input's parts, with the Frobenius cross-check of each."""
-        A = torch.stack([a for _, a, _ in group.items], 1)
-        ok = _finite_rows(group.B) & _finite_rows(A)
         solve = partial(core_spectra, policy=self.policy, terms=_terms(group), metrics=self.metric_names)
-        (sigma, m), failed = _isolating_failures(solve, len(self.metric_names), _zero_rows(group.B, ok),
-                                                 _zero_rows(A, ok), group.lengths)
+
+        def solved(B: torch.Tensor, *As: torch.Tensor):
+            A = torch.stack(As, 1)
+            ok = _finite_rows(B) & _finite_rows(A)
+            return *_isolating_failures(solve, len(self.metric_names), _zero_rows(B, ok), _zero_rows(A, ok),
+                                        group.lengths), ok
+
+        ((sigma, m), failed, ok) = _on_host_if_out_of_memory(solved, group.B, *(a for _, a, _ in group.items))
         return self._cross_checked(group, sigma, m, ok, failed)
 
     def _cross_checked(self, group: _CoreGroup, sigma: torch.Tensor, m: torch.Tensor, ok: torch.Tensor,
@@ -317,9 +318,13 @@ class BatchCapture(Capture):
         return out
 
     def _solve_gram(self, part: Part, rows: tuple[int, ...], gram: torch.Tensor) -> list[_Solved]:
-        ok = _finite_rows(gram)
         solve = partial(gram_spectra, policy=self.policy, terms=max(part.d_in, part.d_out), metrics=self.metric_names)
-        (sigma, m), failed = _isolating_failures(solve, len(self.metric_names), _zero_rows(gram, ok))
+
+        def solved(gram: torch.Tensor):
+            ok = _finite_rows(gram)
+            return *_isolating_failures(solve, len(self.metric_names), _zero_rows(gram, ok)), ok
+
+        ((sigma, m), failed, ok) = _on_host_if_out_of_memory(solved, gram)
         return [_Solved(part, rows, sigma, m, ok, failed, [])]
 
     def _solve_freed(self) -> None:
@@ -419,6 +424,21 @@ def _isolating_failures(solve, columns: int, *batched: torch.Tensor
 def _terms(group: _CoreGroup) -> int:
     """The longest sum the group's Grams were formed from: their rounding's scale (eigenvalue cut-offs)."""
     return max(max(part.d_in, part.d_out) for part, _, _ in group.items)
+
+
+def _on_host_if_out_of_memory(solved: Callable[..., Result], *grams: torch.Tensor) -> Result:
+    """solved(*grams); where the GPU runs out of memory around the solve (stacking, zeroing a batch's
+    Grams: the solve itself is retried on the host by the eigen stage), solved again on copies on the
+    host, once the failed attempt's memory is free (its frames live as long as the except block)."""
+    try:
+        return solved(*grams)
+    except torch.OutOfMemoryError as error:
+        if not any(g.is_cuda for g in grams):
+            raise
+        log.warning("out of GPU memory in the eigen stage (%s); solving it on the host", str(error))  # not the
+        # exception itself: a handler keeping the record would keep its frames, and their memory, alive
+    torch.cuda.empty_cache()
+    return solved(*(g.cpu() for g in grams))
 
 
 def _finite_rows(t: torch.Tensor) -> torch.Tensor:

@@ -368,14 +368,13 @@ class SpectralEngine:
             for capture in captures:
                 capture.finish(scores)
         finally:
-            passed.copies.release()
             for capture in captures:
                 capture.release()
         return scores
 
 
 class _Passed(NamedTuple):
-    """A pass's per-sample values on the host (pinned buffers copies fills: wait before reading)."""
+    """A pass's per-sample values on the host (pinned tensors copies fills: wait before reading)."""
 
     loss: torch.Tensor
     count: torch.Tensor

@@ -34,18 +34,18 @@ def submit_with_split(
     and retry each half; a single sample that still does not fit gets None (flagged by the caller)."""
     try:
         result = engine.submit(*pad_batch([b.tokens for b in batch], pad_id, "cpu"))  # the engine moves it
+        return [(item, result, k) for k, item in enumerate(batch)]
     except torch.OutOfMemoryError:
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        if len(batch) == 1:
-            log.warning("sample %d does not fit in memory (%d tokens); flagged out_of_memory",
-                        batch[0].sample.index, batch[0].tokens.num_tokens)
-            return [(batch[0], None, 0)]
-        log.warning("out of memory on a batch of %d; retrying it in two halves", len(batch))
-        half = len(batch) // 2
-        return (submit_with_split(engine, batch[:half], pad_id)
-                + submit_with_split(engine, batch[half:], pad_id))
-    return [(item, result, k) for k, item in enumerate(batch)]
+        pass  # retried below, not here: the failed pass's frames (its graph, its Grams) live as long as this block
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if len(batch) == 1:
+        log.warning("sample %d does not fit in memory (%d tokens); flagged out_of_memory",
+                    batch[0].sample.index, batch[0].tokens.num_tokens)
+        return [(batch[0], None, 0)]
+    log.warning("out of memory on a batch of %d; retrying it in two halves", len(batch))
+    half = len(batch) // 2
+    return submit_with_split(engine, batch[:half], pad_id) + submit_with_split(engine, batch[half:], pad_id)
 
 
 class _Progress:

@@ -55,9 +55,16 @@ def add_classic(engine: SpectralEngine, tokenizer, items: list[Item], rows: dict
 
 def collect(pending: list[tuple[Item, Future[BatchScores] | None, int]], rows: dict[int, dict[str, Any]],
             names: tuple[str, ...]) -> int:
-    """Waits for submitted batches and fills their rows; returns the tokens they held."""
+    """Waits for submitted batches and fills their rows; returns the tokens they held. A batch whose
+    eigen stage ran out of memory (past its own retries on the host) has its rows flagged out_of_memory."""
     for item, future, k in pending:
-        fill_scores(rows[item.sample.index], None if future is None else future.result(), k, names)
+        try:
+            result = None if future is None else future.result()
+        except torch.OutOfMemoryError as error:
+            log.warning("sample %d: its batch ran out of memory after its pass (%s); flagged out_of_memory",
+                        item.sample.index, str(error)[:200])
+            result = None
+        fill_scores(rows[item.sample.index], result, k, names)
     return sum(item.tokens.num_tokens for item, _, _ in pending)
 
 

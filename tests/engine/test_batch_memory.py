@@ -30,23 +30,6 @@ def test_the_inputs_and_their_parts_are_the_engines():
     assert lowrank.inputs == () and lowrank.gram_elements(100) == 0
 
 
-def test_the_probes_wait_for_their_copies_before_giving_back_the_pinned_buffers(monkeypatch):
-    """A copy queued on a side stream may still be writing a pinned buffer: the pool may not hand it
-    out again (on another GPU's side stream, unordered with it) until the copy has landed."""
-    from gradspec.linalg.host_copies import HostCopies
-
-    calls: dict[int, list[str]] = {}  # per HostCopies: its calls in order
-    for name in ("wait", "release"):
-        real = getattr(HostCopies, name)
-        def spy(self, real=real, name=name):
-            calls.setdefault(id(self), []).append(name)
-            return real(self)
-
-        monkeypatch.setattr(HostCopies, name, spy)
-    batch_memory.measure(SpectralEngine(_model("sdpa"), "attn"), 0)
-    assert calls and all(seq[0] == "wait" for seq in calls.values()), calls
-
-
 def test_eager_attention_adds_a_quadratic_term_that_sdpa_does_not():
     """Eager attention keeps each layer's T x T probabilities per head: the probes find them."""
     eager = batch_memory.measure(SpectralEngine(_model("eager"), "attn"), 0)

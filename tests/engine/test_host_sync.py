@@ -10,7 +10,7 @@ from conftest import tiny_model
 from gradspec.engine.capture import BatchCapture, LowRankSketch
 from gradspec.layers.hooks import BatchLayout, attached
 from gradspec.layers.targets import select_targets
-from gradspec.linalg.host_copies import HostCopies, PinnedPool
+from gradspec.linalg.host_copies import HostCopies
 from gradspec.linalg.lowrank import LOWRANK_METRICS
 from gradspec.linalg.metrics import METRICS
 from gradspec.linalg.policy import Policy
@@ -36,26 +36,11 @@ def test_the_hooks_run_without_reading_the_device(monkeypatch, method):
         assert len(capture.sketched) == sum(len(t.parts) for t in targets)
 
 
-def test_the_pinned_pool_reuses_its_buffers_within_its_bound(caplog):
-    made = []
-    pool = PinnedPool(max_bytes=3000, allocate=lambda n: made.append(n) or torch.empty(n, dtype=torch.uint8))
-    a, b = pool.take(1000), pool.take(600)  # size classes 1024 and 1024
-    assert a.numel() == b.numel() == 1024 and made == [1024, 1024]
-    assert pool.take(1500) is None and "pinned host buffers at their bound" in caplog.text  # 2048 would pass 3000
-    pool.give_back([a, b])
-    assert pool.take(900) is not None and pool.take(1024) is not None and made == [1024, 1024]  # reused
-    assert pool.take(1000) is None  # still at the bound: two buffers of 1024 held, a third would pass it
-    assert pool.held == 2048
-
-
-def test_host_copies_leave_host_tensors_be_and_release_nothing_they_did_not_take():
-    pool = PinnedPool(allocate=lambda n: pytest.fail("nothing to pin for a host tensor"))
-    copies = HostCopies(pool)
+def test_host_copies_leave_host_tensors_be():
+    copies = HostCopies(pinned=lambda t: pytest.fail("nothing to pin for a host tensor"))
     t = torch.arange(6.0)
     assert copies(t) is t
     copies.wait()
-    copies.release()
-    assert pool.free == {}
 
 
 @pytest.mark.parametrize("token_stats", [False, True])

@@ -97,3 +97,41 @@ def test_a_candidate_that_failed_is_measured_again_later():
         assert fastest.run("k", candidates) == "slow"
     assert fastest.run("k", candidates) == "flaky"  # re-measured: the faster path is back
     assert fastest.choice("k") == "flaky" and "k" not in fastest.retry_in
+
+
+class _OnGpu:
+    """A Gram that says it lies on a GPU; its host copy is real."""
+
+    is_cuda = True
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def cpu(self) -> torch.Tensor:
+        return self.t
+
+
+def test_out_of_gpu_memory_around_the_solve_is_solved_on_the_host_after_freeing_the_attempt(caplog):
+    """Stacking or zeroing a batch's Grams on the GPU can run out of memory outside the eigen stage's own
+    retries: solved again on host copies, once the failed attempt's tensors are free (not while the
+    exception's frames still hold them)."""
+    import weakref
+
+    attempts, alive = [], []
+
+    def solved(*grams):
+        attempts.append(grams)
+        alive.append([r for r in attempts_refs if r() is not None])
+        if len(attempts) == 1:
+            held = torch.zeros(1000)  # the failed attempt's memory, referenced by its frame
+            attempts_refs.append(weakref.ref(held))
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return sum(float(g.sum()) for g in grams)
+
+    attempts_refs: list = []
+    with caplog.at_level(logging.WARNING, logger="gradspec"):
+        got = capture._on_host_if_out_of_memory(solved, _OnGpu(torch.ones(3)), _OnGpu(torch.ones(2)))
+    assert got == 5.0 and len(attempts) == 2 and alive[1] == [] and "solving it on the host" in caplog.text
+    with pytest.raises(torch.OutOfMemoryError):  # on the host already: nothing to fall back to
+        capture._on_host_if_out_of_memory(lambda g: (_ for _ in ()).throw(torch.OutOfMemoryError("host")),
+                                          torch.ones(2))

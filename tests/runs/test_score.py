@@ -129,6 +129,47 @@ def test_out_of_memory_splits_the_batch_then_flags(tmp_path, tiny_model_dir, mon
     pd.testing.assert_frame_equal(got.loc[:1, cols], want.loc[:1, cols], rtol=1e-5)
 
 
+def test_an_out_of_memory_retry_runs_after_the_failed_pass_is_freed():
+    """The halves are retried once the failed pass's frames (graph, Grams) are gone: retried inside the
+    except block, they would run with that memory held, and fail down to single samples."""
+    import weakref
+
+    from gradspec.data.readers import Sample
+    from gradspec.data.templates import Tokenized
+    from gradspec.runs.chunks import submit_with_split
+
+    held, alive_at_call = [], []
+
+    class Engine:
+        def submit(self, input_ids, attention_mask, labels):
+            alive_at_call.append(sum(r() is not None for r in held))
+            if input_ids.shape[0] > 1:
+                activations = torch.zeros(1000)  # the failed pass's memory, referenced by its frame
+                held.append(weakref.ref(activations))
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            return "future"
+
+    items = [batching.Item(Sample(i, []), Tokenized([1] * 4, [1] * 4, "ok")) for i in range(4)]
+    got = submit_with_split(Engine(), items, pad_id=0)
+    assert [(item.sample.index, future) for item, future, _ in got] == [(i, "future") for i in range(4)]
+    assert alive_at_call == [0] * 7  # 4, 2, 1, 1, 2, 1, 1: no earlier attempt alive at any call
+
+
+def test_a_batch_out_of_memory_after_its_pass_is_flagged_not_fatal():
+    from concurrent.futures import Future
+
+    from gradspec.data.readers import Sample
+    from gradspec.data.templates import Tokenized
+    from gradspec.runs.rows import collect
+
+    failed = Future()
+    failed.set_exception(torch.OutOfMemoryError("CUDA out of memory"))
+    items = [batching.Item(Sample(i, []), Tokenized([1] * 3, [1] * 3, "ok")) for i in range(2)]
+    rows = {i: {"status": "ok"} for i in range(2)}
+    assert collect([(items[0], failed, 0), (items[1], failed, 1)], rows, ()) == 6
+    assert [r["status"] for r in rows.values()] == ["out_of_memory", "out_of_memory"]
+
+
 def test_lowrank_method_writes_topk_energy(tmp_path, tiny_model_dir):
     data = _write_jsonl(tmp_path / "d.jsonl", ROWS[:2])
     out = tmp_path / "s.parquet"
