@@ -43,8 +43,9 @@ class MeasuredDispatch:
         self.lock = threading.RLock()
 
     def choice(self, key: Hashable) -> str | None:
-        """The measured winner for key, or None while it has not been measured."""
-        return self.chosen.get(key)
+        """The measured winner for key, or None while it has not been measured, or when its next run
+        measures it again (a candidate failed RETRY_AFTER calls ago)."""
+        return None if self.retry_in.get(key, 2) <= 1 else self.chosen.get(key)
 
     def run(self, key: Hashable, candidates: dict[str, Callable[[], T]], sync: Callable[[], None] = lambda: None) -> T:
         """The result of the fastest candidate for key; `sync` waits for queued device work, so

@@ -91,14 +91,17 @@ def chosen_path(stage: str, t: torch.Tensor, policy: Policy, shape: tuple) -> st
 
 
 def run(stage: str, t: torch.Tensor, policy: Policy, shape: tuple, calls: dict[str, Callable[[], T]]) -> T:
-    """The chosen path's result, measuring the candidates first where the choice is open; the
-    path taken is recorded in the policy (and so in the run's metadata)."""
-    name = chosen_path(stage, t, policy, shape)
-    if name is None:
+    """The chosen path's result; where the choice is open (on a GPU, not forced, several paths), through
+    the measured dispatch, which measures the candidates first, and again after a failed one's
+    RETRY_AFTER calls. The path taken is recorded in the policy (and so in the run's metadata)."""
+    found = paths(stage, t, policy)
+    name = policy.wanted(stage, found)
+    if name is None and len(found) > 1 and on_gpu(t):
         key = _key(stage, policy, shape)
-        result = DISPATCH.run(key, {p: calls[p] for p in paths(stage, t, policy)}, _sync(t))
-        name = DISPATCH.choice(key)
+        result = DISPATCH.run(key, {p: calls[p] for p in found}, _sync(t))
+        name = DISPATCH.chosen[key]
     else:
+        name = name or found[0]
         result = calls[name]()
     policy.record(stage, name)
     return result

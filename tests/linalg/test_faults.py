@@ -135,3 +135,34 @@ def test_out_of_gpu_memory_around_the_solve_is_solved_on_the_host_after_freeing_
     with pytest.raises(torch.OutOfMemoryError):  # on the host already: nothing to fall back to
         capture._on_host_if_out_of_memory(lambda g: (_ for _ in ()).throw(torch.OutOfMemoryError("host")),
                                           torch.ones(2))
+
+
+def test_the_engines_stages_count_calls_so_a_failed_path_is_measured_again(monkeypatch):
+    """The counting lives in MeasuredDispatch.run: a stage that ran its chosen path directly never
+    counted, and a path that failed once in a measurement (say out of memory beside another batch)
+    stayed out for good. One call before the re-measurement, the choice is open again, so the engine
+    keeps that batch's Grams where every path can be measured."""
+    from gradspec.linalg import stages
+    from gradspec.linalg.policy import Policy
+
+    monkeypatch.setattr(stages, "on_gpu", lambda t: True)
+    monkeypatch.setattr(stages, "DISPATCH", MeasuredDispatch())
+    calls = {"torch": 0}
+    broken = {"yes": True}
+
+    def torch_path():
+        calls["torch"] += 1
+        if broken["yes"]:
+            raise torch.OutOfMemoryError("beside another batch")
+        return "torch"
+
+    t, policy = torch.zeros(1, 2, 2), Policy()
+    run = lambda: stages.run("gram", t, policy, (2,), {"cpp": lambda: "cpp", "torch": torch_path})  # noqa: E731
+    assert run() == "cpp"  # measured: torch failed
+    broken["yes"] = False
+    for _ in range(RETRY_AFTER - 1):
+        assert stages.chosen_path("gram", t, policy, (2,)) == "cpp"
+        assert run() == "cpp"
+    assert stages.chosen_path("gram", t, policy, (2,)) is None  # the next call measures again
+    run()
+    assert calls["torch"] == 3  # the failed attempt, then the warm-up and timed run of the re-measurement
