@@ -122,7 +122,7 @@ class BatchCapture(Capture):
         self.metric_names = metric_names
         self.keep_spectra = keep_spectra
         self.device = batch.device
-        self.scale = None if scale is None else scale.to(self.device).view(-1, 1, 1)
+        self.scale = None if scale is None else to_device(scale, self.device).view(-1, 1, 1)
         self.sketch = sketch
         self.sketched: list[tuple[Part, tuple[int, ...], torch.Tensor, torch.Tensor]] = []  # (part, rows, sigma, frob2)
         self.x_grams: dict[tuple, tuple[_Samples, torch.Tensor]] = {}  # (input, samples' T) -> (samples, X X^T)

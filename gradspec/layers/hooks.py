@@ -21,7 +21,7 @@ from gradspec.linalg.host_copies import to_device
 
 def token_mask(lengths: torch.Tensor, T: int, device: torch.device | str) -> torch.Tensor:
     """(N, T) bool: True at each sample's valid (unpadded) tokens."""
-    return torch.arange(T, device=device)[None, :] < lengths.to(device)[:, None]
+    return torch.arange(T, device=device)[None, :] < to_device(lengths, device)[:, None]  # a host copy: no wait
 
 
 class BatchLayout:
@@ -111,10 +111,11 @@ class PackedLayout(BatchLayout):
     @cached_property
     def owner(self) -> torch.Tensor:
         """(rows, T) on the device: each position's sequence (0 where none)."""
-        return self._sequence_of_positions(0).to(self.device)
+        return to_device(self._sequence_of_positions(0), self.device)
 
     def token_owner(self, device: torch.device) -> torch.Tensor:
-        return self.cached_on("token_owner", device, lambda d: self._sequence_of_positions(self.N).flatten().to(d))
+        return self.cached_on("token_owner", device,
+                              lambda d: to_device(self._sequence_of_positions(self.N).flatten(), d))
 
     def gather(self, Y: torch.Tensor, fill: float = 0) -> torch.Tensor:
         """(rows, T, ...) -> (sequences, longest, ...), `fill` past each sequence's end."""

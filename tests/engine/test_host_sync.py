@@ -68,3 +68,19 @@ def test_a_pass_given_its_batch_on_the_host_never_reads_the_device(monkeypatch, 
     assert all(t.device.type == "meta" for t in passed.stats.values()) and len(passed.stats) == 3 * token_stats
     core = captures[0].core
     assert core and all(group.B.device.type == "meta" for group in core.values())
+
+
+def test_host_values_reach_the_device_through_to_device(monkeypatch):
+    """A blocking copy from pageable host memory waits for the whole stream: the masks and owners the
+    hooks build from host lengths go through to_device (pinned, non-blocking), which the meta device
+    cannot tell apart from a plain .to()."""
+    from gradspec.layers import hooks
+
+    sent = []
+    real = hooks.to_device
+    monkeypatch.setattr(hooks, "to_device", lambda t, device: sent.append(t.device.type) or real(t, device))
+    layout = hooks.BatchLayout(torch.tensor([3, 5]), "meta")
+    layout.mask_on(torch.device("meta"))
+    packed = hooks.PackedLayout([(0, 0, 3), (0, 3, 2)], (1, 5), "meta")
+    packed.owner, packed.token_owner(torch.device("meta"))
+    assert sent == ["cpu"] * 3
