@@ -25,6 +25,7 @@ import torch
 
 from gradspec.data.templates import IGNORE_INDEX
 from gradspec.engine.capture import BatchCapture
+from gradspec.linalg import stages
 
 BACKWARD_FACTOR = 1.25  # peak over the saved activations during the backward (gradients of a layer)
 HEADROOM = 0.7  # share of the available memory a batch may plan to use
@@ -81,7 +82,8 @@ def measure(engine, pad_id: int) -> BatchMemory:
     for prompts). pad_id: a token the probes avoid (they hold no padding). The probes are given on
     the host: the engine moves them to the model's device."""
     (t1, t2) = PROBE_TOKENS
-    (s1, inputs), (s2, _) = (_probe(engine, T, pad_id) for T in PROBE_TOKENS)
+    with stages.DISPATCH.unmeasured():  # one-row probes must not choose the paths of real batches
+        (s1, inputs), (s2, _) = (_probe(engine, T, pad_id) for T in PROBE_TOKENS)
     pair = max((s2 / t2 - s1 / t1) / (t2 - t1), 0.0)
     if engine.sketch is not None:  # lowrank: sketches, no Grams
         inputs = ()

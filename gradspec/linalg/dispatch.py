@@ -5,12 +5,15 @@ batched eigensolver against the host's LAPACK threads; a Triton kernel against c
 is measured where it runs, once per shape bucket, instead of read from a table measured on
 another machine. The first call for a key runs every candidate twice (a warm-up that pays for
 compilation and workspaces, then the timed run) and returns the winner's result, so no work
-is thrown away; later calls run the winner alone. A candidate that raises is logged and left
+is thrown away; later calls run the winner alone. A candidate whose warm-up alone takes more than
+``LOSING_WARM_UP`` times the best timed run so far (and over a second) is not run again: it has lost,
+and on a lent GPU its second run would cost minutes. A candidate that raises is logged and left
 out (a kernel that does not compile on this GPU must not stop a run), for a while: after
 ``RETRY_AFTER`` more calls the key is measured again, every candidate included, so a transient
 failure (an out-of-memory beside another batch) does not ban a path for good. A timing shared with other work on the
 device or the host cores would be off, so measurements hold ``lock``, and so does code that runs
-such work beside them (the engine's eigen worker).
+such work beside them (the engine's eigen worker). Work that must not decide a choice (the memory
+probes' one-row batches: a choice holds for every batch size of its key) runs ``unmeasured``.
 """
 
 from __future__ import annotations
@@ -19,12 +22,15 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 T = TypeVar("T")
 log = logging.getLogger("gradspec")
 RETRY_AFTER = 256  # calls of a key before a candidate that failed in its measurement is tried again
+LOSING_WARM_UP = 4.0  # a warm-up this many times the best timed run (and over MIN_LOSING_S) ends a candidate
+MIN_LOSING_S = 1.0
 
 
 def size_bucket(n: int) -> int:
@@ -41,6 +47,16 @@ class MeasuredDispatch:
         self.seconds: dict[Hashable, dict[str, float]] = {}  # the measurements, for reports
         self.retry_in: dict[Hashable, int] = {}  # calls left before a key with a failed candidate is re-measured
         self.lock = threading.RLock()
+        self._unmeasured = threading.local()
+
+    @contextmanager
+    def unmeasured(self) -> Iterator[None]:
+        """On this thread, a key still to be measured runs its first candidate and stays open."""
+        self._unmeasured.on = True
+        try:
+            yield
+        finally:
+            self._unmeasured.on = False
 
     def choice(self, key: Hashable) -> str | None:
         """The measured winner for key, or None while it has not been measured, or when its next run
@@ -58,6 +74,8 @@ class MeasuredDispatch:
                 self.chosen.pop(key, None)
                 name = None
         if name is None:
+            if getattr(self._unmeasured, "on", False):
+                return next(iter(candidates.values()))()
             with self.lock:
                 name = self.chosen.get(key)  # another thread may have measured it meanwhile
                 if name is None:
@@ -67,23 +85,32 @@ class MeasuredDispatch:
     def _measure(self, key: Hashable, candidates: dict[str, Callable[[], T]], sync: Callable[[], None]) -> T:
         results: dict[str, T] = {}
         seconds: dict[str, float] = {}
+        failed: list[Exception] = []
         for name, candidate in candidates.items():
             try:
+                sync()
+                start = self.clock()
                 candidate()
                 sync()
+                warm_up = self.clock() - start
+                if results and warm_up > max(LOSING_WARM_UP * min(seconds[n] for n in results), MIN_LOSING_S):
+                    seconds[name] = warm_up  # lost already: not run again
+                    continue
                 start = self.clock()
                 results[name] = candidate()
                 sync()
             except Exception as error:  # a path that fails on this machine is no candidate here
                 log.warning("%s path failed for %s, not used: %s: %s", name, key, type(error).__name__, error)
                 seconds[name] = math.inf
-                failed = error
+                failed.append(error)
                 continue
             seconds[name] = self.clock() - start
         if not results:
-            raise failed
+            raise failed[-1]
         best = min(results, key=seconds.__getitem__)
         self.chosen[key], self.seconds[key] = best, seconds
-        if len(results) < len(candidates):
+        if failed:
             self.retry_in[key] = RETRY_AFTER
+        else:
+            self.retry_in.pop(key, None)
         return results[best]

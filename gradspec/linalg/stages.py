@@ -66,6 +66,12 @@ PATHS: dict[str, tuple[tuple[str, Callable[[torch.Tensor, bool], bool]], ...]] =
 }
 
 
+# Paths left out of measurement above a size (they can still be forced): CuPy's batched Jacobi does about
+# 20x the FLOPs of a tridiagonalisation at n = 512, and its first run at n = 4096 alone could spend a
+# lent GPU's minutes.
+MEASURED_UP_TO = {"cupy": 1024}
+
+
 def paths(stage: str, t: torch.Tensor, policy: Policy) -> list[str]:
     """The paths this stage has for t at the policy's precision, preferred first (PATHS)."""
     if policy.backend == "cpp" and not extension.BUILT and stage in ("core", "gram"):
@@ -98,8 +104,10 @@ def run(stage: str, t: torch.Tensor, policy: Policy, shape: tuple, calls: dict[s
     name = policy.wanted(stage, found)
     if name is None and len(found) > 1 and on_gpu(t):
         key = _key(stage, policy, shape)
-        result = DISPATCH.run(key, {p: calls[p] for p in found}, _sync(t))
-        name = DISPATCH.chosen[key]
+        n = t.shape[-1]  # the Grams' size, in the eigen stages (the only ones MEASURED_UP_TO names)
+        candidates = {p: calls[p] for p in found if n <= MEASURED_UP_TO.get(p, n)}
+        result = DISPATCH.run(key, candidates, _sync(t))
+        name = DISPATCH.chosen.get(key, found[0])  # found[0] where it ran unmeasured
     else:
         name = name or found[0]
         result = calls[name]()

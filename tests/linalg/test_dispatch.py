@@ -11,6 +11,7 @@ from conftest import FakeCupy, assert_matches_reference, padded_batch, random_se
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.linalg import eigen, extension, solvers, stages
 from gradspec.linalg.dispatch import MeasuredDispatch, size_bucket
+from gradspec.linalg.policy import Policy
 
 FP32_RTOL = 0.3  # fp32 Grams resolve singular values only down to ~sqrt(d * eps32) of the largest
 
@@ -164,6 +165,18 @@ def test_cupy_is_measured_where_installed(measured_on_cpu, cupy_on_cpu, monkeypa
     assert eigen_stages and all(set(s) == {"cpp", "torch", "cupy"} for s in eigen_stages)
 
 
+def test_cupy_is_not_measured_above_its_size_but_can_still_be_forced(measured_on_cpu, cupy_on_cpu, monkeypatch):
+    monkeypatch.setattr(solvers, "cupy_eigen", lambda: cupy_on_cpu)
+    monkeypatch.setattr(stages, "MEASURED_UP_TO", {"cupy": 4})
+    g = torch.Generator().manual_seed(1)
+    Y = torch.randn(3, 6, 9, generator=g, dtype=torch.float64)
+    eigen.gram_spectra(Y @ Y.mT, Policy())
+    assert "cupy" not in next(iter(measured_on_cpu.seconds.values()))
+    forced = Policy(force={"gram": "cupy"})
+    eigen.gram_spectra(Y @ Y.mT, forced)
+    assert forced.describe()["paths"] == {"gram": ["cupy"]}
+
+
 def test_measured_lowrank_sketch_matches_the_cpu_path(measured_on_cpu, monkeypatch):
     """At fp32, the sketch's products through the measured path (Triton or torch, both fp32) give
     the CPU path's fp64 answer to fp32 accuracy; the rank covers these short gradients exactly."""
@@ -195,3 +208,36 @@ def test_a_measured_eigen_stage_out_of_gpu_memory_falls_back_to_the_host(measure
     with caplog.at_level(logging.WARNING, logger="gradspec"):  # a forced device path falls back the same way
         got = eigen.gram_spectra(grams, "torch")
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and "solved on the host" in caplog.text
+
+
+def test_a_candidate_whose_warm_up_already_lost_is_not_run_again():
+    """On a lent GPU a slow candidate's second run (CuPy's Jacobi on large Grams, say) would cost minutes."""
+    ticks = itertools.count()
+    calls = {"quick": 0, "slow": 0}
+
+    def candidate(name, cost):
+        def run():
+            calls[name] += 1
+            for _ in range(cost):
+                next(ticks)
+            return name
+        return run
+
+    fastest = MeasuredDispatch(clock=lambda: next(ticks))
+    fastest.run("k", {"quick": candidate("quick", 1), "slow": candidate("slow", 100)})
+    assert calls == {"quick": 2, "slow": 1} and fastest.choice("k") == "quick" and "k" not in fastest.retry_in
+    assert fastest.seconds["k"]["slow"] > 100
+
+
+def test_unmeasured_work_runs_the_first_candidate_and_leaves_the_choice_open(measured_on_cpu):
+    """The memory probes' one-row batches must not choose the paths of every later batch of their key."""
+    from gradspec.engine import batch_memory
+
+    ran = []
+    with measured_on_cpu.unmeasured():
+        assert measured_on_cpu.run("k", {"a": lambda: ran.append("a") or 1, "b": lambda: ran.append("b") or 2}) == 1
+    assert ran == ["a"] and measured_on_cpu.choice("k") is None
+    engine = SpectralEngine(tiny_model("llama", vocab=500), "attn")
+    batch_memory.measure(engine, 0)  # its hooks form Grams: the segment_gram stage, open on a "GPU"
+    first = stages.paths("segment_gram", torch.zeros(1, 2, 2), engine.policy)[0]
+    assert measured_on_cpu.chosen == {} and engine.policy.describe()["paths"]["segment_gram"] == [first]
