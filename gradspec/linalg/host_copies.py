@@ -60,8 +60,8 @@ class HostCopies:
     def queued(self) -> None:
         """Every copy so far is queued: record the events wait blocks on."""
         for stream in self.streams.values():
-            event = torch.cuda.Event()
-            event.record(stream)
+            event = torch.cuda.Event(blocking=True)  # its waiter sleeps: a spinning one would take a core from
+            event.record(stream)  # the host's eigen stage
             self.events.append(event)
         self.streams = {}
 

@@ -84,3 +84,24 @@ def test_host_values_reach_the_device_through_to_device(monkeypatch):
     packed = hooks.PackedLayout([(0, 0, 3), (0, 3, 2)], (1, 5), "meta")
     packed.owner, packed.token_owner(torch.device("meta"))
     assert sent == ["cpu"] * 3
+
+
+def test_the_copies_events_let_their_waiter_sleep(monkeypatch):
+    """A default CUDA event's synchronize spins a host core, the eigen stage's; a blocking one sleeps."""
+    made = []
+
+    class Event:
+        def __init__(self, **kwargs):
+            made.append(kwargs)
+
+        def record(self, stream):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    copies = HostCopies()
+    copies.streams = {torch.device("cuda", 0): object()}
+    copies.wait()
+    assert made == [{"blocking": True}]
