@@ -31,7 +31,7 @@ from gradspec.linalg.eigen import (
 )
 from gradspec.linalg.grams import segment_gram
 from gradspec.linalg.host_copies import HostCopies, to_device
-from gradspec.linalg.lowrank import lowrank_metrics, sketch_matrix, sketch_singular_values
+from gradspec.linalg.lowrank import lowrank_metrics, sketch_gram, sketch_matrix, sketch_singular_values
 from gradspec.linalg.metrics import ordered_sum
 from gradspec.linalg.policy import Policy
 from gradspec.options import OptionError
@@ -124,7 +124,7 @@ class BatchCapture(Capture):
         self.device = batch.device
         self.scale = None if scale is None else to_device(scale, self.device).view(-1, 1, 1)
         self.sketch = sketch
-        self.sketched: list[tuple[Part, tuple[int, ...], torch.Tensor, torch.Tensor]] = []  # (part, rows, sigma, frob2)
+        self.sketched: list[tuple[Part, tuple[int, ...], torch.Tensor, torch.Tensor]] = []  # (part, rows, gram, frob2)
         self.x_grams: dict[tuple, tuple[_Samples, torch.Tensor]] = {}  # (input, samples' T) -> (samples, X X^T)
         self.core: dict[tuple, _CoreGroup] = {}  # (input, samples, T) -> its group
         self.materialised: list[tuple[Part, tuple[int, ...], torch.Tensor]] = []  # (part, batch rows, Gram of G)
@@ -170,8 +170,8 @@ class BatchCapture(Capture):
         if self.sketch is not None:
             s = self.sketch
             omega = s.omega(part, part.d_in, X.device)
-            self.sketched.append((part, captured.batch_rows, *sketch_singular_values(
-                X, D, captured.device_lengths, omega, s.rank, s.power_iters, self.policy)))
+            self.sketched.append((part, captured.batch_rows, *sketch_gram(
+                X, D, captured.device_lengths, omega, s.power_iters, self.policy)))
             return
         core, materialised = self._split(captured, min(part.d_in, part.d_out))
         lengths = captured.device_lengths
@@ -238,7 +238,7 @@ class BatchCapture(Capture):
             group.B = move(group.B)
             group.items = [(part, move(A), copies(inner)) for part, A, inner in group.items]
         self.materialised = [(part, rows, copier_for(gram, "gram")(gram)) for part, rows, gram in self.materialised]
-        self.sketched = [(part, rows, copies(sigma), copies(frob2)) for part, rows, sigma, frob2 in self.sketched]
+        self.sketched = [(part, rows, copies(gram), copies(frob2)) for part, rows, gram, frob2 in self.sketched]
         self.measures = None in paths
         copies.queued()
 
@@ -327,6 +327,12 @@ class BatchCapture(Capture):
         ((sigma, m), failed, ok) = _on_host_if_out_of_memory(solved, gram)
         return [_Solved(part, rows, sigma, m, ok, failed, [])]
 
+    def _sketch_solved(self, part: Part, rows: tuple[int, ...], gram: torch.Tensor, frob2: torch.Tensor) -> _Solved:
+        """A sketched part's top singular values from its k x k Grams, and its metrics."""
+        ok = torch.isfinite(frob2) & _finite_rows(gram)
+        sigma = sketch_singular_values(_zero_rows(gram, ok), self.sketch.rank)
+        return _Solved(part, rows, sigma, lowrank_metrics(sigma, frob2, self.metric_names), ok, set(), [])
+
     def _solve_freed(self) -> None:
         """Eager: the eigen stage of every input whose tensor is gone (every part reading it has
         delivered), so that its Grams are not held to the end of the backward."""
@@ -376,8 +382,7 @@ class BatchCapture(Capture):
                     spectra[part.name][i] = s[s > 0]
 
         solved = self.solved + self._solve_cores(list(self.core.values()))
-        solved += [_Solved(part, rows, sigma, lowrank_metrics(sigma, frob2, self.metric_names), torch.isfinite(frob2),
-                           set(), []) for part, rows, sigma, frob2 in self.sketched]
+        solved += [self._sketch_solved(part, rows, gram, frob2) for part, rows, gram, frob2 in self.sketched]
         solved += self._solve_grams(self.materialised)
         for r in solved:
             record(r.part, r.batch_rows, r.sigma, r.metrics, r.ok, r.failed)

@@ -37,14 +37,15 @@ def sketch_matrix(d_in: int, d_out: int, rank: int, seed: int) -> torch.Tensor:
     return torch.randn(d_in, k, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
 
-def sketch_singular_values(
-    X: torch.Tensor, D: torch.Tensor, lengths: torch.Tensor, omega: torch.Tensor, rank: int, power_iters: int,
+def sketch_gram(
+    X: torch.Tensor, D: torch.Tensor, lengths: torch.Tensor, omega: torch.Tensor, power_iters: int,
     policy: Policy | str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """X (N, T, d_in), D (N, T, d_out), omega (d_in, k), lengths on X's device -> top-`rank`
-    singular values of each D_i^T X_i (N, rank) and the exact ||D_i^T X_i||_F^2 (N,), in fp64,
-    on X's device (the caller copies them to the host with the batch's other results).
-    """
+    """X (N, T, d_in), D (N, T, d_out), omega (d_in, k), lengths on X's device -> the Gram P P^T (N, k, k)
+    of each P = Q^T D_i^T X_i (whose singular values are the sketch's: sketch_singular_values) and the
+    exact ||D_i^T X_i||_F^2 (N,), in fp64, on X's device. Nothing here waits for the device (the hooks
+    call it; an SVD there would: cuSOLVER's status is read back), so the k x k eigenproblems are left to
+    the eigen stage."""
     policy = Policy.of(policy)
     wide = policy.dtype
     X, D = X.to(wide), D.to(wide)
@@ -58,12 +59,18 @@ def sketch_singular_values(
         Z = torch.linalg.qr(tdot(X, D @ Y.to(wide))).Q  # G^T Y = X^T (D Y): (N, d_in, k)
         Y = tdot(D, X @ Z.to(wide))
     Q = torch.linalg.qr(Y).Q
-    sigma = torch.linalg.svdvals(tdot(D @ Q.to(wide), X))[:, :rank]  # of Q^T G = (D Q)^T X: (N, k, d_in)
+    P = tdot(D @ Q.to(wide), X)  # Q^T G = (D Q)^T X: (N, k, d_in)
     if X.shape[1] < min(X.shape[-1], D.shape[-1]):  # ||G||_F^2 = <D D^T, X X^T>, cheaper than G when T is small
         frob2 = segment_gram(D, lengths, segment_gram(X, lengths, policy=policy)[0], policy)[1].double()
     else:
         frob2 = tdot(D, X).square().sum((1, 2))
-    return sigma, frob2
+    return P @ P.mT, frob2
+
+
+def sketch_singular_values(gram: torch.Tensor, rank: int) -> torch.Tensor:
+    """(N, k, k) Grams from sketch_gram (finite) -> the top-`rank` singular values of each sketch, (N, rank)
+    descending: square roots of the Gram's eigenvalues (fp64; what rounding leaves below zero is zero)."""
+    return torch.linalg.eigvalsh(gram).flip(-1)[:, :rank].clamp_min(0).sqrt()
 
 
 def lowrank_metrics(sigma: torch.Tensor, frob2: torch.Tensor, names: tuple[str, ...] | None = None

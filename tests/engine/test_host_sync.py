@@ -20,6 +20,8 @@ from gradspec.linalg.policy import Policy
 def test_the_hooks_run_without_reading_the_device(monkeypatch, method):
     # transformers' own mask code reads position ids on the host; not ours to test
     monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda *a, **k: None)
+    for solver in ("svd", "svdvals", "eigh", "eigvalsh", "cholesky"):  # on a GPU each reads its status back
+        monkeypatch.setattr(torch.linalg, solver, lambda *a, solver=solver, **k: pytest.fail(f"{solver} in a hook"))
     model = tiny_model("llama", vocab=500).to("meta").requires_grad_(False)
     targets = select_targets(model, "all")
     lengths = torch.tensor([5, 40, 90])  # k/v's smaller side is 32: both the core and the materialised path
