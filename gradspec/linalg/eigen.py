@@ -20,6 +20,7 @@ import torch
 
 from gradspec.linalg import extension, solvers, stages
 from gradspec.linalg.dispatch import size_bucket
+from gradspec.linalg.host_copies import to_device
 from gradspec.linalg.metrics import (
     EPS64,
     eigenvalue_cutoff,
@@ -182,7 +183,7 @@ def _core_device(
     else B's eigendecomposition."""
     B, A = B.double(), A.double()
     T = B.shape[-1]
-    padding = torch.arange(T, device=B.device) >= lengths.to(B.device)[:, None]
+    padding = torch.arange(T, device=B.device) >= to_device(lengths, B.device)[:, None]  # host lengths: no wait
     L, info = torch.linalg.cholesky_ex(B + torch.diag_embed(padding.to(B.dtype)))
     # A failed factor may hold NaN (a GPU's potrf stops at the failing pivot), which would fail the whole
     # batch's eigensolver: those samples take the identity here (no wait for the device) and are redone below.
