@@ -20,7 +20,7 @@ import torch
 
 from gradspec.layers.hooks import BatchLayout, Capture, Captured, InputKey, token_mask
 from gradspec.layers.registry import Part, Target
-from gradspec.linalg import extension
+from gradspec.linalg import extension, stages
 from gradspec.linalg.eigen import (
     core_spectra,
     eigen_faults,
@@ -224,6 +224,7 @@ class BatchCapture(Capture):
         waits for them (wait_host). Grams whose eigen stage runs on the GPU, or is still to be
         measured, stay there."""
         self.x_grams.clear()
+        stages.DISPATCH.tick()  # a batch more towards re-measuring a path that failed in a measurement
         copies = self._copies
         paths = set()
 

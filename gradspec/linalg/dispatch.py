@@ -5,15 +5,18 @@ batched eigensolver against the host's LAPACK threads; a Triton kernel against c
 is measured where it runs, once per shape bucket, instead of read from a table measured on
 another machine. The first call for a key runs every candidate twice (a warm-up that pays for
 compilation and workspaces, then the timed run) and returns the winner's result, so no work
-is thrown away; later calls run the winner alone. A candidate whose warm-up alone takes more than
-``LOSING_WARM_UP`` times the best timed run so far (and over a second) is not run again: it has lost,
-and on a lent GPU its second run would cost minutes. A candidate that raises is logged and left
+is thrown away; later calls run the winner alone. A candidate that raises is logged and left
 out (a kernel that does not compile on this GPU must not stop a run), for a while: after
-``RETRY_AFTER`` more calls the key is measured again, every candidate included, so a transient
-failure (an out-of-memory beside another batch) does not ban a path for good. A timing shared with other work on the
-device or the host cores would be off, so measurements hold ``lock``, and so does code that runs
-such work beside them (the engine's eigen worker). Work that must not decide a choice (the memory
-probes' one-row batches: a choice holds for every batch size of its key) runs ``unmeasured``.
+``RETRY_AFTER`` more batches (``tick``, once per batch) the key is measured again, every candidate
+included, so a transient failure (an out-of-memory beside another batch) does not ban a path for
+good; from then on ``choice`` is open again, so the engine keeps that batch's Grams where every path
+can run, and measures on its own thread. A timing shared with other work on the device or the host
+cores would be off, so measurements hold ``lock``, and so does code that runs such work beside them
+(the engine's eigen worker). A candidate whose warm-up alone takes more than ``LOSING_WARM_UP``
+times the best timed run so far, and over ``MIN_LOSING_S`` (far above a kernel's compilation), is
+not run again: it has lost, and on a lent GPU its second run would cost minutes. Work that must not
+decide a choice (the memory probes' one-row batches: a choice holds for every batch size of its
+key) runs ``unmeasured``.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from typing import TypeVar
 
 T = TypeVar("T")
 log = logging.getLogger("gradspec")
-RETRY_AFTER = 256  # calls of a key before a candidate that failed in its measurement is tried again
+RETRY_AFTER = 16  # batches before a key with a candidate that failed in its measurement is measured again
 LOSING_WARM_UP = 4.0  # a warm-up this many times the best timed run (and over MIN_LOSING_S) ends a candidate
-MIN_LOSING_S = 1.0
+MIN_LOSING_S = 20.0
 
 
 def size_bucket(n: int) -> int:
@@ -45,39 +48,39 @@ class MeasuredDispatch:
         self.clock = clock
         self.chosen: dict[Hashable, str] = {}
         self.seconds: dict[Hashable, dict[str, float]] = {}  # the measurements, for reports
-        self.retry_in: dict[Hashable, int] = {}  # calls left before a key with a failed candidate is re-measured
+        self.retry_in: dict[Hashable, int] = {}  # batches left before a key with a failed candidate is re-measured
         self.lock = threading.RLock()
         self._unmeasured = threading.local()
 
     @contextmanager
     def unmeasured(self) -> Iterator[None]:
         """On this thread, a key still to be measured runs its first candidate and stays open."""
-        self._unmeasured.on = True
+        before, self._unmeasured.on = getattr(self._unmeasured, "on", False), True
         try:
             yield
         finally:
-            self._unmeasured.on = False
+            self._unmeasured.on = before
+
+    def tick(self) -> None:
+        """One more batch: brings every key with a failed candidate a batch closer to its re-measurement."""
+        with self.lock:
+            for key in self.retry_in:
+                self.retry_in[key] -= 1
 
     def choice(self, key: Hashable) -> str | None:
-        """The measured winner for key, or None while it has not been measured, or when its next run
-        measures it again (a candidate failed RETRY_AFTER calls ago)."""
-        return None if self.retry_in.get(key, 2) <= 1 else self.chosen.get(key)
+        """The measured winner for key, or None while it is still to be measured, or measured again
+        (a candidate failed RETRY_AFTER batches ago)."""
+        return None if self.retry_in.get(key, 1) <= 0 else self.chosen.get(key)
 
     def run(self, key: Hashable, candidates: dict[str, Callable[[], T]], sync: Callable[[], None] = lambda: None) -> T:
         """The result of the fastest candidate for key; `sync` waits for queued device work, so
         each timing covers its own candidate only."""
-        name = self.chosen.get(key)
-        if name is not None and key in self.retry_in:
-            self.retry_in[key] -= 1
-            if self.retry_in[key] <= 0:
-                del self.retry_in[key]
-                self.chosen.pop(key, None)
-                name = None
+        name = self.choice(key)
         if name is None:
             if getattr(self._unmeasured, "on", False):
                 return next(iter(candidates.values()))()
             with self.lock:
-                name = self.chosen.get(key)  # another thread may have measured it meanwhile
+                name = self.choice(key)  # another thread may have measured it meanwhile
                 if name is None:
                     return self._measure(key, candidates, sync)
         return candidates[name]()

@@ -93,8 +93,11 @@ def test_a_candidate_that_failed_is_measured_again_later():
     candidates = {"flaky": flaky, "slow": slow}
     assert fastest.run("k", candidates) == "slow"
     broken["yes"] = False
-    for _ in range(RETRY_AFTER - 1):
-        assert fastest.run("k", candidates) == "slow"
+    for _ in range(RETRY_AFTER - 1):  # batches
+        fastest.tick()
+        assert fastest.choice("k") == "slow" and fastest.run("k", candidates) == "slow"
+    fastest.tick()
+    assert fastest.choice("k") is None  # open again: the next call measures
     assert fastest.run("k", candidates) == "flaky"  # re-measured: the faster path is back
     assert fastest.choice("k") == "flaky" and "k" not in fastest.retry_in
 
@@ -137,32 +140,36 @@ def test_out_of_gpu_memory_around_the_solve_is_solved_on_the_host_after_freeing_
                                           torch.ones(2))
 
 
-def test_the_engines_stages_count_calls_so_a_failed_path_is_measured_again(monkeypatch):
-    """The counting lives in MeasuredDispatch.run: a stage that ran its chosen path directly never
-    counted, and a path that failed once in a measurement (say out of memory beside another batch)
-    stayed out for good. One call before the re-measurement, the choice is open again, so the engine
-    keeps that batch's Grams where every path can be measured."""
+
+
+def test_a_path_that_failed_is_measured_again_after_batches_even_where_the_host_won(monkeypatch):
+    """The count is of batches (each BatchCapture.to_host ticks the dispatch once), not of calls of a
+    stage on a GPU tensor: where the host's path won, the Grams go to the host and no later call would
+    count. Once due, the choice is open, so the engine keeps that batch's Grams where every path can
+    run and measures them again."""
     from gradspec.linalg import stages
-    from gradspec.linalg.policy import Policy
 
     monkeypatch.setattr(stages, "on_gpu", lambda t: True)
     monkeypatch.setattr(stages, "DISPATCH", MeasuredDispatch())
-    calls = {"torch": 0}
     broken = {"yes": True}
+    real = eigen._core_device
 
-    def torch_path():
-        calls["torch"] += 1
+    def core_device(*args, **kwargs):
         if broken["yes"]:
             raise torch.OutOfMemoryError("beside another batch")
-        return "torch"
+        return real(*args, **kwargs)
 
-    t, policy = torch.zeros(1, 2, 2), Policy()
-    run = lambda: stages.run("gram", t, policy, (2,), {"cpp": lambda: "cpp", "torch": torch_path})  # noqa: E731
-    assert run() == "cpp"  # measured: torch failed
+    monkeypatch.setattr(eigen, "_core_device", core_device)
+    model = tiny_model("llama", vocab=VOCAB)
+    batch = padded_batch(random_sequences([5, 17], VOCAB))
+    engine = SpectralEngine(model, "attn")
+    engine.score(*batch)  # measures every stage: the core's torch path fails, cpp wins
+    core = [key for key in stages.DISPATCH.retry_in if key[0] == "core"]
+    assert core and all(stages.DISPATCH.chosen[key] == "cpp" for key in core)
     broken["yes"] = False
     for _ in range(RETRY_AFTER - 1):
-        assert stages.chosen_path("gram", t, policy, (2,)) == "cpp"
-        assert run() == "cpp"
-    assert stages.chosen_path("gram", t, policy, (2,)) is None  # the next call measures again
-    run()
-    assert calls["torch"] == 3  # the failed attempt, then the warm-up and timed run of the re-measurement
+        engine.score(*batch)
+        assert all(stages.DISPATCH.choice(key) == "cpp" for key in core)
+    engine.score(*batch)  # its to_host finds the choice open, and measures again
+    assert all(key not in stages.DISPATCH.retry_in and stages.DISPATCH.seconds[key]["torch"] < float("inf")
+               for key in core)
