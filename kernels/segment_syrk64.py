@@ -45,8 +45,11 @@ if triton is not None:
         stride_yn, stride_yt, stride_yd,
         HAS_OTHER: tl.constexpr, DOT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        tile = tl.program_id(0)  # axis 0: a long sample's tiles pass the 65,535 of axes 1 and 2 (T > 11,552)
-        n = tl.program_id(1).to(tl.int64)  # sample offsets pass 2**31 in large batches
+        # One axis of (sample, tile) pairs: axes 1 and 2 take at most 65,535 programs, which a long sample's
+        # tiles (T > 11,552) or a batch of many short samples would pass.
+        pid = tl.program_id(0).to(tl.int64)  # sample offsets pass 2**31 in large batches
+        n = pid // n_lower
+        tile = pid % n_lower
         ti = tl.load(tiles_ptr + 2 * tile)  # a lower tile: ti >= tj
         tj = tl.load(tiles_ptr + 2 * tile + 1)
         length = tl.load(len_ptr + n)
@@ -100,14 +103,15 @@ def segment_syrk64_triton(
             other64 if other64 is not None else gram, partial, T, d, len(tiles), Y.stride(0), Y.stride(1), Y.stride(2))
     if len(tiles) and N:
         dot = dot and str(Y.device) not in FMA_FALLBACK
+        grid, meta = (N * len(tiles),), dict(HAS_OTHER=other is not None, BLOCK_T=block_t)
         try:
-            launch(_segment_syrk64_kernel, (len(tiles), N), *args, HAS_OTHER=other is not None, DOT=dot,
-                   BLOCK_T=block_t, BLOCK_D=block_d if dot else min(block_d, 8))
+            launch(_segment_syrk64_kernel, grid, *args, DOT=dot, BLOCK_D=block_d if dot else min(block_d, 8), **meta)
         except Exception as error:  # noqa: BLE001 - a compiler without fp64 dot fails in the front end or in lowering
             if not dot:
                 raise
+            launch(_segment_syrk64_kernel, grid, *args, DOT=False, BLOCK_D=min(block_d, 8), **meta)
+            # only once the FMA loop has run: an error it shares is not the fp64 dot's
             FMA_FALLBACK[str(Y.device)] = f"{type(error).__name__}: {str(error)[:300]}"
             log.warning("the fp64 segment SYRK's tl.dot failed on %s (%s); it sums on the FMA units from now on",
                         Y.device, FMA_FALLBACK[str(Y.device)])
-            return segment_syrk64_triton(Y, lengths, other, block_t, block_d, dot=False)
     return gram, (None if other is None else partial.sum(1))

@@ -73,9 +73,11 @@ def test_grids_stay_within_cudas_limits_for_long_samples_and_wide_layers(monkeyp
     Y = torch.empty(3, 12_000, 64, device="meta")
     lengths = torch.full((3,), 12_000, device="meta")
     segment_syrk64.segment_syrk64_triton(Y, lengths)
+    segment_syrk64.segment_syrk64_triton(torch.empty(70_000, 16, 8, device="meta"),  # many short samples
+                                         torch.full((70_000,), 16, device="meta"))
     segment_gram.segment_gram_triton(Y, lengths)
     segment_tdot.segment_tdot_triton(torch.empty(2, 64, 14_336, device="meta"), torch.empty(2, 64, 14_336,
                                      device="meta"), lengths[:2])
-    assert len(grids) == 3
+    assert len(grids) == 4
     for grid in grids:
         assert grid[0] < 2**31 and all(g <= 65_535 for g in grid[1:]), grid

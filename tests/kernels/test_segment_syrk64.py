@@ -73,3 +73,17 @@ def test_lower_tiles_are_the_lower_triangles_pairs_row_major_made_on_the_device(
     monkeypatch.setattr(torch, "tensor", no_host_tensor)
     tiles = lower_tiles(n, "cpu")
     assert tiles.dtype == torch.int32 and torch.equal(tiles, want)
+
+
+@needs_triton
+def test_an_error_the_fma_loop_shares_is_raised_and_does_not_demote_the_device(monkeypatch):
+    from gradspec.kernels import segment_syrk64 as module
+
+    def launch(kernel, grid, *args, **meta):
+        raise RuntimeError("out of resources")
+
+    monkeypatch.setattr(module, "launch", launch)
+    monkeypatch.setattr(module, "FMA_FALLBACK", {})
+    with pytest.raises(RuntimeError, match="out of resources"):
+        segment_syrk64_triton(torch.randn(2, 10, 12), torch.tensor([10, 6]))
+    assert module.FMA_FALLBACK == {}
