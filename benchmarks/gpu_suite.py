@@ -190,11 +190,11 @@ def measure(model, T: int, modules: str, batch, args) -> dict:
     engine = SpectralEngine(model, modules)
     g_s, g_mem = timed(partial(engine.score, *batch), args.device, args.reps)
     k = 3 if g_s < SLOW_S / 3 else 2
-    # Two batches in flight pin a second batch of host copies (gigabytes at 8B shapes): warmed up where
-    # that costs little, so the timing is of the pipeline, not of pinning; the row says which.
+    # k batches in flight pin more batches of host copies than score did (gigabytes at 8B shapes): warmed
+    # up where that costs little, so the timing is of the pipeline, not of pinning; the row says which.
     warm = g_s < SLOW_S / 4
     if warm:
-        pipelined(engine, batch, 2)
+        pipelined(engine, batch, k)
     p_s, _ = timed(partial(pipelined, engine, batch, k), args.device, 1, warm_up=False)
     t_s, t_mem = timed(partial(train_step, model, batch), args.device, args.reps)
     model.requires_grad_(False)

@@ -331,7 +331,7 @@ class BatchCapture(Capture):
     def _sketch_solved(self, part: Part, rows: tuple[int, ...], gram: torch.Tensor, frob2: torch.Tensor) -> _Solved:
         """A sketched part's top singular values from its k x k Grams, and its metrics."""
         ok = torch.isfinite(frob2) & _finite_rows(gram)
-        sigma = sketch_singular_values(_zero_rows(gram, ok), self.sketch.rank)
+        sigma = sketch_singular_values(_zero_rows(gram, ok), self.sketch.rank, self.policy.eps, part.d_in)
         return _Solved(part, rows, sigma, lowrank_metrics(sigma, frob2, self.metric_names), ok, set(), [])
 
     def _solve_freed(self) -> None:

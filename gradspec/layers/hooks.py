@@ -222,7 +222,7 @@ class InputKey:
 class Capture:
     """A consumer of one batch's captured gradients. on_part gets each part's Captured as its gradient
     arrives; to_host moves what it keeps to the host once the backward is done; finish(scores) adds
-    its results to the batch's BatchScores; release gives its buffers back."""
+    its results to the batch's BatchScores; release drops what it held (Grams, host copies)."""
 
     measures = False  # whether an eigen stage will be measured on this batch (no consumer but the spectra's)
 

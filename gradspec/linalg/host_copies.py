@@ -3,9 +3,11 @@
 Pinned (page-locked) memory copies at full bus speed and asynchronously, so all of a batch's
 copies are queued on a side stream and waited for, through events, by the thread that reads them.
 The buffers come from torch's caching host allocator: pinning is slow (a system call, a page-table
-walk), so it keeps freed blocks for reuse (best fit, about two batches' copies at the peak), and it
-hands a block out again only once the copies recorded on it have landed. So a batch's host tensors
-are simply dropped after its eigen stage, even one that failed before its copies were waited for.
+walk), so it keeps freed blocks for reuse, and it hands a block out again only once the copies
+recorded on it have landed. So a batch's host tensors are simply dropped after its eigen stage, even
+one that failed before its copies were waited for. Its cache is unbounded and rounds each block up
+to a power of two: the pinned memory a run holds is about two batches' copies per size class of
+Gram, kept until the process ends.
 """
 
 from __future__ import annotations

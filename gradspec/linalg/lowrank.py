@@ -1,7 +1,8 @@
 """Approximate top-k spectra without materialising G: a randomized range finder on G = D^T X.
 
 Halko, Martinsson & Tropp (2011), algorithm 4.4: sketch Y = G Omega = D^T (X Omega), refine with
-power iterations, then take the singular values of the small k x d_in matrix Q^T G = (D Q)^T X.
+power iterations, then take the singular values of the small k x d_in matrix Q^T G = (D Q)^T X
+(from its k x k Gram, in the eigen stage: the hooks never wait for the device).
 The top singular values (so the spectral norm) come out close to exact; the nuclear norm and the
 effective rank see only the top k and are biased low (measured on SmolLM2 in benchmarks/RESULTS.md),
 which is why this mode is opt-in and never the default. ||G||_F is exact, so the stable rank is
@@ -15,7 +16,12 @@ from __future__ import annotations
 import torch
 
 from gradspec.linalg.grams import segment_gram, segment_tdot
-from gradspec.linalg.metrics import metric_names, metrics_from_singular_values, ordered_sum
+from gradspec.linalg.metrics import (
+    metric_names,
+    metrics_from_singular_values,
+    ordered_sum,
+    singular_values_from_gram_eigenvalues,
+)
 from gradspec.linalg.policy import Policy
 
 TOPK_ENERGY = "topk_energy"
@@ -67,10 +73,11 @@ def sketch_gram(
     return P @ P.mT, frob2
 
 
-def sketch_singular_values(gram: torch.Tensor, rank: int) -> torch.Tensor:
+def sketch_singular_values(gram: torch.Tensor, rank: int, eps: float, terms: int) -> torch.Tensor:
     """(N, k, k) Grams from sketch_gram (finite) -> the top-`rank` singular values of each sketch, (N, rank)
-    descending: square roots of the Gram's eigenvalues (fp64; what rounding leaves below zero is zero)."""
-    return torch.linalg.eigvalsh(gram).flip(-1)[:, :rank].clamp_min(0).sqrt()
+    descending: square roots of the Gram's eigenvalues, those below the exact path's cut-off (its
+    rounding: eps the products' precision, terms the d_in they summed over) zero."""
+    return singular_values_from_gram_eigenvalues(torch.linalg.eigvalsh(gram), eps, terms)[:, :rank]
 
 
 def lowrank_metrics(sigma: torch.Tensor, frob2: torch.Tensor, names: tuple[str, ...] | None = None

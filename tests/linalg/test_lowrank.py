@@ -59,3 +59,17 @@ def test_bad_method_and_rank():
         SpectralEngine(model, method="svd")
     with pytest.raises(ValueError, match="rank"):
         SpectralEngine(model, method="lowrank", rank=0)
+
+
+def test_sketch_values_below_the_cut_off_are_zero_as_on_the_exact_path():
+    """A gradient of lower rank than the sketch (a short sample): its Gram's rounding (about 1e-16 of the
+    top eigenvalue, so 1e-8 of the top singular value) must read as zero, not as tiny singular values."""
+    from gradspec.linalg.lowrank import sketch_singular_values
+
+    g = torch.Generator().manual_seed(3)
+    P = torch.randn(4, 6, 2, generator=g, dtype=torch.float64) @ torch.randn(4, 2, 40, generator=g,
+                                                                              dtype=torch.float64)
+    sigma = sketch_singular_values(P @ P.mT, 5, torch.finfo(torch.float64).eps, 40)
+    want = torch.linalg.svdvals(P)[:, :5]
+    assert torch.equal(sigma[:, 2:], torch.zeros(4, 3))
+    torch.testing.assert_close(sigma[:, :2], want[:, :2], rtol=1e-12, atol=0)
