@@ -21,9 +21,10 @@ and score (whose first call also runs the engine's one-time memory probes, which
 that call's time is printed apart); within a round the rows run back to back, each round starting
 at another row, so rows compared share the machine's load of the moment. Medians over rounds are
 printed with their ratios to the fastest floor. Run with ``pytest benchmarks/bench_score.py -s``; ratios are only
-meaningful within one run (the machine is noisy); about 7 minutes on 2 cores.
+meaningful within one run (the machine is noisy); about 7 minutes on 2 cores (BENCH_ROUNDS=5: about 11).
 """
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -44,7 +45,7 @@ from gradspec.layers.linear import start_graph
 from gradspec.layers.targets import select_targets
 from gradspec.runs.chunks import score_samples
 
-ROUNDS = 3
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))  # more for a steadier median on a noisy machine
 SETS = {"HumanEval 0-15": slice(0, 16), "HumanEval 30-47": slice(30, 48)}
 REFERENCE_SET = "HumanEval 0-15"
 
