@@ -19,18 +19,22 @@ def test_size_bucket_rounds_up_to_a_power_of_two():
     assert [size_bucket(n) for n in (1, 2, 3, 32, 33, 100, 128, 129)] == [1, 2, 4, 32, 64, 128, 128, 256]
 
 
-def test_fastest_measures_each_candidate_once_then_runs_the_winner():
-    ticks = itertools.count()
-    calls = {"slow": 0, "quick": 0}
-
-    def candidate(name, cost):
+def _costed(ticks: itertools.count, calls: dict[str, int]):
+    """candidate(name, cost): a candidate that costs `cost` ticks of the fake clock and counts its calls."""
+    def candidate(name: str, cost: int):
         def run():
             calls[name] += 1
             for _ in range(cost):  # each tick of the fake clock is one unit of work
                 next(ticks)
             return name
         return run
+    return candidate
 
+
+def test_fastest_measures_each_candidate_once_then_runs_the_winner():
+    ticks = itertools.count()
+    calls = {"slow": 0, "quick": 0}
+    candidate = _costed(ticks, calls)
     fastest = MeasuredDispatch(clock=lambda: next(ticks))
     candidates = {"slow": candidate("slow", 5), "quick": candidate("quick", 2)}
     assert fastest.choice("k") is None
@@ -214,15 +218,7 @@ def test_a_candidate_whose_warm_up_already_lost_is_not_run_again():
     """On a lent GPU a slow candidate's second run (CuPy's Jacobi on large Grams, say) would cost minutes."""
     ticks = itertools.count()
     calls = {"quick": 0, "slow": 0}
-
-    def candidate(name, cost):
-        def run():
-            calls[name] += 1
-            for _ in range(cost):
-                next(ticks)
-            return name
-        return run
-
+    candidate = _costed(ticks, calls)
     fastest = MeasuredDispatch(clock=lambda: next(ticks))
     fastest.run("k", {"quick": candidate("quick", 1), "slow": candidate("slow", 100)})
     assert calls == {"quick": 2, "slow": 1} and fastest.choice("k") == "quick" and "k" not in fastest.retry_in
