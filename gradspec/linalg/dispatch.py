@@ -50,16 +50,19 @@ class MeasuredDispatch:
         self.seconds: dict[Hashable, dict[str, float]] = {}  # the measurements, for reports
         self.retry_in: dict[Hashable, int] = {}  # batches left before a key with a failed candidate is re-measured
         self.lock = threading.RLock()
-        self._unmeasured = threading.local()
+        self._unmeasured = 0
 
     @contextmanager
     def unmeasured(self) -> Iterator[None]:
-        """On this thread, a key still to be measured runs its first candidate and stays open."""
-        before, self._unmeasured.on = getattr(self._unmeasured, "on", False), True
+        """Meanwhile a key still to be measured runs its first candidate and stays open. Process-wide, not
+        per thread: on a GPU, autograd runs the backward's hooks on its own device thread."""
+        with self.lock:
+            self._unmeasured += 1
         try:
             yield
         finally:
-            self._unmeasured.on = before
+            with self.lock:
+                self._unmeasured -= 1
 
     def tick(self) -> None:
         """One more batch: brings every key with a failed candidate a batch closer to its re-measurement."""
@@ -77,7 +80,7 @@ class MeasuredDispatch:
         each timing covers its own candidate only."""
         name = self.choice(key)
         if name is None:
-            if getattr(self._unmeasured, "on", False):
+            if self._unmeasured:
                 return next(iter(candidates.values()))()
             with self.lock:
                 name = self.choice(key)  # another thread may have measured it meanwhile

@@ -230,9 +230,14 @@ def test_unmeasured_work_runs_the_first_candidate_and_leaves_the_choice_open(mea
     from gradspec.engine import batch_memory
 
     ran = []
+    candidates = {"a": lambda: ran.append("a") or 1, "b": lambda: ran.append("b") or 2}
     with measured_on_cpu.unmeasured():
-        assert measured_on_cpu.run("k", {"a": lambda: ran.append("a") or 1, "b": lambda: ran.append("b") or 2}) == 1
-    assert ran == ["a"] and measured_on_cpu.choice("k") is None
+        assert measured_on_cpu.run("k", candidates) == 1
+        on_another = []  # on a GPU autograd runs the hooks on its own thread: they must see it too
+        thread = threading.Thread(target=lambda: on_another.append(measured_on_cpu.run("k", candidates)))
+        thread.start()
+        thread.join()
+    assert ran == ["a", "a"] and on_another == [1] and measured_on_cpu.choice("k") is None
     engine = SpectralEngine(tiny_model("llama", vocab=500), "attn")
     batch_memory.measure(engine, 0)  # its hooks form Grams: the segment_gram stage, open on a "GPU"
     first = stages.paths("segment_gram", torch.zeros(1, 2, 2), engine.policy)[0]
