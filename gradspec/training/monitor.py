@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -65,6 +64,7 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+import torch.distributed as dist
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -76,7 +76,7 @@ from gradspec.layers.hooks import BatchLayout, PackedLayout, attached, token_mas
 from gradspec.layers.targets import select_targets
 from gradspec.linalg.metrics import metric_names
 from gradspec.linalg.policy import Policy
-from gradspec.runs.score_files import column, metric_columns
+from gradspec.runs.score_files import atomic_write, column, metric_columns
 from gradspec.training.wit import PROMPT_OFFSET, WITLoss
 
 log = logging.getLogger("gradspec")
@@ -118,8 +118,9 @@ class SpectralMonitor:
     Args:
         every: Monitor the optimizer steps whose number (1, 2, ...) is a multiple of this.
         modules: What to score, as for SpectralEngine: a preset, role names or part-name globs.
-        out: The Parquet file, rewritten whole at each monitored step; None: rows are only
-            returned by end() (and summarised).
+        out: The Parquet file, rewritten whole at each monitored step (under torch.distributed, one per
+            rank: out's name with .rank<r> before its suffix); None: rows are only returned by end()
+            (and summarised).
         backend: "auto", "cpp" or "torch", as for SpectralEngine.
         overwrite: Overwrite an existing ``out`` (else a ValueError at a run's first monitored step).
         index_column: A keyword of the model call holding each row's dataset index: popped from
@@ -263,7 +264,13 @@ class SpectralMonitor:
     close = abort
 
     def _start(self) -> None:
-        """A run's first monitored step: a new file, or an existing one refused unless overwrite."""
+        """A run's first monitored step: a new file, or an existing one refused unless overwrite. Under
+        torch.distributed with several processes each rank writes its own file (out's name with
+        .rank<r> before its suffix): every rank sees its own micro-batches."""
+        if self.out is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            rank = f".rank{dist.get_rank()}"
+            if not self.out.stem.endswith(rank):
+                self.out = self.out.with_name(f"{self.out.stem}{rank}{self.out.suffix}")
         if self.out is not None and self.out.exists() and not self.overwrite:
             raise ValueError(f"out {self.out}: exists (a previous run's rows); give another path or overwrite=True")
         self._table, self._started = None, True
@@ -403,9 +410,7 @@ class SpectralMonitor:
         table = pa.Table.from_pylist(rows, schema=schema)
         self._table = table if self._table is None else pa.concat_tables([self._table, table])
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        aside = self.out.with_name(f".{self.out.name}.writing")
-        pq.write_table(self._table, aside)
-        os.replace(aside, self.out)
+        atomic_write(self.out, lambda f: pq.write_table(self._table, f))
 
 
 def model_loss(model: nn.Module) -> tuple[str, tuple[float, float] | None]:

@@ -40,7 +40,7 @@ def train(model_dir: str, out: str, accumulation: int) -> None:
             output_dir=str(Path(out) / "run"), per_device_train_batch_size=2, gradient_accumulation_steps=accumulation,
             max_steps=1, learning_rate=0.0, remove_unused_columns=False, report_to=[], save_strategy="no",
             use_cpu=True, logging_strategy="no", train_sampling_strategy="sequential")
-        out_file = Path(out) / f"{name}-{args.process_index}.parquet"
+        out_file = Path(out) / f"{name}.parquet"  # one path, as a user gives it: each rank writes its own file
         monitor = SpectralMonitorCallback(every=1, modules="all", out=out_file)
         collator = WITCollator(tokenizer, prompt_weight=0.0 if weights is None else weights[0])
         Trainer(model=model, args=args, train_dataset=ROWS, data_collator=collator, callbacks=[monitor]).train()
@@ -52,7 +52,7 @@ def _run(command: list[str]) -> None:
 
 
 def _rows(folder: Path, loss: str) -> pd.DataFrame:
-    rows = pd.concat([pd.read_parquet(p) for p in sorted(folder.glob(f"{loss}-*.parquet"))])
+    rows = pd.concat([pd.read_parquet(p) for p in sorted(folder.glob(f"{loss}*.parquet"))])
     return rows.set_index("num_tokens").sort_index()  # the rows' lengths are distinct
 
 
@@ -71,8 +71,8 @@ def test_ddp_rows_equal_single_process_rows(tiny_model_dir, tmp_path):
     for loss in LOSSES:
         single, ddp = _rows(tmp_path / "single", loss), _rows(tmp_path / "ddp", loss)
         assert len(single) == 4 and list(ddp.index) == list(single.index)
-        assert sorted(p.name for p in (tmp_path / "ddp").glob(f"{loss}-*.parquet")) == [f"{loss}-0.parquet",
-                                                                                       f"{loss}-1.parquet"]
+        assert sorted(p.name for p in (tmp_path / "ddp").glob(f"{loss}*.parquet")) == [f"{loss}.rank0.parquet",
+                                                                                      f"{loss}.rank1.parquet"]
         assert (single["status"] == "ok").all() and (ddp["status"] == "ok").all()
         assert ddp["loss"].tolist() == single["loss"].tolist()
         metrics = [c for c in single.columns if "/" in c]
