@@ -219,6 +219,7 @@ class SpectralMonitor:
             most: The step's micro-batches at most; None: no limit.
         """
         self.abort()
+        model = monitored_model(model)
         if not self._started:
             self._start()
         if model not in self._targets:
@@ -411,6 +412,18 @@ class SpectralMonitor:
         self._table = table if self._table is None else pa.concat_tables([self._table, table])
         self.out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(self.out, lambda f: pq.write_table(self._table, f))
+
+
+def monitored_model(model: nn.Module) -> nn.Module:
+    """The module whose calls the monitor hooks: a DDP-wrapped model's own module (DDP calls it with the
+    batch; the wrapper has neither the loss nor the config the rows need). A compiled model is refused:
+    its graph skips hooks added after compilation (no rows), or fails on them inside the step."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
+        raise ValueError("SpectralMonitor cannot hook a torch.compile'd model (its graph skips hooks added later): "
+                         "monitor the model uncompiled (Trainer: torch_compile=False)")
+    return model
 
 
 def model_loss(model: nn.Module) -> tuple[str, tuple[float, float] | None]:

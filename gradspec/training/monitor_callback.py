@@ -121,3 +121,6 @@ def refuse_unmonitorable(args) -> None:
     if getattr(args, "n_gpu", 1) > 1:
         raise ValueError("SpectralMonitor hooks one model copy: DataParallel (n_gpu > 1) is not supported; "
                          "run one process per device (torchrun)")
+    if getattr(args, "torch_compile", False):
+        raise ValueError("SpectralMonitor cannot hook a torch.compile'd model (its graph skips hooks added later): "
+                         "train with torch_compile=False to monitor it")

@@ -360,6 +360,41 @@ def test_a_plain_loop_s_rows_equal_gradspec_score(tokenizer, tmp_path):
     assert _hooks(model) == 0
 
 
+def test_a_ddp_wrapped_model_in_a_plain_loop_gives_the_unwrapped_models_rows(tokenizer, tmp_path):
+    """DDP calls its module with the batch; the wrapper has neither the model's loss nor its config (rows
+    were unscaled, loss_kind unknown, every column prefixed module.)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        rows = {}
+        for wrap in (False, True):
+            model = tiny_model("llama")
+            looped = torch.nn.parallel.DistributedDataParallel(model) if wrap else model
+            monitor = SpectralMonitor(every=1, modules="attn", out=tmp_path / f"{wrap}.parquet")
+            batch = WITCollator(tokenizer)(ROWS[:2])
+            with monitor.step(looped):
+                looped(**batch).loss.backward()
+            rows[wrap] = pd.read_parquet(monitor.out)
+        assert rows[True]["loss_kind"].tolist() == rows[False]["loss_kind"].tolist() == ["ntp", "ntp"]
+        pd.testing.assert_frame_equal(rows[True], rows[False])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_compiled_model_is_refused_before_its_step(tmp_path):
+    """Its graph skips hooks added after compilation: no rows and no warning, or a failure inside the step."""
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="cannot hook a torch.compile'd model"):
+        with SpectralMonitor(every=1, out=tmp_path / "m.parquet").step(torch.compile(model)):
+            pass
+    from types import SimpleNamespace
+
+    from gradspec.training.monitor_callback import refuse_unmonitorable
+    with pytest.raises(ValueError, match="torch_compile=False"):
+        refuse_unmonitorable(SimpleNamespace(n_gpu=1, torch_compile=True))
+
+
 @pytest.mark.parametrize(("make", "message"), [
     (lambda: SpectralMonitor(every=0), "every: a whole number of steps, at least 1; got 0"),
     (lambda: SpectralMonitor(every="2"), "every: a whole number of steps, at least 1; got '2'"),
