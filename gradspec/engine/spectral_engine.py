@@ -308,6 +308,8 @@ class SpectralEngine:
             # not scored); under FSDP the backward is collective and runs even where nothing is finite.
             if self.lockstep is not None or bool(count.any()):
                 torch.where(finite, loss, 0.0).sum().backward()
+        if self.lockstep is not None:
+            self.lockstep.after_pass()
         for capture in captures:
             capture.to_host()
         copies = HostCopies()
@@ -324,8 +326,6 @@ class SpectralEngine:
         if not (self.spectra or self.task is not None or self.projection is not None):
             raise ValueError("nothing to compute: spectra=False, and neither a task (set_task) nor a projection "
                              "(project=k)")
-        if self.lockstep is not None:
-            self.lockstep.before_pass()
         # Lengths and label positions are read on the host: a batch given there (as score gives it)
         # goes to the model's device without the host waiting for the device; one given on a GPU is
         # read back once here.
@@ -333,6 +333,8 @@ class SpectralEngine:
         lengths = mask.sum(1)
         if not torch.equal(mask, token_mask(lengths, mask.shape[1], "cpu")):
             raise ValueError("the batch must be right-padded (attention_mask a prefix of ones)")
+        if self.lockstep is not None:  # after the checks: a batch refused here has started no collective
+            self.lockstep.before_pass()
         device = input_device(self.model) if input_ids.device.type == "cpu" else input_ids.device
         input_ids, attention_mask = to_device(input_ids, device), to_device(attention_mask, device)
         layout = BatchLayout(lengths, device)

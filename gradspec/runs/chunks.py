@@ -36,7 +36,11 @@ def submit_with_split(
         result = engine.submit(*pad_batch([b.tokens for b in batch], pad_id, "cpu"))  # the engine moves it
         return [(item, result, k) for k, item in enumerate(batch)]
     except torch.OutOfMemoryError:
-        pass  # retried below, not here: the failed pass's frames (its graph, its Grams) live as long as this block
+        if engine.lockstep is not None:  # the peers wait in this pass's collectives: no rank retries alone
+            log.error("out of memory in a pass under --fsdp (a batch of %d, %d tokens): lower --batch-tokens",
+                      len(batch), sum(b.tokens.num_tokens for b in batch))
+            raise
+        # retried below, not here: the failed pass's frames (its graph, its Grams) live as long as this block
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     if len(batch) == 1:

@@ -11,9 +11,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradspec.options import OptionError
 from gradspec.runs.run_folder import Shard
 
 WAIT = timedelta(days=3)  # how long rank 0 waits for the slowest rank before it merges
+COLLECTIVE_WAIT = timedelta(minutes=30)  # a collective of --fsdp's passes: a rank that died ends the run in this
 
 
 def torchrun_shard() -> Shard | None:
@@ -26,6 +28,9 @@ def bind_device(device: str) -> str:
     """Under torchrun a bare 'cuda' means this process's own GPU, which is made current here,
     once, before the model loads: library calls that use the current device (Triton launches,
     CuPy, torch.cuda.*) then see this rank's GPU, not GPU 0."""
+    if device.startswith("cuda:") and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        raise OptionError("device", f" {device}: under torchrun each process takes its own GPU (LOCAL_RANK); give "
+                          "--device cuda, and CUDA_VISIBLE_DEVICES to choose the GPUs")
     if device == "cuda" and "LOCAL_RANK" in os.environ:
         local = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local)
@@ -35,13 +40,17 @@ def bind_device(device: str) -> str:
 
 class Group:
     """The torchrun processes, joined over gloo (CPU or GPU runs alike); collectives: GPU tensors
-    cross processes too (FSDP on GPUs), over NCCL."""
+    cross processes too (FSDP on GPUs), over NCCL. The run folder's agreement and the final wait go
+    over a gloo group of their own with WAIT (a slow rank may take days); the passes' collectives
+    keep COLLECTIVE_WAIT, so a rank that died mid-pass does not hold every GPU for days."""
 
     def __init__(self, collectives: bool = False) -> None:
         self.backend = "cpu:gloo,cuda:nccl" if collectives else "gloo"
+        self.patient = None
 
     def __enter__(self) -> Group:
-        dist.init_process_group(self.backend, timeout=WAIT)
+        dist.init_process_group(self.backend, timeout=COLLECTIVE_WAIT)
+        self.patient = dist.new_group(backend="gloo", timeout=WAIT)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -54,8 +63,8 @@ class Group:
     def share(self, value: Any) -> Any:
         """Rank 0's value, on every rank."""
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.patient)
         return box[0]
 
     def wait(self) -> None:
-        dist.barrier()
+        dist.barrier(group=self.patient)

@@ -15,6 +15,7 @@ positions alone, outside the base model's forward).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,8 @@ from torch import nn
 
 from gradspec.data.templates import IGNORE_INDEX
 from gradspec.options import OptionError
+
+log = logging.getLogger("gradspec")
 
 
 def load_sharded(load: Callable[[str], tuple[nn.Module, Any]], device: str) -> tuple[nn.Module, Any, dict[str, Any]]:
@@ -38,7 +41,7 @@ def load_sharded(load: Callable[[str], tuple[nn.Module, Any]], device: str) -> t
     dist.barrier()  # the default model is converted once, by rank 0, before the others read its config
     model, own_tokenizer = load("meta")
     tokenizer = own_tokenizer if tokenizer is None else tokenizer
-    sharding = shard_model(model)
+    sharding = shard_model(model, device)
     model.to_empty(device=device)
     state = {} if full is None else full.state_dict()
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -49,10 +52,12 @@ def load_sharded(load: Callable[[str], tuple[nn.Module, Any]], device: str) -> t
     return model, tokenizer, sharding
 
 
-def shard_model(model: nn.Module) -> dict[str, Any]:
+def shard_model(model: nn.Module, device: str) -> dict[str, Any]:
     """Shards the model's decoder layers and its base model across the process group, in place
-    (frozen first: the unsharded weights then need no gradients); returns the sharding, for
-    the score file's metadata."""
+    (frozen first: the unsharded weights then need no gradients), on a mesh of device's type (FSDP's
+    default mesh takes the machine's accelerator: CUDA for --device cpu on a GPU host); returns the
+    sharding, for the score file's metadata."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     layer_types = set(getattr(model, "_no_split_modules", None) or ())
@@ -62,9 +67,10 @@ def shard_model(model: nn.Module) -> dict[str, Any]:
                           "to shard by")
     before = parameter_bytes(model)
     model.requires_grad_(False)
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
     for layer in layers:
-        fully_shard(layer)
-    fully_shard(getattr(model, "base_model", model))
+        fully_shard(layer, mesh=mesh)
+    fully_shard(getattr(model, "base_model", model), mesh=mesh)
     return {"mode": "fsdp2", "world_size": dist.get_world_size(), "sharded_layers": len(layers),
             "parameter_bytes": {"unsharded": before, "this_rank": parameter_bytes(model)}}
 
@@ -93,6 +99,7 @@ class Lockstep:
     def __init__(self, idle) -> None:
         self.idle = idle  # a pass whose results are dropped
         self._idling = False
+        self.in_pass = False  # between before_pass and after_pass: the peers are in the same pass's collectives
 
     def _any(self, working: bool) -> bool:
         flag = torch.tensor([int(working)])  # on the host: gloo's half of the group
@@ -103,9 +110,19 @@ class Lockstep:
         """This rank has a pass to run: the others learn so and run one too."""
         if not self._idling:
             self._any(True)
+        self.in_pass = True
+
+    def after_pass(self) -> None:
+        self.in_pass = False
 
     def drain(self) -> None:
-        """This rank is done: idle passes while another rank still has work."""
+        """This rank is done: idle passes while another rank still has work. Not after a pass that
+        raised midway: its peers wait in that pass's collectives, which a new all-reduce would cross
+        (a hang, or all-gathers paired with the wrong layer's); the rank exits instead, and torchrun
+        ends the others."""
+        if self.in_pass:
+            log.error("this rank failed inside a pass: not waiting for the other ranks (torchrun stops them)")
+            return
         while self._any(False):
             self._idling = True
             try:

@@ -62,6 +62,19 @@ def test_a_torchrun_rank_binds_its_own_gpu_before_loading(monkeypatch):
     assert distributed.bind_device("cuda") == "cuda" and bound == [3]
 
 
+def test_a_torchrun_rank_refuses_one_named_gpu_for_every_rank(monkeypatch):
+    """--device cuda:0 under torchrun put every rank on GPU 0 (and FSDP's shards beside its mesh's device)."""
+    from gradspec.options import OptionError
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail("no GPU is bound"))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(OptionError, match="each process takes its own GPU"):
+        distributed.bind_device("cuda:0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one process: the GPU it names
+    assert distributed.bind_device("cuda:1") == "cuda:1"
+
+
 def test_grids_stay_within_cudas_limits_for_long_samples_and_wide_layers(monkeypatch):
     """CUDA takes at most 2**31 - 1 programs on grid axis 0 and 65,535 on axes 1 and 2: a 12,000-token
     sample has 70,500 lower tiles of 32, a 14,336-wide layer 448 column blocks. Shapes only (meta tensors)."""

@@ -191,6 +191,40 @@ def test_torchrun_fsdp_resumes_a_run_with_two_processes_equal_to_one(tmp_path, t
     assert held == head + (whole - head) // 2  # the rest halved between the 2 ranks
 
 
+@pytest.mark.parametrize("fault", ["OutOfMemoryError", "RuntimeError"])
+def test_torchrun_fsdp_a_rank_failing_inside_a_pass_ends_the_run_not_hangs_it(tmp_path, tiny_model_dir, data, fault):
+    """Rank 1 raises in a decoder layer's forward, mid-pass: its peer waits in that pass's collectives.
+    Neither a retry of halves (out of memory) nor the idle passes of drain may start new collectives
+    there (they hung): the rank exits, and torchrun ends the run, non-zero, within seconds."""
+    launch = tmp_path / "launch.py"
+    launch.write_text(
+        "import os, sys, torch\n"
+        "from transformers.models.llama import modeling_llama as ml\n"
+        "forward, seen = ml.LlamaDecoderLayer.forward, []\n"
+        "def failing(self, hidden_states, *args, **kwargs):\n"  # the second layer of a later batch of several
+        "    seen.append(1)\n"
+        "    if (os.environ['RANK'] == '1' and len(seen) > 4 and self.self_attn.layer_idx == 1\n"
+        "            and hidden_states.shape[0] > 1 and not seen.count(0)):\n"
+        "        seen.append(0)\n"
+        f"        raise torch.{fault}('injected')\n"
+        "    return forward(self, hidden_states, *args, **kwargs)\n"
+        "ml.LlamaDecoderLayer.forward = failing\n"
+        "from gradspec.cli import main; sys.exit(main(sys.argv[1:]))\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(launch),
+         *_args(tiny_model_dir, data, tmp_path / "s.parquet", "--fsdp", "--chunk-rows", "7")],
+        env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=120)
+    finally:  # a hang leaves the workers waiting in a collective: end them with their launcher
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode != 0 and "injected" in err
+    assert "failed inside a pass" in err
+
+
 def test_fsdp_needs_torchrun(tmp_path, tiny_model_dir, data, capsys):
     assert main(_args(tiny_model_dir, data, tmp_path / "s.parquet", "--fsdp")) != 0
     assert "--fsdp shards the model across torchrun's processes" in capsys.readouterr().err

@@ -37,7 +37,7 @@ def step(model_dir: str, out: str, rank: int, world: int, sharded: bool) -> None
             fully_shard(layer)
         fully_shard(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    monitor = SpectralMonitor(every=1, modules="all", out=Path(out) / f"rank-{rank}.parquet")
+    monitor = SpectralMonitor(every=1, modules="all", out=Path(out) / "m.parquet")  # m.rank<r>.parquet per rank
     mine = ROWS[rank * len(ROWS) // world : (rank + 1) * len(ROWS) // world]
     for i in range(0, len(mine), 2):  # micro-batches of 2: each rank's one is the single process's i-th
         batch = WITCollator(tokenizer)(mine[i : i + 2])
@@ -57,8 +57,8 @@ def test_fsdp2_rows_equal_single_process_rows(tiny_model_dir, tmp_path):
                            str(Path(__file__).resolve()), str(tiny_model_dir), str(tmp_path / "fsdp")],
                           env=ONE_THREAD, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    single = pd.read_parquet(tmp_path / "single" / "rank-0.parquet")
-    ranks = [pd.read_parquet(tmp_path / "fsdp" / f"rank-{r}.parquet") for r in range(2)]
+    single = pd.read_parquet(tmp_path / "single" / "m.parquet")
+    ranks = [pd.read_parquet(tmp_path / "fsdp" / f"m.rank{r}.parquet") for r in range(2)]
     for rank, rows in enumerate(ranks):  # rank r's micro-batch is the single process's step r + 1
         want = single[single["step"] == rank + 1].reset_index(drop=True)
         assert len(rows) == 2 and (rows["status"] == "ok").all() and rows["num_tokens"].tolist() == \
