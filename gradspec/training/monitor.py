@@ -88,8 +88,29 @@ COLUMN_TYPES = {  # the rest are metrics, float64
 }
 
 
+class _MonitorCapture(BatchCapture):
+    """A micro-batch's capture that never fails the training step it watches: a fault in a hook (out of GPU
+    memory forming Grams, say) drops this micro-batch's spectra, frees what they held and lets the
+    backward go on; its rows say monitor_failed."""
+
+    failed: str | None = None
+
+    def on_part(self, part, captured) -> None:
+        if self.failed is not None:
+            return
+        try:
+            super().on_part(part, captured)
+        except Exception as error:  # noqa: BLE001 - the user's training must not die of the monitor
+            self.fail(error)
+
+    def fail(self, error: BaseException) -> None:
+        self.failed = f"{type(error).__name__}: {str(error)[:200]}"
+        self.core, self.materialised, self.sketched, self.solved, self.x_grams = {}, [], [], [], {}
+        log.warning("SpectralMonitor: this micro-batch's spectra are dropped (%s); training goes on", self.failed)
+
+
 class _MicroBatch(NamedTuple):
-    capture: BatchCapture
+    capture: _MonitorCapture
     loss_kind: str
     tokens: torch.Tensor  # n_i where scaled; else every token but the first
     responses: torch.Tensor | None  # response targets per sample (None: no labels in the model call)
@@ -252,7 +273,11 @@ class SpectralMonitor:
             rows = self._rows()
             self.summary = _summary(rows, self._targets[self._current.model]) if self._current else {}
             if rows and self.out is not None:
-                self._write(rows)
+                try:
+                    self._write(rows)
+                except OSError as error:  # a full disk must not end the training: the rows are still returned
+                    log.error("SpectralMonitor: step %s's rows not written to %s (%s)", rows[0]["step"], self.out,
+                              error)
             return rows
         finally:
             self._current, self._micro = None, []
@@ -332,9 +357,9 @@ class SpectralMonitor:
             done = sum(len(m.indices) for m in self._micro)
             sample_indices = (self._current.indices[done : done + len(lengths)] + sample_indices)[: len(lengths)]
         model = self._current.model
-        capture = BatchCapture(self._targets[model], layout, self.backend, None,
-                               metric_names(), self._scale(tokens, num_items) if scaled else None,
-                               eager=_checkpointing(model))
+        capture = _MonitorCapture(self._targets[model], layout, self.backend, None,
+                                  metric_names(), self._scale(tokens, num_items) if scaled else None,
+                                  eager=_checkpointing(model))
         self._layer_hooks.enter_context(attached(model, [capture]))
         self._micro.append(_MicroBatch(capture, kind if scaled else UNKNOWN, tokens,
                                        None if labels is None else (own_labels[:, 1:] >= 0).sum(1), scaled,
@@ -353,6 +378,13 @@ class SpectralMonitor:
         micro = self._micro[-1]
         if not micro.scaled or micro.losses:
             return
+        try:
+            self._losses_of(micro, output)
+        except Exception as error:  # noqa: BLE001 - out of memory gathering the logits must not end the step
+            micro.capture.fail(error)
+
+    @staticmethod
+    def _losses_of(micro: _MicroBatch, output: Any) -> None:
         logits, log_probs = getattr(output, "logits", None), getattr(output, "log_probs", None)
         with torch.no_grad():
             if isinstance(logits, torch.Tensor) and logits.shape[:2] == micro.labels.shape:
@@ -389,7 +421,10 @@ class SpectralMonitor:
             capture, tokens = micro.capture, micro.tokens.cpu()
             capture.to_host()
             flags: list[set[str]] = [set() if n > 0 else {"no_loss_tokens"} for n in tokens.tolist()]
-            metrics, _ = capture.reduce(tokens > 0, flags, keep_spectra=False)
+            scored = tokens > 0
+            if capture.failed is not None:  # no part's spectra: NaN, flagged once, not each part as missing
+                flags, scored = [f | {"monitor_failed"} for f in flags], torch.zeros_like(scored)
+            metrics, _ = capture.reduce(scored, flags, keep_spectra=False)
             losses = micro.losses[0].cpu().tolist() if micro.losses else [None] * len(tokens)
             for i in range(len(tokens)):
                 loss = losses[i] if tokens[i] > 0 else None

@@ -382,6 +382,47 @@ def test_a_ddp_wrapped_model_in_a_plain_loop_gives_the_unwrapped_models_rows(tok
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("where", ["hook", "logits"])
+def test_a_fault_in_the_monitor_does_not_end_the_training_step(tokenizer, tmp_path, monkeypatch, where):
+    """Out of GPU memory forming a Gram in a backward hook (or gathering the logits in the forward) drops
+    that micro-batch's spectra, not the user's step: the backward completes, every gradient as without
+    the monitor, the rows say monitor_failed, no hook stays."""
+    from gradspec.engine.capture import BatchCapture
+    from gradspec.training import monitor as monitor_module
+
+    calls = []
+    real = BatchCapture.on_part
+
+    def third_part_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return real(*args, **kwargs)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    if where == "hook":
+        monkeypatch.setattr(BatchCapture, "on_part", third_part_fails)
+    else:
+        monkeypatch.setattr(monitor_module, "sample_losses", out_of_memory)
+    batch = WITCollator(tokenizer)(ROWS[:2])
+    grads = {}
+    for monitored in (True, False):
+        model = tiny_model("llama")
+        if monitored:
+            with SpectralMonitor(every=1, modules="all", out=tmp_path / "m.parquet").step(model):
+                model(**batch).loss.backward()
+        else:
+            model(**batch).loss.backward()
+        grads[monitored] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        assert _hooks(model) == 0
+    assert grads[True].keys() == grads[False].keys()
+    assert all(torch.equal(grads[True][n], grads[False][n]) for n in grads[False])
+    rows = pd.read_parquet(tmp_path / "m.parquet")
+    assert rows["status"].str.contains("monitor_failed").all()
+
+
 def test_a_compiled_model_is_refused_before_its_step(tmp_path):
     """Its graph skips hooks added after compilation: no rows and no warning, or a failure inside the step."""
     model = tiny_model("llama")
