@@ -141,6 +141,8 @@ def test_an_out_of_memory_retry_runs_after_the_failed_pass_is_freed():
     held, alive_at_call = [], []
 
     class Engine:
+        lockstep = None  # not under --fsdp: a batch out of memory is retried in halves
+
         def submit(self, input_ids, attention_mask, labels):
             alive_at_call.append(sum(r() is not None for r in held))
             if input_ids.shape[0] > 1:
@@ -178,3 +180,20 @@ def test_lowrank_method_writes_topk_energy(tmp_path, tiny_model_dir):
     assert df[f"{q}/topk_energy"].between(0, 1 + 1e-9).all()
     _, long = gradspec.read_scores(out)
     assert "topk_energy" in set(long["metric"])
+
+
+def test_under_lockstep_an_out_of_memory_pass_is_not_retried_alone():
+    """Under --fsdp the peers wait in the failed pass's collectives: a retry of halves would cross them."""
+    from gradspec.data.readers import Sample
+    from gradspec.data.templates import Tokenized
+    from gradspec.runs.chunks import submit_with_split
+
+    class Engine:
+        lockstep = object()
+
+        def submit(self, input_ids, attention_mask, labels):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    items = [batching.Item(Sample(i, []), Tokenized([1] * 4, [1] * 4, "ok")) for i in range(2)]
+    with pytest.raises(torch.OutOfMemoryError):
+        submit_with_split(Engine(), items, pad_id=0)
