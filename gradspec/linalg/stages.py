@@ -99,7 +99,7 @@ def chosen_path(stage: str, t: torch.Tensor, policy: Policy, shape: tuple) -> st
 def run(stage: str, t: torch.Tensor, policy: Policy, shape: tuple, calls: dict[str, Callable[[], T]]) -> T:
     """The chosen path's result; where the choice is open (on a GPU, not forced, several paths), through
     the measured dispatch, which measures the candidates first, and again after a failed one's
-    RETRY_AFTER calls. The path taken is recorded in the policy (and so in the run's metadata)."""
+    RETRY_AFTER batches. The path taken is recorded in the policy (and so in the run's metadata)."""
     found = paths(stage, t, policy)
     name = policy.wanted(stage, found)
     if name is None and len(found) > 1 and on_gpu(t):
