@@ -98,6 +98,7 @@ def train(config: TrainConfig) -> Path:
 
     from gradspec.data.models import load_model
     from gradspec.layers.targets import select_targets
+    from gradspec.runs.distributed import bind_device
     from gradspec.training.dynamics import DynamicsCallback
     from gradspec.training.monitor_callback import SpectralMonitorCallback
     from gradspec.training.sftmix import SFTMixTrainer, confidence_halves
@@ -112,7 +113,8 @@ def train(config: TrainConfig) -> Path:
 
         check_covers(read_dynamics(config.reference_dynamics)[0]["index"], [s.index for s in samples],
                      "reference_dynamics", config.reference_dynamics)
-    model, tokenizer = load_model(config.model, config.device)
+    # under torchrun each rank loads onto its own GPU (a bare cuda was GPU 0 for every rank until Trainer moved it)
+    model, tokenizer = load_model(config.model, bind_device(config.device))
     _check_labels(samples, tokenizer, config.template, config.max_length)
     select_targets(model, config.modules)  # the monitor's modules, named now if none matches: not at its first step
     rows = [{"messages": s.messages} for s in samples]

@@ -65,3 +65,19 @@ def test_monitor_modules_that_match_nothing_stop_before_training(data, tiny_mode
     assert main(args) == 2
     assert "no module matches --modules 'zzz'" in capsys.readouterr().err
     assert not (tmp_path / "run" / "model").exists()
+
+
+def test_under_torchrun_each_rank_loads_onto_its_own_device(data, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """A bare --device cuda was GPU 0 for every rank until Trainer moved the model: bound first, as score does."""
+    from gradspec.data import models
+    from gradspec.runs import distributed
+
+    bound, loaded = [], []
+    monkeypatch.setattr(distributed, "bind_device", lambda device: bound.append(device) or "cpu")
+    real = models.load_model
+    monkeypatch.setattr(models, "load_model", lambda name, device, *a, **k: loaded.append(device) or real(name, device,
+                                                                                                         *a, **k))
+    args = ["train", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(tmp_path / "run"),
+            "--modules", "zzz", "--max-steps", "1"]  # stops after loading, before training
+    assert main(args) == 2
+    assert bound == ["cpu"] and loaded == ["cpu"]
