@@ -45,6 +45,13 @@ def _cli(args, patch="", **kwargs):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
 
 
+def _torchrun(*program: str, **kwargs) -> subprocess.Popen:
+    """2 processes under torchrun running program (a script and its arguments, or -m gradspec ...)."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             *program], env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **kwargs)
+
+
 def _finish(proc):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
@@ -141,12 +148,7 @@ def test_shards_then_merge_equal_one_run(tmp_path, tiny_model_dir, data, referen
 
 def test_torchrun_two_processes_equal_one_run(tmp_path, tiny_model_dir, data, reference):
     out = tmp_path / "s.parquet"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-         "-m", "gradspec", *_args(tiny_model_dir, data, out)],
-        env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    printed = _finish(proc)
+    printed = _finish(_torchrun("-m", "gradspec", *_args(tiny_model_dir, data, out)))
     # rank 1 scored half into the parts; rank 0 its half, then merged the file and says what it holds
     assert printed.count(f"wrote 30 rows to {out}.parts") == 1 and f"wrote 60 rows to {out}:" in printed
     _same(out, reference)
@@ -169,12 +171,8 @@ def test_torchrun_fsdp_resumes_a_run_with_two_processes_equal_to_one(tmp_path, t
         "    return read(cls, *args, **kwargs)\n"
         "transformers.AutoModelForCausalLM.from_pretrained = classmethod(from_pretrained)\n"
         "from gradspec.cli import main; sys.exit(main(sys.argv[1:]))\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(launch),
-         *_args(tiny_model_dir, data, out, "--fsdp", "--chunk-rows", "7", "--resume", "--no-merge")],
-        env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )
-    printed = _finish(proc)
+    printed = _finish(_torchrun(str(launch), *_args(tiny_model_dir, data, out, "--fsdp", "--chunk-rows", "7",
+                                                    "--resume", "--no-merge")))
     assert "wrote 14 rows" in printed and "wrote 28 rows" in printed
     assert sorted(p.name for p in tmp_path.glob("read-by-*")) == ["read-by-0"]
     sharding = read_metadata(tmp_path / "s.parquet.parts" / "00000001.parquet")["sharding"]
@@ -210,10 +208,8 @@ def test_torchrun_fsdp_a_rank_failing_inside_a_pass_ends_the_run_not_hangs_it(tm
         "    return forward(self, hidden_states, *args, **kwargs)\n"
         "ml.LlamaDecoderLayer.forward = failing\n"
         "from gradspec.cli import main; sys.exit(main(sys.argv[1:]))\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(launch),
-         *_args(tiny_model_dir, data, tmp_path / "s.parquet", "--fsdp", "--chunk-rows", "7")],
-        env=ONE_THREAD, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = _torchrun(str(launch), *_args(tiny_model_dir, data, tmp_path / "s.parquet", "--fsdp", "--chunk-rows", "7"),
+                     start_new_session=True)
     try:
         _, err = proc.communicate(timeout=120)
     finally:  # a hang leaves the workers waiting in a collective: end them with their launcher
