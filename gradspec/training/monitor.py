@@ -36,7 +36,8 @@ Capture. Hooks are on the model from ``begin`` to ``detach``: through the backwa
 activation checkpointing each module's input is taken from its recomputed forward
 (``gradspec.layers.checkpointing``), and each input's eigen stage runs as soon as the input is
 gone, so the fp64 Grams of about one layer are held, not the whole step's (``eager``: memory is
-what checkpointing buys; without it the eigen stage runs at the step's end). Each grad-enabled
+what checkpointing buys; without it each micro-batch's eigen stage runs when the next forward begins,
+or at the step's end, so one micro-batch's Grams are held at a time). Each grad-enabled
 forward is one micro-batch; its backward
 must run before the next forward under checkpointing. The file is rewritten whole at each step
 (written aside, then renamed): readable whatever stops the run. An exception inside ``step``
@@ -120,6 +121,7 @@ class _MicroBatch(NamedTuple):
     owner: torch.Tensor  # (rows, T): each position's sample (its row, or its packed sequence)
     weights: tuple[float, float] | None  # the loss's (prompt, response) token weights
     losses: list  # [l_i / n_i (N,)] once the forward has returned logits, where scaled
+    reduced: list  # [(metrics, flags)] once its eigen stage has run (its Grams then freed)
 
 
 class _Step(NamedTuple):
@@ -332,6 +334,8 @@ class SpectralMonitor:
             self.abort()
             return (args, kwargs) if headless else None
         self._layer_hooks.close()  # the previous micro-batch's backward has run
+        if self._micro:  # its eigen stage now: one micro-batch's Grams held at a time, not the step's
+            self._reduce(self._micro[-1])
         ids = kwargs.get("input_ids", args[0] if args else None)
         tokens_in = ids if ids is not None else kwargs["inputs_embeds"]
         labels, indices = stash.get("labels"), stash.get("indices")
@@ -363,7 +367,7 @@ class SpectralMonitor:
         self._layer_hooks.enter_context(attached(model, [capture]))
         self._micro.append(_MicroBatch(capture, kind if scaled else UNKNOWN, tokens,
                                        None if labels is None else (own_labels[:, 1:] >= 0).sum(1), scaled,
-                                       sample_indices, labels, owner, weights, []))
+                                       sample_indices, labels, owner, weights, [], []))
         return (args, kwargs) if headless else None
 
     def _call_ends(self, model: nn.Module, args: tuple, output: Any) -> None:
@@ -415,16 +419,26 @@ class SpectralMonitor:
             total = torch.as_tensor(num_items, device=tokens.device).double() / self._current.processes
         return torch.where(tokens > 0, total / tokens.clamp_min(1), 0.0)
 
+    @staticmethod
+    def _reduce(micro: _MicroBatch) -> None:
+        """A micro-batch's eigen stage (once its backward has run), its metrics and flags kept, its Grams freed."""
+        if micro.reduced:
+            return
+        capture, tokens = micro.capture, micro.tokens.cpu()
+        capture.to_host()
+        flags: list[set[str]] = [set() if n > 0 else {"no_loss_tokens"} for n in tokens.tolist()]
+        scored = tokens > 0
+        if capture.failed is not None:  # no part's spectra: NaN, flagged once, not each part as missing
+            flags, scored = [f | {"monitor_failed"} for f in flags], torch.zeros_like(scored)
+        metrics, _ = capture.reduce(scored, flags, keep_spectra=False)
+        capture.release()
+        micro.reduced.append((metrics, flags))
+
     def _rows(self) -> list[dict[str, Any]]:
         rows, names = [], metric_names()
         for micro_batch, micro in enumerate(self._micro):
-            capture, tokens = micro.capture, micro.tokens.cpu()
-            capture.to_host()
-            flags: list[set[str]] = [set() if n > 0 else {"no_loss_tokens"} for n in tokens.tolist()]
-            scored = tokens > 0
-            if capture.failed is not None:  # no part's spectra: NaN, flagged once, not each part as missing
-                flags, scored = [f | {"monitor_failed"} for f in flags], torch.zeros_like(scored)
-            metrics, _ = capture.reduce(scored, flags, keep_spectra=False)
+            self._reduce(micro)
+            (metrics, flags), capture, tokens = micro.reduced[0], micro.capture, micro.tokens.cpu()
             losses = micro.losses[0].cpu().tolist() if micro.losses else [None] * len(tokens)
             for i in range(len(tokens)):
                 loss = losses[i] if tokens[i] > 0 else None

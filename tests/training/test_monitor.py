@@ -360,6 +360,22 @@ def test_a_plain_loop_s_rows_equal_gradspec_score(tokenizer, tmp_path):
     assert _hooks(model) == 0
 
 
+def test_an_accumulated_micro_batch_s_grams_are_freed_when_the_next_forward_begins(tokenizer, tmp_path):
+    """Without checkpointing the eigen stage ran at the step's end, so every micro-batch's fp64 Grams stayed
+    on the device through the step (tens of GB at 7B shapes): each is reduced when the next forward begins."""
+    model = tiny_model("llama")
+    monitor = SpectralMonitor(every=1, modules="all", out=tmp_path / "m.parquet")
+    batch = WITCollator(tokenizer)(ROWS)
+    held = []
+    with monitor.step(model, accumulation=2):
+        for half in (slice(0, 2), slice(2, 4)):
+            (model(**{k: v[half] for k, v in batch.items()}).loss / 2).backward()
+            held.append([bool(m.capture.core or m.capture.materialised) for m in monitor._micro])
+    assert held == [[True], [False, True]]
+    rows = pd.read_parquet(tmp_path / "m.parquet")
+    assert len(rows) == 4 and (rows["status"] == "ok").all()
+
+
 def test_a_ddp_wrapped_model_in_a_plain_loop_gives_the_unwrapped_models_rows(tokenizer, tmp_path):
     """DDP calls its module with the batch; the wrapper has neither the model's loss nor its config (rows
     were unscaled, loss_kind unknown, every column prefixed module.)."""
