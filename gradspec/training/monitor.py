@@ -81,6 +81,7 @@ from gradspec.runs.score_files import atomic_write, column, metric_columns
 from gradspec.training.wit import PROMPT_OFFSET, WITLoss
 
 log = logging.getLogger("gradspec")
+COMPILED = "SpectralMonitor cannot hook a torch.compile'd model (its graph skips hooks added later)"
 UNKNOWN = "unknown"
 COLUMN_TYPES = {  # the rest are metrics, float64
     "step": pa.int64(), "micro_batch": pa.int64(), "row": pa.int64(), "sample_index": pa.int64(), "loss": pa.float64(),
@@ -106,7 +107,8 @@ class _MonitorCapture(BatchCapture):
 
     def fail(self, error: BaseException) -> None:
         self.failed = f"{type(error).__name__}: {str(error)[:200]}"
-        self.core, self.materialised, self.sketched, self.solved, self.x_grams = {}, [], [], [], {}
+        self.release()
+        self.x_grams = {}
         log.warning("SpectralMonitor: this micro-batch's spectra are dropped (%s); training goes on", self.failed)
 
 
@@ -470,8 +472,7 @@ def monitored_model(model: nn.Module) -> nn.Module:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         model = model.module
     if hasattr(model, "_orig_mod") or getattr(model, "_compiled_call_impl", None) is not None:
-        raise ValueError("SpectralMonitor cannot hook a torch.compile'd model (its graph skips hooks added later): "
-                         "monitor the model uncompiled (Trainer: torch_compile=False)")
+        raise ValueError(f"{COMPILED}: monitor the model uncompiled (Trainer: torch_compile=False)")
     return model
 
 

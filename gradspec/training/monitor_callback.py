@@ -16,7 +16,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from gradspec.training.monitor import SpectralMonitor
+from gradspec.training.monitor import COMPILED, SpectralMonitor
 
 
 class SpectralMonitorCallback(TrainerCallback):
@@ -122,5 +122,4 @@ def refuse_unmonitorable(args) -> None:
         raise ValueError("SpectralMonitor hooks one model copy: DataParallel (n_gpu > 1) is not supported; "
                          "run one process per device (torchrun)")
     if getattr(args, "torch_compile", False):
-        raise ValueError("SpectralMonitor cannot hook a torch.compile'd model (its graph skips hooks added later): "
-                         "train with torch_compile=False to monitor it")
+        raise ValueError(f"{COMPILED}: train with torch_compile=False to monitor it")
