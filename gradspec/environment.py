@@ -34,6 +34,21 @@ def cpu(cpuinfo: str = "/proc/cpuinfo") -> dict[str, Any]:
     return {"model": fields.get("model name"), "avx512": "avx512f" in flags, "amx": "amx_tile" in flags}
 
 
+def numerics(device: str, batch_tokens: int) -> dict[str, Any]:
+    """What decides a run's last bits beside its config: torch's version and intra-op threads (how its
+    GEMMs split their sums), the CPU (the kernels torch and MKL pick for it), the GPU, and the batch
+    size in tokens (a GEMM's shape picks its kernel). The same config under other numerics gives rows
+    that differ in the last bits, so a run records them and a resume or a joining shard must match
+    them (gradspec.runs.run_folder)."""
+    import torch
+
+    found = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu().get("model"),
+             "batch_tokens": batch_tokens}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        found["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return found
+
+
 def environment() -> dict[str, Any]:
     """The paths, devices, threads and versions, as plain values.
 

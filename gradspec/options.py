@@ -77,6 +77,8 @@ class Option:
         convert: instead of the kind's check: takes (name, value), returns the value kept.
         group: the field holds a dataclass of options: on the command line its own options' flags.
         python_flat: a group that Python callers also give option by option (split=, not hub=).
+        from_file: whether a --config file may give it; False for what decides which code runs or what
+            is deleted (trust_remote_code, overwrite): a file is data, never authority.
     """
 
     help: str = ""
@@ -90,6 +92,7 @@ class Option:
     convert: Callable[[str, Any], Any] | None = None
     group: bool = False
     python_flat: bool = False
+    from_file: bool = True
 
 
 def option(default: Any, help: str = "", **what: Any) -> Any:

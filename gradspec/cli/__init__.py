@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from types import ModuleType
 from typing import NoReturn
 
@@ -90,7 +93,39 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"gradspec: error: {message}; see {self.prog} -h\n")
 
 
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a scheduler's or torchrun's stop) ends the command as Ctrl-C does, through its
+    finally blocks: temporaries removed, locks released, nothing left half-written. Only where the
+    signal has its default action (a program that calls main keeps its own handler), and only while
+    main runs."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _terminated(signum: int, frame: object) -> NoReturn:
+    raise KeyboardInterrupt("terminated")
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        with _sigterm_as_interrupt():
+            return _main(argv)
+    except KeyboardInterrupt as e:  # one line, not a traceback
+        stopped = "terminated" if e.args == ("terminated",) else "interrupted"
+        print(f"gradspec: {stopped} (a scoring run keeps the parts it finished: the same command with --resume "
+              "continues it)", file=sys.stderr)
+        return 143 if stopped == "terminated" else 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = _Parser(
         prog="gradspec", description="Score SFT data by the singular-value spectra of per-sample layer-wise gradients.")
     sub = parser.add_subparsers(dest="command", required=True)

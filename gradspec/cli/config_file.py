@@ -1,6 +1,10 @@
 """`--config FILE`: a command's options from a YAML or JSON file (keys are the flags' names, with or
 without the dashes), or a run's own record: a run folder's manifest.json or a score file (whose
-metadata holds the same) replays that run. Flags given on the command line override the file."""
+metadata holds the same) replays that run. Flags given on the command line override the file.
+
+A file is data, never authority: it sets what a run computes and how, never where the output goes
+or what runs code or deletes (--out, --overwrite, --trust-remote-code: the command line's alone),
+since a run's record can be crafted, and replaying one is what the docs teach."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gradspec.cli.options import run_flags
+from gradspec.options import declared
 
 
 def run_options(config: Any, recorded: Collection[str]) -> dict[str, Any]:
@@ -82,6 +87,10 @@ def config_values(path: str | Path, parser: argparse.ArgumentParser, command: st
     for key, value in raw.items():
         name = str(key).lstrip("-").replace("-", "_")
         action = by_dest.get(name) or by_flag.get(name)
+        if action is not None and action.dest in _command_line_only():
+            raise ValueError(f"--config {path}: {key!r} is taken from the command line only, never from a file "
+                             f"(a file sets what a run computes, not where it writes, what it deletes or what code "
+                             f"it runs): drop it from the file and pass {action.option_strings[0]} if you mean it")
         if action is None:
             hint = " (this run's record is another command's: replay it with that one)" if is_run else ""
             raise ValueError(f"--config {path}: {key!r} is not an option of gradspec {command}{hint}")
@@ -90,6 +99,13 @@ def config_values(path: str | Path, parser: argparse.ArgumentParser, command: st
         if not (is_run and value == action.default):  # a run's record gives only what differs from the defaults
             values[action.dest] = value
     return values
+
+
+def _command_line_only() -> set[str]:
+    """The dests no file may give: the output, and the options declared from_file=False."""
+    from gradspec.runs.config import RunSettings, ScoreConfig
+
+    return {"out"} | {d.name for cls in (ScoreConfig, RunSettings) for d in declared(cls) if not d.option.from_file}
 
 
 def _value(action: argparse.Action, value: Any, where: str, as_flag: bool) -> Any:

@@ -21,6 +21,9 @@ def run(args: argparse.Namespace) -> int:
     if Path(args.out).suffix != ".parquet":
         raise ValueError(f"--out {args.out}: pass the .parquet --out the run was given")
     folder = RunFolder(args.out)
+    if folder.tidy_merged():
+        print(f"{args.out}: already merged (removed the parts a stopped merge left)")
+        return 0
     manifest = folder.manifest()
     if manifest is None:
         if Path(args.out).is_file():

@@ -57,8 +57,11 @@ def run(args: argparse.Namespace) -> int:
     config = ScoreConfig(**options_from_args(ScoreConfig, args))
     refuse_unused_options(args, config.spectra, config.project)
     settings = RunSettings(**options_from_args(RunSettings, args))
+    finished = settings.resume and Path(args.out).is_file()  # a resume of a finished run does nothing (else refused)
     statuses = run_scoring(config, args.out, **asdict(settings), shard=args.shard, merge=args.merge)
     folder = RunFolder(args.out)
+    if finished:
+        print(f"{args.out} was already complete: nothing to resume")
     # merged: the file is there and no part is left (a folder kept for files the run did not write aside)
     if Path(args.out).exists() and not any(folder.path.glob("*.parquet")):
         print(run_summary(args.out))

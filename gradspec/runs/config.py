@@ -172,8 +172,10 @@ class ScoreConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RunSettings:
-    """How a run goes, not what it computes: none of these changes a row (a run resumes under
-    other settings). Options like ScoreConfig's (gradspec.options)."""
+    """How a run goes, not what it computes: none of these changes what a row means (a run resumes
+    under other settings), though the device and the batch size change its last bits (recorded as
+    the run's numerics: docs/runs-at-scale.md#what-is-bit-identical). Options like ScoreConfig's
+    (gradspec.options)."""
 
     device: str = device_option()
     device_map: str | None = option(None, "one process, the model's layers spread over every visible GPU (then "
@@ -191,8 +193,9 @@ class RunSettings:
                            "without .parquet>.errors.jsonl (skip); numeric problems are always flagged, never fatal",
                            choices=ON_ERROR)
     resume: bool = option(False, "continue an interrupted run of the same config", kind="bool")
-    overwrite: bool = option(False, "replace the output file (and an unfinished run of it) if it exists", kind="bool")
-    trust_remote_code: bool = option(False, "run code shipped with the model", kind="bool")
+    overwrite: bool = option(False, "replace the output file (and an unfinished run of it) if it exists", kind="bool",
+                             from_file=False)
+    trust_remote_code: bool = option(False, "run code shipped with the model", kind="bool", from_file=False)
     progress: bool = option(True, "show a progress bar", kind="bool", flag="--quiet", flag_help="no progress bar")
 
     def __post_init__(self) -> None:

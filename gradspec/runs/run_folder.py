@@ -10,8 +10,13 @@ Each part records its run's config fingerprint (config_fingerprint: a hash of th
 which holds a fingerprint of the model's files beside their resolved folder, recorded but not
 compared) and the rows it holds (part: chunk, first_row, last_row). A resume and a merge refuse a
 part of another config or of other rows, naming it and what differs, and merging checks that the
-parts cover the run's rows exactly once; a part that cannot be read is named, and a resume moves it
-to <out>.damaged/ and scores its chunk again. Merging deletes the parts it merged and nothing else.
+parts cover the run's rows exactly once. Each part has a SHA-256 of its bytes beside it, written
+after it: a part that cannot be read, or whose bytes do not match (or that has none: its write was
+cut short), is damaged; a resume moves it to <out>.damaged/ and scores its chunk again, and a merge
+refuses it. Merging deletes the parts it merged and nothing else; a merge killed after its file was
+in place leaves parts that the next command on the run removes (the file's fingerprint is theirs).
+An --overwrite deletes only what gradspec writes in the folder (parts, checksums, manifest, locks,
+temporaries), and no run folder is followed through a symbolic link.
 
 Each process holds a lock file for the chunks it scores: run.lock for a whole run (one process,
 torchrun's rank 0 for all its ranks, a merge), shard-I-of-N.lock for --shard I/N. A lock refuses
@@ -23,6 +28,7 @@ its host, or, seen from another host, not refreshed for LOCK_STALE_S) is taken o
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
@@ -51,12 +57,13 @@ log = logging.getLogger("gradspec")
 CHUNK_ROWS = 1024  # input rows per part: the most a kill can cost per process
 INPUT_ERROR = "input_error"
 MODEL_IDENTITY = ("model_path", "model_fingerprint")  # the model a run's config names, as found on disk
-# Recorded, not compared: the same files elsewhere (another node's copy, another working folder) are the same
-# model; named beside a model_fingerprint that differs
-_RECORDED = ("model_path",)
+# The model's names, recorded and compared only where its fingerprint is not known: the same files under
+# another name (./m for m, an absolute path, another node's copy) are the same model
+_RECORDED = ("model_path", "model")
 # The input files' sizes: recorded, warned about when they change, not refused: fixing a malformed
 # row (docs/inputs.md) changes its file, and the parts written before that row stay valid.
 _INPUT_SIZES = ("data_bytes", "task_bytes")
+NUMERICS = "numerics"  # in the manifest: what the rows' last bits depend on beside the config (environment.numerics)
 FINGERPRINT = "config_fingerprint"  # in each part's metadata (and the merged file's): the run's config, hashed
 PART = "part"  # in each part's metadata: {"chunk", "first_row", "last_row"}
 LOCK_BEAT_S = 30.0  # a lock's owner refreshes its file's time this often
@@ -66,7 +73,9 @@ _INPUT_END = "input_end.json"  # {"rows": n}: the input (a stream shorter than t
 _SHARDS = "shards"  # the manifest's record of how many --shard processes split the run
 _WHOLE = "run.lock"
 _SHARD_LOCK = re.compile(r"shard-(\d+)-of-(\d+)\.lock")
-_TEMPORARY = re.compile(r"(\d{8}\.parquet|manifest\.json|.+\.lock)\.(tmp|stale)\d+")  # a killed write's leftovers
+_DIGEST = ".sha256"  # beside each part (NNNNNNNN.parquet.sha256): the SHA-256 of its bytes, in hex
+_OURS = re.compile(r"(\d{8}\.parquet(\.sha256)?|manifest\.json|input_end\.json)")  # the files a run writes here
+_TEMPORARY = re.compile(r"(\d{8}\.parquet(\.sha256)?|manifest\.json|input_end\.json|.+\.lock)\.(tmp|stale)\d+")
 _MODEL_SUFFIXES = {".json", ".safetensors", ".bin", ".pt", ".pth", ".model", ".txt", ".gguf", ".py", ".tiktoken"}
 _SAMPLE = 1 << 16  # bytes read at each of a model file's start, middle and end for its fingerprint
 
@@ -103,8 +112,10 @@ class RunLocked(FileExistsError):
 
 
 def config_fingerprint(config: dict[str, Any]) -> str:
-    """The run's config (a manifest, less its shard count and where the model lies) hashed: 16 hex digits."""
-    body = {k: v for k, v in config.items() if k not in (_SHARDS, *_RECORDED, *_INPUT_SIZES)}
+    """The run's config (a manifest, less its shard count, its input files' sizes and the model's
+    names where its fingerprint is known) hashed: 16 hex digits."""
+    names = _RECORDED if config.get("model_fingerprint") is not None else ("model_path",)
+    body = {k: v for k, v in config.items() if k not in (_SHARDS, *names, *_INPUT_SIZES)}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -192,34 +203,54 @@ class RunFolder:
             return set()
         return {int(p.stem) for p in self.path.glob("*.parquet") if p.stem.isdigit()}
 
-    def manifest(self) -> dict[str, Any] | None:
+    def manifest(self, damaged_ok: bool = False) -> dict[str, Any] | None:
+        """The run's manifest (None: none yet). A damaged one (a write cut short by a full disk, say)
+        is refused, or read as none with damaged_ok (a resume writes it again: the parts are checked
+        against the run's config by their own fingerprints, so none is lost)."""
+        path = self.path / _MANIFEST
         try:
-            return json.loads((self.path / _MANIFEST).read_text())
+            manifest = json.loads(path.read_text())
+            if isinstance(manifest, dict):
+                return manifest
+            why = f"a JSON {type(manifest).__name__}, not a mapping"
         except FileNotFoundError:
             return None
-        except json.JSONDecodeError as e:
-            raise OptionError((), f"{self.path / _MANIFEST}: not a run's manifest ({e.msg}, line {e.lineno}); the "
-                              f"run folder is damaged: {mention('overwrite')} starts the run again") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            why = f"{e.msg}, line {e.lineno}" if isinstance(e, json.JSONDecodeError) else str(e)
+        if damaged_ok:
+            log.warning("%s: damaged (%s); written again from this run's config, its parts kept where their "
+                        "fingerprints are this run's", path, why)
+            return None
+        raise OptionError((), f"{path}: not a run's manifest ({why}); the run's parts are intact: pass "
+                          f"{mention('resume')} to continue it (the parts of this config are kept, the manifest "
+                          "written again)")
 
     def check(self, config: dict[str, Any], resume: bool, overwrite: bool, shards: int = 1,
               shard: Shard | None = None, unknown: tuple[str, ...] = (), member: bool = False) -> None:
-        """start's refusals, changing nothing: run before anything slow is loaded. shards: how many
-        independent processes (--shard i/N) share the folder; 1 for one process or torchrun. shard:
-        this process's chunks (None: all). unknown: keys of config not known yet (the model's identity
-        before it is on this machine), not compared; the parts are then left to start. member: the locks
-        and the parts are not checked here (a torchrun rank other than 0: rank 0 holds the lock and checks
-        the parts; or start, which does both itself)."""
+        """start's refusals, run before anything slow is loaded; changes nothing but the leftovers of
+        a merge killed after its file was in place (tidy_merged). shards: how many independent
+        processes (--shard i/N) share the folder; 1 for one process or torchrun. shard: this process's
+        chunks (None: all). unknown: keys of config not known yet (the model's identity before it is on
+        this machine), not compared; the parts are then left to start. member: the locks and the parts
+        are not checked here (a torchrun rank other than 0: rank 0 holds the lock and checks the parts;
+        or start, which does both itself)."""
+        self._refuse_links()
         if not member:
             self._refuse_live_owner(Shard() if overwrite or shard is None else shard)
+        self.tidy_merged()
         if overwrite:
             return
         if self.out.exists():
+            differences = self._out_differences(config, unknown) if resume else []
+            if differences:
+                raise OptionExists((), f"{self.out} is complete, but of another config: " + "; ".join(differences)
+                                   + f"; {mention('overwrite')} scores it again with this one")
             if resume:
                 raise OptionExists((), f"{self.out} is already complete: nothing to resume ({mention('overwrite')} "
                                    "scores it again)")
             raise OptionExists((), f"{self.out} exists; pass {mention('overwrite')} or choose another "
                                f"{mention('out')}")
-        old = self.manifest()
+        old = self.manifest(damaged_ok=resume)
         if old is not None:
             if not resume and shards == 1:
                 raise OptionExists((), f"{self.path} holds an unfinished run ({len(self.done())} parts "
@@ -233,6 +264,46 @@ class RunFolder:
         if not member and not unknown:
             self._vet(config)
 
+    def complete(self, config: dict[str, Any], unknown: tuple[str, ...] = ()) -> bool:
+        """Whether out is already this run's merged file (a --resume of it has nothing left to do):
+        its recorded config is this one (less the keys unknown yet). What a merge stopped after its
+        file was in place left behind is removed (tidy_merged)."""
+        if not self.out.is_file() or self._out_differences(config, unknown):
+            return False
+        self.tidy_merged()
+        return True
+
+    def _out_differences(self, config: dict[str, Any], unknown: tuple[str, ...]) -> list[str]:
+        try:
+            recorded = json.loads((pq.read_schema(self.out).metadata or {}).get(METADATA_KEY, b"{}"))
+        except (pa.ArrowException, OSError, ValueError) as e:
+            return [f"not a score file gradspec wrote ({' '.join(str(e).split())})"]
+        config = _as_json(config)
+        keys = set(config) - set(unknown) - {NUMERICS}  # a finished file is this run's whatever threads made it
+        return _differences(recorded, config, keys, "in the file", "now") if isinstance(recorded, dict) else \
+            ["its gradspec metadata is not a mapping"]
+
+    def tidy_merged(self) -> bool:
+        """Removes what a merge killed after its file was in place left behind (the parts it merged,
+        their checksums, the manifest; nothing else), so that the run reads as finished; returns
+        whether there was any. Only where out's recorded fingerprint is the manifest's."""
+        if not self.out.is_file() or not self.path.is_dir() or self.path.is_symlink():
+            return False
+        manifest = self.manifest(damaged_ok=True)
+        try:
+            merged = json.loads((pq.read_schema(self.out).metadata or {}).get(METADATA_KEY, b"{}"))
+        except (pa.ArrowException, OSError, ValueError):
+            return False
+        if manifest is None or not isinstance(merged, dict) or \
+                merged.get(FINGERPRINT) != config_fingerprint({k: v for k, v in manifest.items() if k != _SHARDS}):
+            return False
+        self._refuse_live_owner(Shard())
+        self._clear()
+        with suppress(OSError):
+            self.path.rmdir()
+        log.warning("%s: removed the parts of %s, which a merge stopped before it removed them", self.path, self.out)
+        return True
+
     def start(self, config: dict[str, Any], resume: bool, overwrite: bool, shards: int = 1, *,
               records: int | None = None, shard: Shard | None = None, member: bool = False) -> bool:
         """Takes this process's lock, creates the folder for this config or checks an existing one
@@ -242,7 +313,7 @@ class RunFolder:
         either by a shard of a run split the same way (shards); a different config is always refused,
         and so is a part of another config or of other rows. records: the rows of the run (None: the
         parts' rows are not checked). shard: this process's chunks (None: all); a part of them that
-        cannot be read is moved to damaged_path, to be scored again. member: a torchrun rank other
+        is damaged is moved to damaged_path, to be scored again. member: a torchrun rank other
         than 0, which takes no lock and leaves the parts to rank 0. The caller releases the lock
         (release), also when this raises.
         """
@@ -253,22 +324,26 @@ class RunFolder:
             self._clear()
             self.out.unlink(missing_ok=True)
             self.errors_path.unlink(missing_ok=True)
+        if not member and shard.count == 1:  # a whole run's lock: no other process writes the output
+            self._remove_output_temporaries()
         self.check(config, resume, False, shards, shard, member=True)  # the lock is checked above
         if not member:
             self._vet(config, records, shard)  # before a manifest is written: a refused run leaves none
         config = _as_json(config)
         self._fingerprint = config_fingerprint(config)
-        if self.manifest() is None:
+        if self.manifest(damaged_ok=resume) is None:
             self.path.mkdir(parents=True, exist_ok=True)
+            if resume:
+                (self.path / _MANIFEST).unlink(missing_ok=True)  # a damaged one (manifest): written again
             tmp = self.path / f"{_MANIFEST}.tmp{os.getpid()}"
-            tmp.write_text(json.dumps({**config, _SHARDS: shards}, indent=1))
             try:
+                tmp.write_text(json.dumps({**config, _SHARDS: shards}, indent=1))
                 os.link(tmp, self.path / _MANIFEST)  # fails if another shard got there first
                 return True
             except FileExistsError:
                 self._same_config(self.manifest(), config)
             finally:
-                tmp.unlink()
+                tmp.unlink(missing_ok=True)
         return False
 
     def _same_config(self, old: dict[str, Any], config: dict[str, Any], unknown: tuple[str, ...] = ()) -> None:
@@ -279,6 +354,10 @@ class RunFolder:
                             "(a fixed row, say), the rest is scored from the file as it is now", self.path, k,
                             old.get(k), config.get(k))
         differences = _differences(old, config, (set(old) | set(config)) - set(unknown), "in the run", "now")
+        if differences and differences == _differences(old, config, {NUMERICS}, "in the run", "now"):
+            raise OptionError((), f"cannot continue the run in {self.path} bit for bit: " + differences[0] + "; "
+                              + _match(old.get(NUMERICS), config.get(NUMERICS)) + f", or pass {mention('overwrite')} "
+                              "to start again")
         if differences:
             raise OptionError((), f"cannot continue the run in {self.path}, its config differs: "
                               + "; ".join(differences) + f"; pass {mention('overwrite')} to start again with the "
@@ -306,7 +385,8 @@ class RunFolder:
         chunks = None if records is None or chunk_rows is None else math.ceil(records / chunk_rows)
         problems = []
         for chunk in sorted(self.done()):
-            why = self._part_problem(chunk, fingerprint, config, records, chunk_rows)
+            why = self._part_problem(chunk, fingerprint, config, records, chunk_rows,
+                                     verify=shard is not None and shard.owns(chunk))
             if why is None:
                 continue
             if why.startswith("damaged"):
@@ -322,9 +402,10 @@ class RunFolder:
                               f"again) or pass {mention('overwrite')} to start again")
 
     def _part_problem(self, chunk: int, fingerprint: str, config: dict[str, Any], records: int | None,
-                      chunk_rows: int | None) -> str | None:
-        """Why a part is not this run's (damaged: it cannot be read), or None. records, chunk_rows: the
-        run's rows and chunk size (either None: the part's rows are not checked)."""
+                      chunk_rows: int | None, verify: bool = False) -> str | None:
+        """Why a part is not this run's (damaged: it cannot be read; with verify, also its bytes are not
+        those written), or None. records, chunk_rows: the run's rows and chunk size (either None: the
+        part's rows are not checked)."""
         path = self.part(chunk)
         try:
             footer = pq.read_metadata(path)
@@ -341,18 +422,20 @@ class RunFolder:
             differences = _differences(meta, config, set(config), "in the part", "in the run")
             return "its config differs: " + ("; ".join(differences) or
                                              f"fingerprint {meta[FINGERPRINT]} in the part, {fingerprint} in the run")
-        if records is None or chunk_rows is None:
-            return None
-        chunks = math.ceil(records / chunk_rows)
-        if chunk >= chunks:
-            return f"chunk {chunk}, but the run has {chunks} chunks ({records} rows, {chunk_rows} a chunk)"
-        first, last = chunk * chunk_rows, min((chunk + 1) * chunk_rows, records) - 1
-        held = meta.get(PART) or {}
-        got = held.get("chunk"), held.get("first_row"), held.get("last_row"), footer.num_rows
-        if got != (chunk, first, last, last - first + 1):
-            return (f"it holds rows {got[1]}-{got[2]} of chunk {got[0]} ({got[3]} rows), but chunk {chunk} of "
-                    f"the run is rows {first}-{last}")
-        return None
+        if records is not None and chunk_rows is not None:
+            chunks = math.ceil(records / chunk_rows)
+            if chunk >= chunks:
+                return f"chunk {chunk}, but the run has {chunks} chunks ({records} rows, {chunk_rows} a chunk)"
+            first, last = chunk * chunk_rows, min((chunk + 1) * chunk_rows, records) - 1
+            held = meta.get(PART) or {}
+            got = held.get("chunk"), held.get("first_row"), held.get("last_row"), footer.num_rows
+            if got != (chunk, first, last, last - first + 1):
+                return (f"it holds rows {got[1]}-{got[2]} of chunk {got[0]} ({got[3]} rows), but chunk {chunk} of "
+                        f"the run is rows {first}-{last}")
+        try:  # last: a part of another run is named as such, not as damaged
+            return self._digest_problem(chunk) if verify else None
+        except FileNotFoundError:
+            return None  # moved aside by its owner meanwhile
 
     def _move_aside(self, chunk: int) -> Path | None:
         self.damaged_path.mkdir(exist_ok=True)
@@ -364,6 +447,8 @@ class RunFolder:
             os.rename(self.part(chunk), self.damaged_path / name)
         except FileNotFoundError:
             return None
+        with suppress(FileNotFoundError):
+            os.rename(self._digest(chunk), self.damaged_path / (name + _DIGEST))
         return self.damaged_path / name
 
     def write_part(self, chunk: int, rows: list[dict[str, Any]], metadata: dict[str, Any]) -> None:
@@ -378,6 +463,23 @@ class RunFolder:
             self._fingerprint = config_fingerprint(self.manifest() or {})
         held = {"chunk": chunk, "first_row": rows[0]["index"], "last_row": rows[-1]["index"]}
         write_parquet(table, self.part(chunk), {**metadata, FINGERPRINT: self._fingerprint, PART: held})
+        digest = _sha256(self.part(chunk))  # after the part: a part without one is a write cut short
+        atomic_write(self._digest(chunk), lambda f: f.write(digest.encode()))
+
+    def _digest(self, chunk: int) -> Path:
+        return self.path / f"{chunk:08d}.parquet{_DIGEST}"
+
+    def _digest_problem(self, chunk: int) -> str | None:
+        """Why a part's bytes are not those written (damaged: ...), or None."""
+        try:
+            expected = self._digest(chunk).read_text().strip()
+        except FileNotFoundError:
+            return "damaged, no checksum beside it (its write was stopped, or an earlier gradspec wrote it)"
+        except (OSError, UnicodeDecodeError) as e:
+            return f"damaged, its checksum cannot be read ({e})"
+        if _sha256(self.part(chunk)) != expected:
+            return "damaged, its bytes differ from those written (checksum mismatch)"
+        return None
 
     def merge(self, records: int, chunk_rows: int) -> int:
         """Writes all parts into the output file (and the skipped rows into the errors file), then
@@ -388,15 +490,10 @@ class RunFolder:
         if self._lock is None:
             self.acquire(Shard(), whole=True)
         try:
+            self._remove_output_temporaries()
             parts = self._mergeable(self._rows(records), chunk_rows)
             rows = self._write_merged(parts, chunk_rows)
-            for p in parts:
-                p.unlink()
-            (self.path / _MANIFEST).unlink(missing_ok=True)
-            (self.path / _INPUT_END).unlink(missing_ok=True)
-            for p in self.path.iterdir():  # a killed write's temporaries: no live process writes here
-                if _TEMPORARY.fullmatch(p.name) and p.is_file():
-                    p.unlink(missing_ok=True)
+            self._clear()  # the parts merged, their checksums, the manifest, killed writes' temporaries
         finally:
             self.release()  # the run is over (or refused): its lock goes, and the folder if it is empty
         if self.path.exists():
@@ -417,7 +514,8 @@ class RunFolder:
         config = {k: v for k, v in manifest.items() if k != _SHARDS}
         fingerprint = config_fingerprint(config)
         problems = [f"{self.part(c).name}: {why}" for c in sorted(done)
-                    if (why := self._part_problem(c, fingerprint, config, records, chunk_rows)) is not None]
+                    if (why := self._part_problem(c, fingerprint, config, records, chunk_rows, verify=True))
+                    is not None]
         if problems:
             damaged = any("damaged" in p for p in problems)
             raise OptionError((), f"cannot merge {self.path}, nothing was written or deleted: " + "; ".join(problems)
@@ -472,6 +570,7 @@ class RunFolder:
         holds an overlapping lock; an overlapping lock whose owner is gone is taken over, with a warning."""
         if self._lock is not None:
             return
+        self._refuse_links()
         path = self.path / (_WHOLE if shard.count == 1 else f"shard-{shard.index}-of-{shard.count}.lock")
         text = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), **_machine(),
                            "started": _process_start(os.getpid()), "shard": f"{shard.index}/{shard.count}",
@@ -559,15 +658,35 @@ class RunFolder:
                 f"for it to finish or stop it, then run again{hint}")
 
     def _clear(self) -> None:
-        """Everything in the folder but this process's lock and the locks of live processes."""
+        """What gradspec wrote in the folder (parts, checksums, manifest, temporaries, the locks of
+        processes that are gone), but this process's lock: a user's own files there are kept."""
         own = None if self._lock is None else self._lock.path
-        for p in list(self.path.iterdir()) if self.path.is_dir() else []:
-            if p == own or (_lock_shard(p) is not None and (text := _read(p)) is not None and _alive(text, p)):
+        entries = list(self.path.iterdir()) if self.path.is_dir() and not self.path.is_symlink() else []
+        # The manifest last: until it goes, tidy_merged recognises what is left as the merged run's
+        for p in sorted(entries, key=lambda p: p.name == _MANIFEST):
+            lock = _lock_shard(p) is not None
+            if p == own or (lock and (text := _read(p)) is not None and _alive(text, p)):
                 continue
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p, ignore_errors=True)
-            else:
+            if (lock or _OURS.fullmatch(p.name) or _TEMPORARY.fullmatch(p.name)) and not p.is_dir():
                 p.unlink(missing_ok=True)
+
+    def _refuse_links(self) -> None:
+        """The run folder and the damaged parts' folder are real folders: gradspec deletes in them,
+        and a link would lead it into someone else's."""
+        for path in (self.path, self.damaged_path):
+            if path.is_symlink():
+                raise OptionError((), f"{path}: a symbolic link; gradspec writes and deletes in its run folders and "
+                                  "follows no link to them: remove the link (what it points to is left as it is) "
+                                  f"or choose another {mention('out')}")
+
+    def _remove_output_temporaries(self) -> None:
+        """The temporaries of the output and errors files that a killed merge left (atomic_write's
+        <name>.tmp<pid>): called under a whole run's lock, so no live process is writing them."""
+        for target in (self.out, self.errors_path):
+            for p in target.parent.glob(f"{glob.escape(target.name)}.tmp*"):
+                if re.fullmatch(re.escape(target.name) + r"\.tmp\d+", p.name) and p.is_file():
+                    p.unlink(missing_ok=True)
+                    log.warning("removed %s, left by a merge that was stopped while writing it", p)
 
 
 def _as_json(config: dict[str, Any]) -> dict[str, Any]:
@@ -578,15 +697,33 @@ def _as_json(config: dict[str, Any]) -> dict[str, Any]:
 def _differences(recorded: dict[str, Any], config: dict[str, Any], keys: set[str], where: str, here: str) -> list[str]:
     """'key: value where, value here' for each of keys whose value differs between a recorded config
     and this one, less what a run may change (its shard count, its input files' sizes) and the model's
-    folder while its fingerprint is the same; each key mentioned (an OptionError names it as its
+    names while its fingerprint is the same; each key mentioned (an OptionError names it as its
     caller does: --target on the command line for the record's task)."""
     return [f"{mention(k)}: {recorded.get(k)!r} {where}, {config.get(k)!r} {here}"
             for k in sorted(keys - {_SHARDS, *_INPUT_SIZES}) if recorded.get(k) != config.get(k)
             and (k not in _RECORDED or _other_model(recorded, config))]
 
 
+def _match(recorded: Any, now: Any) -> str:
+    """How to continue a run under the numerics it recorded (what its rows' last bits depend on)."""
+    recorded, now = recorded if isinstance(recorded, dict) else {}, now if isinstance(now, dict) else {}
+    ways = []
+    for key in sorted(k for k in set(recorded) | set(now) if recorded.get(k) != now.get(k)):
+        value = recorded.get(key)
+        if key == "threads":
+            ways.append(f"its parts were computed with {value} thread{'s' * (value != 1)} (torchrun sets "
+                        f"OMP_NUM_THREADS=1): run with OMP_NUM_THREADS={value}")
+        elif key == "batch_tokens":
+            ways.append(f"its parts were cut into batches of at most {value} tokens: pass "
+                        f"{mention('batch_tokens')} {value}")
+        else:
+            ways.append(f"it ran with {key} {value!r}: continue it with the same")
+    return "; ".join(ways) + " to continue it"
+
+
 def _other_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a.get("model_fingerprint") != b.get("model_fingerprint")
+    """Whether two records may name other models: their fingerprints differ, or one is not known."""
+    return a.get("model_fingerprint") is None or a.get("model_fingerprint") != b.get("model_fingerprint")
 
 
 def _parts(problems: list[str]) -> str:
@@ -677,6 +814,14 @@ def _beat(lock: _Lock) -> None:
             os.utime(lock.path)
         except OSError:
             return
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _merged_metadata(parts: list[Path]) -> dict[str, Any]:

@@ -75,6 +75,13 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:  # a full disk says only "[Errno 28] No space left on device": name the file
+        tmp.unlink(missing_ok=True)
+        if e.filename is not None:
+            raise
+        if e.errno:
+            raise OSError(e.errno, f"{os.strerror(e.errno)} (writing it)", str(path)) from e
+        raise OSError(f"{path}: {' '.join(str(e).split())} (writing it)") from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

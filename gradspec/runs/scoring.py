@@ -4,11 +4,14 @@ metadata, the chunk loop (gradspec.runs.chunks) into the folder's parts, and the
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
+
+import pyarrow.parquet as pq
 
 from gradspec.data.batching import BATCH_TOKENS, batch_tokens_for
 from gradspec.data.errors import OptionInputError, check_parquet_out, check_writable
@@ -16,14 +19,17 @@ from gradspec.data.hub import loaded_once
 from gradspec.data.models import DEFAULT_MODEL, input_device, load_model, placement
 from gradspec.data.readers import InputError, count_records, read_samples
 from gradspec.engine.spectral_engine import SpectralEngine
+from gradspec.environment import numerics
 from gradspec.options import OptionError, mention
 from gradspec.runs.chunks import score_samples
 from gradspec.runs.config import ScoreConfig, check_settings
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
 from gradspec.runs.fsdp import load_sharded, lockstep_engine
-from gradspec.runs.run_folder import MODEL_IDENTITY, RunFolder, Shard, model_identity
+from gradspec.runs.run_folder import MODEL_IDENTITY, NUMERICS, RunFolder, Shard, model_identity
 from gradspec.runs.score_files import file_metadata
 from gradspec.runs.task_set import task_batches
+
+log = logging.getLogger("gradspec")
 
 
 def load_engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: bool,
@@ -72,7 +78,10 @@ def run(
     mine = ranks or shard or Shard()
     check_settings(config, device, device_map)
     batch_tokens = batch_tokens or batch_tokens_for(device, device_map)
-    identity = _check_out(config, out, ranks, mine, resume, overwrite)
+    identity, complete = _check_out(config, out, ranks, mine, resume, overwrite, device, batch_tokens)
+    if complete:  # resumed after its merge: nothing left to do
+        log.info("%s is already complete: nothing to resume", out)
+        return Counter(pq.read_table(out, columns=["status"])["status"].to_pylist())
     records = _check_input(config, on_error)
     with Group(collectives=fsdp and device.startswith("cuda")) if ranks else nullcontext() as group:
         # A torchrun rank makes its own GPU current before anything touches CUDA (bind_device)
@@ -80,7 +89,7 @@ def run(
         engine, tokenizer, sharding = load_engine(config, device, backend, trust_remote_code, batch_tokens, progress,
                                                   device_map, fsdp)
         folder = RunFolder(out)
-        info = _run_info(config, group, identity)
+        info = _run_info(config, group, identity, device, batch_tokens)
         try:  # the lock this process takes in the run folder is released however the run ends, errors included
             created = _start_folder(folder, info, group, mine, resume, overwrite, records)
             wanted, total = _chunks_to_score(config, mine, folder.done(), records)
@@ -114,21 +123,25 @@ def _refuse_combinations(config: ScoreConfig, ranks: Shard | None, shard: Shard 
 
 
 def _check_out(config: ScoreConfig, out: str | Path, ranks: Shard | None, mine: Shard, resume: bool,
-               overwrite: bool) -> dict[str, Any] | None:
+               overwrite: bool, device: str, batch_tokens: int) -> tuple[dict[str, Any] | None, bool]:
     """An --out in the way, before the model loads (rank 0 checks for torchrun). Returns the model's
     identity as found on disk (its folder, a fingerprint of its files), not as named: None until it
-    is on this machine (a Hub id not in the cache yet), then taken after it loads."""
+    is on this machine (a Hub id not in the cache yet), then taken after it loads; and whether a
+    resume finds out already complete (every rank sees the same file)."""
     if resume and overwrite:
         raise OptionError(("resume", "overwrite"), ": the first continues a run, the second starts it again; "
                           "pass one of them")
     check_parquet_out(out)
     check_writable(out)
     identity = model_identity(config.model) if ranks is None or mine.index == 0 else None
+    info = {**config.describe(), **(identity or {}), NUMERICS: numerics(device, batch_tokens)}
+    unknown = () if identity else MODEL_IDENTITY
+    if resume and RunFolder(out).complete(info, unknown):
+        return identity, True
     if ranks is None or mine.index == 0:
-        RunFolder(out).check({**config.describe(), **(identity or {})}, resume, overwrite,
-                             shards=1 if ranks else mine.count, shard=None if ranks else mine,
-                             unknown=() if identity else MODEL_IDENTITY)
-    return identity
+        RunFolder(out).check(info, resume, overwrite, shards=1 if ranks else mine.count,
+                             shard=None if ranks else mine, unknown=unknown)
+    return identity, False
 
 
 def _check_input(config: ScoreConfig, on_error: str) -> int:
@@ -146,12 +159,13 @@ def _check_input(config: ScoreConfig, on_error: str) -> int:
     return records
 
 
-def _run_info(config: ScoreConfig, group: Group | None, identity: dict[str, Any] | None) -> dict[str, Any]:
-    """The run's description (config and model identity), the same in every rank's parts."""
+def _run_info(config: ScoreConfig, group: Group | None, identity: dict[str, Any] | None,
+              device: str, batch_tokens: int) -> dict[str, Any]:
+    """The run's description (config, model identity, numerics), the same in every rank's parts."""
     if group is None or group.rank == 0:  # torchrun's other ranks take rank 0's
         identity = identity or model_identity(config.model) or \
             {"model_path": config.model or DEFAULT_MODEL, "model_fingerprint": None}
-    info = {**config.describe(), **(identity or {})}
+    info = {**config.describe(), **(identity or {}), NUMERICS: numerics(device, batch_tokens)}
     if group is not None:
         info = group.share(info)  # one description of the run, in every rank's parts
     return info

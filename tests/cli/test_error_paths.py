@@ -183,8 +183,11 @@ def test_a_projection_larger_than_the_gradient(capsys, run, tiny_model_dir):
 def test_resume_and_replay_say_what_to_do(capsys, run, tiny_model_dir):
     out = run / "s.parquet"
     common = ["--model", tiny_model_dir, "--data", run / "d.jsonl", "--quiet"]
-    assert _error(capsys, "score", *common, "--out", out, "--resume") == \
-        f"{out} is already complete: nothing to resume (--overwrite scores it again)"
+    assert main(["score", *map(str, common), "--out", str(out), "--resume"]) == 0  # finished: nothing to do
+    assert capsys.readouterr().out.startswith(f"{out} was already complete: nothing to resume\nwrote 4 rows to {out}")
+    assert _error(capsys, "score", *common, "--out", out, "--resume", "--max-length", "64") == \
+        f"{out} is complete, but of another config: --max-length: 2048 in the file, 64 now; --overwrite scores it " \
+        "again with this one"
     assert main(["score", *map(str, common), "--out", str(run / "p.parquet"), "--no-merge"]) == 0
     err = _error(capsys, "score", *common, "--out", run / "p.parquet", "--resume", "--max-length", "64")
     assert err.startswith(f"cannot continue the run in {run / 'p.parquet.parts'}, its config differs: --max-length: "
@@ -372,8 +375,9 @@ def test_a_damaged_run_folder_and_a_failed_shard(capsys, tmp_path, run, tiny_mod
     (tmp_path / "s.parquet.parts").mkdir()
     (tmp_path / "s.parquet.parts" / "manifest.json").write_text("junk")
     assert _error(capsys, "merge", "--out", out) == \
-        (f"{tmp_path / 's.parquet.parts' / 'manifest.json'}: not a run's manifest (Expecting value, line 1); the run "
-         "folder is damaged: --overwrite starts the run again")
+        (f"{tmp_path / 's.parquet.parts' / 'manifest.json'}: not a run's manifest (Expecting value, line 1); the run's "
+         "parts are intact: pass --resume to continue it (the parts of this config are kept, the manifest written "
+         "again)")
     common = ["score", "--model", tiny_model_dir, "--data", run / "d.jsonl", "--out", tmp_path / "f.parquet",
               "--shard", "0/2", "--quiet"]
     assert _error(capsys, *common, "--max-length", "1") == \

@@ -7,6 +7,7 @@ Every run is a real `gradspec score` (in this process, or in a subprocess where 
 alive or die meanwhile); rows are compared with an uninterrupted run, table for table.
 """
 
+import errno
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
+import gradspec
 from gradspec.cli import main
 from gradspec.runs import run_folder
 
@@ -80,8 +82,9 @@ def _error(capsys):
     return capsys.readouterr().err.strip().removeprefix("gradspec: error: ")
 
 
-def _files(folder):
-    return sorted(p.name for p in folder.iterdir())
+def _files(folder, checksums=False):
+    """The folder's files (without the parts' checksums unless asked)."""
+    return sorted(p.name for p in folder.iterdir() if checksums or not p.name.endswith(".sha256"))
 
 
 def _cli(args, patch=""):
@@ -271,12 +274,9 @@ def test_the_lock_is_released_however_a_run_ends(tmp_path, tiny_model_dir, data,
         real(self, chunk, rows, metadata)
 
     monkeypatch.setattr(run_folder.RunFolder, "write_part", write_part)
-    if stop is KeyboardInterrupt:
-        with pytest.raises(KeyboardInterrupt):
-            main(_args(tiny_model_dir, data, out))
-    else:
-        assert main(_args(tiny_model_dir, data, out)) == 2
-    assert _files(parts) == ["00000000.parquet", "00000001.parquet", "manifest.json"]
+    assert main(_args(tiny_model_dir, data, out)) == (130 if stop is KeyboardInterrupt else 2)
+    assert _files(parts, checksums=True) == ["00000000.parquet", "00000000.parquet.sha256", "00000001.parquet",
+                                             "00000001.parquet.sha256", "manifest.json"]
     for thread in threading.enumerate():
         if thread.name == "gradspec-lock":
             thread.join(timeout=5)
@@ -324,3 +324,190 @@ def test_a_killed_run_leaves_a_stale_lock_that_resume_takes_over(tmp_path, tiny_
     assert resumed.returncode == 0, err[-3000:]
     assert f"took over {parts}: its lock run.lock was left by pid {proc.pid} on host {socket.gethostname()}" in err
     _same(out, reference)
+
+
+def _flip_a_bit(path, at):
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def test_a_part_whose_bytes_changed_is_scored_again_never_merged(tmp_path, tiny_model_dir, data, reference, capsys):
+    """A bit flipped in a part's data (the kind a Parquet reader does not notice: a float's low bit)
+    or a part without its checksum (its write cut short) is damaged: merge refuses it, --resume
+    moves it aside and scores its chunk again."""
+    out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
+    assert main(_args(tiny_model_dir, data, out, "--no-merge")) == 0
+    part = parts / "00000001.parquet"
+    _flip_a_bit(part, 200)  # inside the first column chunk's values
+    pq.read_table(part)  # still reads
+    (parts / "00000004.parquet.sha256").unlink()
+    capsys.readouterr()
+    assert main(["merge", "--out", str(out)]) == 2
+    err = _error(capsys)
+    assert "00000001.parquet: damaged, its bytes differ from those written (checksum mismatch)" in err
+    assert "00000004.parquet: damaged, no checksum beside it" in err and not out.exists()
+    assert main(_args(tiny_model_dir, data, out, "--resume")) == 0
+    assert _files(tmp_path / "s.parquet.damaged", checksums=True) == ["00000001.parquet", "00000001.parquet.sha256",
+                                                                      "00000004.parquet"]
+    _same(out, reference)
+
+
+def test_a_model_is_the_same_however_its_path_is_typed(tmp_path, tiny_model_dir, data, reference, monkeypatch):
+    """models/tiny, ./models/tiny and its absolute path are one model: a resume under any of them continues."""
+    shutil.copytree(tiny_model_dir, tmp_path / "models" / "tiny")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "s.parquet"
+    assert main(_args("models/tiny", data, out, "--shard", "0/3")) == 0
+    assert main(_args("./models/tiny", data, out, "--shard", "1/3")) == 0
+    assert main(_args(str(tmp_path / "models" / "tiny"), data, out, "--resume")) == 0
+    assert pq.read_table(out).equals(reference)  # the rows; the metadata records the name first typed
+    assert gradspec.read_metadata(out)["model"] == "models/tiny"
+
+
+def test_a_resume_under_other_threads_is_refused_with_the_way_to_continue(tmp_path, tiny_model_dir, data, reference,
+                                                                          capsys):
+    """The rows' last bits depend on torch's thread count: a run begun with one thread (as torchrun's
+    ranks run) is not continued by two, which would write parts that differ from its own."""
+    out = tmp_path / "s.parquet"
+    assert main(_args(tiny_model_dir, data, out, "--shard", "0/2")) == 0
+    torch.set_num_threads(2)
+    try:
+        capsys.readouterr()
+        assert main(_args(tiny_model_dir, data, out, "--resume")) == 2
+    finally:
+        torch.set_num_threads(1)
+    err = _error(capsys)
+    assert err.startswith(f"cannot continue the run in {tmp_path / 's.parquet.parts'} bit for bit: numerics: ")
+    assert "its parts were computed with 1 thread (torchrun sets OMP_NUM_THREADS=1): run with OMP_NUM_THREADS=1 " \
+           "to continue it, or pass --overwrite to start again" in err
+    assert main(_args(tiny_model_dir, data, out, "--resume")) == 0
+    _same(out, reference)
+    assert json.loads(pq.read_schema(out).metadata[b"gradspec"])["numerics"]["threads"] == 1
+
+
+def _merge_stopped_after_its_file(monkeypatch, deleted: int):
+    """merge stopped (a kill) after its file is in place, having deleted `deleted` of the parts."""
+    real = run_folder.RunFolder._clear
+
+    def clear(self):
+        if self.out.exists():
+            for p in sorted(self.path.glob("*.parquet"))[:deleted]:
+                p.unlink()
+            raise KeyboardInterrupt
+        real(self)
+
+    monkeypatch.setattr(run_folder.RunFolder, "_clear", clear)
+
+
+@pytest.mark.parametrize("then", ["resume", "merge", "score"])
+def test_a_merge_stopped_after_its_file_is_finished_by_the_next_command(tmp_path, tiny_model_dir, data, reference,
+                                                                      monkeypatch, capsys, then):
+    out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
+    assert main(_args(tiny_model_dir, data, out, "--no-merge")) == 0
+    (parts / "notes.txt").write_text("mine")
+    with monkeypatch.context() as patched:
+        _merge_stopped_after_its_file(patched, deleted=2)
+        assert main(["merge", "--out", str(out)]) == 130
+    assert (parts / "manifest.json").exists() and len(list(parts.glob("*.parquet"))) == 4
+    capsys.readouterr()
+    if then == "resume":  # a finished run resumed: nothing to do, and it says so
+        assert main(_args(tiny_model_dir, data, out, "--resume")) == 0
+        assert "rows" in capsys.readouterr().out
+    elif then == "merge":
+        assert main(["merge", "--out", str(out)]) == 0
+        assert capsys.readouterr().out.strip() == f"{out}: already merged (removed the parts a stopped merge left)"
+    else:  # a new run into it is refused as for any finished file
+        assert main(_args(tiny_model_dir, data, out)) == 2
+        assert _error(capsys) == f"{out} exists; pass --overwrite or choose another --out"
+    _same(out, reference)
+    assert _files(parts) == ["notes.txt"]
+
+
+def test_a_merge_killed_while_writing_leaves_no_temporary(tmp_path, tiny_model_dir, data, reference):
+    out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
+    assert main(_args(tiny_model_dir, data, out, "--no-merge")) == 0
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    halfway = ("import os, time, gradspec.runs.run_folder as rf; real = rf._conform\n"  # holds after the first part
+               "def _conform(table, schema):\n"
+               f"    if os.path.exists({str(ready)!r}):\n"
+               f"        while not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+               f"    open({str(ready)!r}, 'w').close()\n"
+               "    return real(table, schema)\n"
+               "rf._conform = _conform")
+    merging = _cli(["merge", "--out", str(out)], halfway)
+    while not ready.exists():
+        assert merging.poll() is None, merging.communicate()[1][-3000:]
+        time.sleep(0.05)
+    time.sleep(0.5)
+    merging.send_signal(signal.SIGKILL)
+    merging.wait()
+    assert [p.name for p in tmp_path.glob("s.parquet.tmp*")] == [f"s.parquet.tmp{merging.pid}"]
+    assert main(["merge", "--out", str(out)]) == 0
+    _same(out, reference)
+    assert not list(tmp_path.glob("s.parquet.tmp*")) and not parts.exists()
+
+
+def test_sigterm_ends_a_run_as_ctrl_c_does(tmp_path, tiny_model_dir, data, reference):
+    """A scheduler's SIGTERM: one line, exit 143, the lock released and no temporary left; --resume continues."""
+    out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    proc = _cli(_args(tiny_model_dir, data, out), WAIT_AT_CHUNK_2.format(ready=str(ready), go=str(go)))
+    while not ready.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("gradspec: terminated (a scoring run keeps the parts it finished: the same "
+                                            "command with --resume continues it)")
+    assert _files(parts, checksums=True) == ["00000000.parquet", "00000000.parquet.sha256", "00000001.parquet",
+                                             "00000001.parquet.sha256", "manifest.json"]
+    assert main(_args(tiny_model_dir, data, out, "--resume")) == 0
+    _same(out, reference)
+
+
+def test_a_damaged_manifest_is_written_again_by_resume(tmp_path, tiny_model_dir, data, reference, capsys):
+    out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
+    assert main(_args(tiny_model_dir, data, out, "--shard", "0/2")) == 0
+    manifest = (parts / "manifest.json").read_text()
+    (parts / "manifest.json").write_text(manifest[: len(manifest) // 2])  # a write cut short
+    capsys.readouterr()
+    assert main(_args(tiny_model_dir, data, out)) == 2
+    err = _error(capsys)
+    assert err.startswith(f"{parts / 'manifest.json'}: not a run's manifest (")
+    assert err.endswith("the run's parts are intact: pass --resume to continue it (the parts of this config are "
+                        "kept, the manifest written again)")
+    assert main(_args(tiny_model_dir, data, out, "--resume")) == 0
+    _same(out, reference)
+
+
+def test_a_full_disk_is_named_and_leaves_no_temporary(tmp_path, tiny_model_dir, data, monkeypatch, capsys):
+    out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
+    real = run_folder.Path.write_text
+
+    def write_text(self, text, *args, **kwargs):
+        if self.name.startswith("manifest.json.tmp"):
+            real(self, "", *args, **kwargs)  # the file made, nothing fits in it
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(run_folder.Path, "write_text", write_text)
+    assert main(_args(tiny_model_dir, data, out)) == 2
+    assert not parts.exists()  # nothing left: no zero-byte manifest temporary, no lock
+    monkeypatch.undo()
+    real_open = open
+
+    def full(path, mode="r", *args, **kwargs):
+        f = real_open(path, mode, *args, **kwargs)
+        if "w" in mode and ".parquet.tmp" in str(path) and "00000002" in str(path):
+            f.close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return f
+
+    monkeypatch.setattr("gradspec.runs.score_files.open", full, raising=False)
+    capsys.readouterr()
+    assert main(_args(tiny_model_dir, data, out)) == 2
+    assert _error(capsys) == f"[Errno 28] No space left on device (writing it): '{parts / '00000002.parquet'}'"
+    assert _files(parts, checksums=True) == ["00000000.parquet", "00000000.parquet.sha256", "00000001.parquet",
+                                             "00000001.parquet.sha256", "manifest.json"]
