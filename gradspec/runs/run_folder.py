@@ -35,7 +35,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import socket
 import threading
 import time
@@ -547,20 +546,21 @@ class RunFolder:
                     writer.write_table(table)
                     rows += table.num_rows
                     errors.extend(_error_lines(table))
+            if errors:  # before the output is renamed into place: once it is, the parts may go
+                atomic_write(self.errors_path, lambda e: e.write("".join(errors).encode()))
 
         atomic_write(self.out, write)  # streamed part by part: the parts need not fit in memory together
-        if errors:
-            atomic_write(self.errors_path, lambda f: f.write("".join(errors).encode()))
         return rows
 
     def abandon(self) -> None:
-        """After a failure before any part was written: removes the folder this process started, so
-        the corrected command starts afresh; kept if it holds a part or another process's lock."""
+        """After a failure before any part was written: removes what this process started in the
+        folder (and the folder, if that leaves it empty), so the corrected command starts afresh;
+        kept if it holds a part or another process's lock. A user's own files there stay."""
         own = None if self._lock is None else self._lock.path
         if self.done() or any(p != own for p in self._lock_files()):
             return
+        self._clear()
         self.release()
-        shutil.rmtree(self.path, ignore_errors=True)
 
     # Locks.
 

@@ -120,8 +120,11 @@ def test_overwrite_deletes_only_what_gradspec_wrote(tmp_path, tiny_model_dir, da
     out, parts = tmp_path / "o.parquet", tmp_path / "o.parquet.parts"
     args = ["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--quiet",
             "--chunk-rows", "1"]
-    assert main([*args, "--no-merge", "--limit", "2"]) == 0
+    parts.mkdir()
     (parts / "notes.txt").write_text("mine")
+    assert main([*args, "--max-length", "1"]) == 2  # refused after the folder was started: what it wrote goes
+    assert sorted(p.name for p in parts.iterdir()) == ["notes.txt"]
+    assert main([*args, "--no-merge", "--limit", "2"]) == 0
     (parts / "plots").mkdir()
     (parts / "plots" / "a.png").write_bytes(b"png")
     assert main([*args, "--overwrite"]) == 0

@@ -511,3 +511,26 @@ def test_a_full_disk_is_named_and_leaves_no_temporary(tmp_path, tiny_model_dir, 
     assert _error(capsys) == f"[Errno 28] No space left on device (writing it): '{parts / '00000002.parquet'}'"
     assert _files(parts, checksums=True) == ["00000000.parquet", "00000000.parquet.sha256", "00000001.parquet",
                                              "00000001.parquet.sha256", "manifest.json"]
+
+
+def test_a_merge_stopped_before_its_file_is_in_place_loses_no_skipped_row(tmp_path, tiny_model_dir, data,
+                                                                          monkeypatch):
+    """The skipped rows' file is written before the output is renamed into place: once the output is
+    there, the next command may remove the parts, and with them the only other record of those rows."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(data.read_text() + '{"instruction": "no output"}\n')
+    out = tmp_path / "s.parquet"
+    assert main(_args(tiny_model_dir, bad, out, "--no-merge", "--on-error", "skip")) == 0
+    real = run_folder.atomic_write
+
+    def atomic_write(path, write):
+        if path == out.with_suffix(".errors.jsonl"):
+            raise KeyboardInterrupt
+        real(path, write)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(run_folder, "atomic_write", atomic_write)
+        assert main(["merge", "--out", str(out)]) == 130
+    assert not out.exists()
+    assert main(["merge", "--out", str(out)]) == 0
+    assert json.loads(out.with_suffix(".errors.jsonl").read_text())["index"] == ROWS
