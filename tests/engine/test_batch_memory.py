@@ -64,7 +64,9 @@ def test_batches_fit_the_memory_model_and_a_sample_too_large_runs_alone():
 
 def test_score_plans_batches_within_the_memory_available_and_rows_do_not_change(monkeypatch, tokenizer):
     """With little memory available, score's batches shrink to the plan (the engine sees only batches that
-    fit it) and every row equals the one with memory to spare."""
+    fit it) and every row equals the one with memory to spare, but for the last bits a batch's shape
+    decides (docs/runs-at-scale.md#what-is-bit-identical: 3e-9 relative on a 2-core AMD EPYC, none on
+    the Xeon)."""
     samples = [Sample(i, [{"role": "user", "content": "word " * (3 + i)}, {"role": "assistant", "content": "ok " * 9}],
                       {}) for i in range(12)]
 
@@ -89,7 +91,7 @@ def test_score_plans_batches_within_the_memory_available_and_rows_do_not_change(
     for a, b in zip(rows, roomy, strict=True):
         assert a.keys() == b.keys()
         for key in a:
-            assert a[key] == (b[key] if isinstance(b[key], str) else pytest.approx(b[key], rel=1e-9, nan_ok=True)), key
+            assert a[key] == (b[key] if isinstance(b[key], str) else pytest.approx(b[key], rel=1e-7, nan_ok=True)), key
 
 
 def test_the_plan_stands_aside_for_a_model_on_several_devices_or_in_lockstep():
