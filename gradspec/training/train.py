@@ -4,6 +4,7 @@ sftmix), the live spectral monitor and the training dynamics; saves the model an
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from collections import Counter
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ log = logging.getLogger("gradspec")
 
 LOSSES = ("ntp", "wit", "sftmix")
 OUTPUTS = ("model", "dynamics.parquet", "monitor.parquet")  # what a run writes into --out
+MODEL = OUTPUTS[0]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,8 +150,7 @@ def train(config: TrainConfig) -> Path:
             else:
                 path.unlink(missing_ok=True)
     trainer.train()
-    trainer.save_model(str(out / "model"))
-    tokenizer.save_pretrained(str(out / "model"))
+    _save_model(trainer, tokenizer, out / MODEL)
     return out
 
 
@@ -172,3 +173,25 @@ def _check_labels(samples: list[Sample], tokenizer, template: str, max_length: i
     if missing:
         log.warning("%d of %d samples have no response tokens to train on (%s); dynamics.parquet flags them",
                     sum(missing.values()), len(samples), ", ".join(f"{s} {n}" for s, n in sorted(missing.items())))
+
+
+def _save_model(trainer, tokenizer, path: Path) -> None:
+    """The trained model and its tokenizer at path, whole or not at all: written into a temporary folder
+    beside it (path.tmp), renamed into place once complete. A failed write (a full disk) leaves no path
+    and an OSError naming it; the run's other outputs, written before, stay."""
+    from safetensors import SafetensorError
+
+    partial = path.with_name(f"{path.name}.tmp")
+    try:
+        trainer.save_model(str(partial))  # on every rank: a model sharded at load is gathered across them
+        if trainer.args.should_save:
+            tokenizer.save_pretrained(str(partial))
+            os.replace(partial, path)
+    except BaseException as error:
+        if trainer.args.should_save:
+            shutil.rmtree(partial, ignore_errors=True)
+        if not isinstance(error, (OSError, RuntimeError, SafetensorError)):  # what a failed write raises
+            raise
+        kept = [name for name in OUTPUTS if (path.parent / name).exists()]
+        raise OSError(f"{path}: {getattr(error, 'strerror', None) or error}; the model is not saved"
+                      + (f" ({', '.join(kept)} kept)" if kept else "")) from error

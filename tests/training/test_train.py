@@ -1,8 +1,11 @@
+import errno
 import json
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from gradspec.cli import main
 from gradspec.training.dynamics import read_dynamics
@@ -81,3 +84,36 @@ def test_under_torchrun_each_rank_loads_onto_its_own_device(data, tiny_model_dir
             "--modules", "zzz", "--max-steps", "1"]  # stops after loading, before training
     assert main(args) == 2
     assert bound == ["cpu"] and loaded == ["cpu"]
+
+
+SAFETENSORS_FULL = "Error while serializing: I/O error: No space left on device (os error 28)"
+# A full disk as the model's weights are written, and what the error then says of it
+FULL = {"OSError": (OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
+        "safetensors": (SafetensorError(SAFETENSORS_FULL), SAFETENSORS_FULL)}
+
+
+@pytest.mark.parametrize("raised", FULL)
+def test_a_save_on_a_full_disk_leaves_no_model_folder_and_keeps_the_rest(raised, data, tiny_model_dir, tmp_path,
+                                                                          monkeypatch, capsys):
+    """save_model wrote config.json, then failed on the weights: a model/ folder of config.json alone, as
+    if saved. Nothing is at model/ now, the error names it, and what the run computed before is kept.
+    safetensors reports a full disk with its own SafetensorError, not an OSError."""
+    import transformers.modeling_utils
+
+    error, reason = FULL[raised]
+
+    def full(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"half a model")
+        raise error
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    out = tmp_path / "run"
+    args = ["train", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--epochs", "2",
+            "--batch-size", "2", "--monitor-every", "2"]
+    assert main(args) == 2
+    said = f"gradspec: error: {out / 'model'}: {reason}; the model is not saved " \
+        "(dynamics.parquet, monitor.parquet kept)"
+    assert said in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["dynamics.parquet", "monitor.parquet"]
+    assert read_dynamics(out / "dynamics.parquet")[0]["index"].tolist() == list(range(8))
+    assert pd.read_parquet(out / "monitor.parquet")["step"].unique().tolist() == [2, 4, 6, 8]
