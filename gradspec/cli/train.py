@@ -15,11 +15,11 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradspec.training.train import train
+    from gradspec.training.train import run_files, train
 
     refuse_unused(args, ("prompt_weight", "response_weight"), args.loss == "wit", "without --loss wit")
-    out = train(TrainConfig(**options_from_args(TrainConfig, args)))
-    written = [str(out / name) for name in ("model", "dynamics.parquet", "monitor.parquet") if (out / name).exists()]
-    print(f"wrote {', '.join(written)}" + ("" if (out / "monitor.parquet").exists() else
-                                            " (no monitor.parquet: fewer steps than --monitor-every)"))
+    written = run_files(train(TrainConfig(**options_from_args(TrainConfig, args))))
+    monitored = any(p.name.startswith("monitor") for p in written)  # monitor.parquet, or one per rank
+    print(f"wrote {', '.join(map(str, written))}" + ("" if monitored else
+                                                     " (no monitor.parquet: fewer steps than --monitor-every)"))
     return 0

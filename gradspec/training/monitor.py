@@ -227,11 +227,12 @@ class SpectralMonitor:
 
     def begin(self, model: nn.Module, step: int, accumulation: int = 1, processes: int = 1,
               num_items_in_batch: torch.Tensor | int | None = None, indices: Sequence[int] | None = None,
-              loss_known: bool = True, most: int | None = None) -> None:
-        """Hooks on the model: each grad-enabled forward from now on is a captured micro-batch.
-        loss_known=False: the trainer's loss is not the model's (rows unscaled, loss_kind unknown).
-        most: the micro-batches a step has at most; a forward beyond them means the step was left
-        by an exception the caller could not see (a trainer's backward): the hooks come off then.
+              loss_known: bool = True, most: int | None = None, attach: bool = True) -> None:
+        """A monitored step begins; hooks on the model: each grad-enabled forward from now on is a
+        captured micro-batch. loss_known=False: the trainer's loss is not the model's (rows unscaled,
+        loss_kind unknown). most: the micro-batches a step has at most; a forward beyond them means
+        the step was left by an exception the caller could not see (a trainer's backward): the hooks
+        come off then. attach=False: no hook yet; ``hooked`` puts them on around each micro-batch.
 
         Args:
             model: The model the loop calls, as for step.
@@ -242,6 +243,7 @@ class SpectralMonitor:
             indices: As for step.
             loss_known: False where the trainer's loss is not the model's.
             most: The step's micro-batches at most; None: no limit.
+            attach: False: the hooks go on only inside ``hooked`` (a trainer's guarded training step).
         """
         self.abort()
         model = monitored_model(model)
@@ -251,6 +253,34 @@ class SpectralMonitor:
             self._targets[model] = select_targets(model, self.modules)
         self._current = _Step(step, model, accumulation, processes, num_items_in_batch,
                               None if indices is None else [int(i) for i in indices], loss_known, most)
+        if attach:
+            self._attach()
+
+    @contextmanager
+    def hooked(self) -> Iterator[None]:
+        """The current step's hooks on the model inside the block alone (a trainer's training step: one
+        micro-batch's forward and backward), off however the block is left, so that no exception the
+        trainer keeps from its callbacks leaves them on; an exception also drops the step. Outside a
+        monitored step: nothing.
+
+        Yields:
+            Nothing: the micro-batch's forward and backward run inside.
+        """
+        if self._current is None:
+            yield
+            return
+        if not self._handles:
+            self._attach()
+        try:
+            yield
+        except BaseException:
+            self.abort()
+            raise
+        self.detach()  # its backward has run; its captures are kept for end()
+
+    def _attach(self) -> None:
+        """The current step's own hooks on its model (and base model): micro-batches start from them."""
+        model = self._current.model
         base = getattr(model, "base_model", model)
         self._handles = [model.register_forward_hook(self._call_ends, always_call=True),
                          base.register_forward_pre_hook(self._forward_begins, with_kwargs=True)]

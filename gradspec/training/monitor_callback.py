@@ -2,21 +2,31 @@
 loop-independent monitor (gradspec.training.monitor), which holds what a row means.
 
 A monitored step is one whose number (1, 2, ...) is a multiple of ``every``, so rows land on the
-steps Trainer logs at with ``logging_steps = every``. Hooks go on at the step's start and off
-before the optimizer step (the backward is done); its rows are written at the step's end and their
-per-role means added to the log record of that step. A step left by an exception Trainer does not
-report (in its backward) keeps its hooks until the next grad-enabled forward, which removes them.
-DataParallel is refused at ``on_train_begin``. Packed and padding-free batches (TRL's ``packing``,
-``padding_free``; DataCollatorWithFlattening) give one row per packed sequence.
+steps Trainer logs at with ``logging_steps = every``. Trainer reports no exception to its callbacks
+(no on_train_end when train() raises), so the hooks are on the model only inside Trainer's
+``training_step`` (one micro-batch's forward and backward), which the callback wraps on the Trainer
+that runs it: however the step is left (its loss or backward raising, KeyboardInterrupt), the model
+is left as it was found. Where no Trainer runs the callback (a loop calling its events), hooks go on
+at the step's start and off before the optimizer step, and a step left by an exception keeps them
+until the next grad-enabled forward, which removes them. A step's rows are written at its end and
+their per-role means added to the log record of that step. DataParallel is refused at
+``on_train_begin``. Packed and padding-free batches (TRL's ``packing``, ``padding_free``;
+DataCollatorWithFlattening) give one row per packed sequence.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback
 
 from gradspec.training.monitor import COMPILED, SpectralMonitor
+
+if TYPE_CHECKING:
+    from transformers import Trainer
 
 
 class SpectralMonitorCallback(TrainerCallback):
@@ -37,9 +47,11 @@ class SpectralMonitorCallback(TrainerCallback):
                  backend: str = "auto", overwrite: bool = False, index_column: str | None = "sample_index") -> None:
         self.monitor = SpectralMonitor(every, modules, out, backend, overwrite, index_column)
         self.pending_logs: dict[str, float] = {}
+        self.guarded = False  # whether the running Trainer's training_step puts the hooks on (_guard_training_step)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        """A new run: a new file; refuses DataParallel; reads the accumulation, processes and loss type.
+        """A new run: a new file; refuses DataParallel; reads the accumulation, processes and loss type;
+        wraps the running Trainer's training_step (_guard_training_step).
 
         Args:
             args: Trainer's TrainingArguments.
@@ -54,9 +66,13 @@ class SpectralMonitorCallback(TrainerCallback):
         self.processes = args.world_size if getattr(args, "average_tokens_across_devices", False) else 1
         # TRL's loss_type other than nll (dft, ...) weighs tokens as the model's loss does not
         self.loss_known = getattr(args, "loss_type", "nll") in ("nll", None)
+        trainer = _running_trainer(self)
+        self.guarded = trainer is not None
+        if trainer is not None:
+            _guard_training_step(trainer, self.monitor)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        """Hooks on where the step about to run is monitored.
+        """A monitored step begins: its hooks go on in each guarded training_step (else now).
 
         Args:
             args: Trainer's TrainingArguments (unused).
@@ -66,7 +82,7 @@ class SpectralMonitorCallback(TrainerCallback):
         step = state.global_step + 1
         if self.monitor.wants(step):
             self.monitor.begin(self.model, step, self.accumulation, self.processes, loss_known=self.loss_known,
-                               most=self.accumulation)
+                               most=self.accumulation, attach=not self.guarded)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         """Hooks off: every micro-batch's backward has run.
@@ -114,6 +130,47 @@ class SpectralMonitorCallback(TrainerCallback):
             control: Trainer's TrainerControl (unused).
         """
         self.monitor.close()
+
+
+def _guard_training_step(trainer: Trainer, monitor: SpectralMonitor) -> None:
+    """The trainer's training_step (one micro-batch's forward and backward), wrapped on the instance so
+    that the monitor's hooks are on the model inside it alone (SpectralMonitor.hooked): taken off
+    however the step is left, which no callback can do (Trainer tells them of no exception). Once
+    per trainer and monitor (a later train() finds it wrapped); outside a monitored step it calls through.
+
+    Args:
+        trainer: The transformers Trainer (or subclass: TRL's SFTTrainer, ...) whose steps are monitored.
+        monitor: The monitor whose hooks the steps carry.
+    """
+    step = trainer.training_step
+    if getattr(inspect.unwrap(step, stop=lambda f: getattr(f, "gradspec_monitor", None) is monitor),
+               "gradspec_monitor", None) is monitor:  # wrapped already, under another monitor's wrapper or not
+        return
+
+    @functools.wraps(step)
+    def training_step(*args, **kwargs):
+        with monitor.hooked():
+            return step(*args, **kwargs)
+
+    training_step.gradspec_monitor = monitor
+    trainer.training_step = training_step
+
+
+def _running_trainer(callback: TrainerCallback) -> Trainer | None:
+    """The Trainer whose event calls the callback (callbacks are not given it): the nearest caller
+    whose self is a Trainer holding this callback; None where no Trainer runs it."""
+    from transformers import Trainer
+
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Trainer) and callback in owner.callback_handler.callbacks:
+                return owner
+            frame = frame.f_back
+        return None
+    finally:
+        del frame  # a frame held here would keep every caller's locals alive
 
 
 def refuse_unmonitorable(args) -> None:

@@ -4,6 +4,8 @@ sftmix), the live spectral monitor and the training dynamics; saves the model an
 from __future__ import annotations
 
 import logging
+import os
+import re
 import shutil
 from collections import Counter
 from dataclasses import dataclass
@@ -20,6 +22,11 @@ log = logging.getLogger("gradspec")
 
 LOSSES = ("ntp", "wit", "sftmix")
 OUTPUTS = ("model", "dynamics.parquet", "monitor.parquet")  # what a run writes into --out
+MODEL = OUTPUTS[0]
+# A partial output: the temporary it is written to beside it, <name>.tmp<pid> for a file (score_files.atomic_write),
+# model.tmp for the model folder (renamed into place once whole: _save_model); left where a run was killed writing it
+_PARTIAL = re.compile(r"\.tmp\d*$")
+_RANK = re.compile(r"\.rank\d+(?=\.parquet$)")  # under torchrun each rank's monitor file: monitor.rank<r>.parquet
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,9 +86,10 @@ def check(config: TrainConfig) -> None:
     out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise OptionError("out", f"{config.out} is a file; train writes a folder")
-    if any((out / name).exists() for name in OUTPUTS) and not config.overwrite:
-        raise OptionExists("out", f"{config.out} holds an earlier run ({', '.join(OUTPUTS)}); pass "
-                           f"{mention('overwrite')} or choose another {mention('out')}")
+    earlier = run_files(out)
+    if earlier and not config.overwrite:
+        raise OptionExists("out", f"{config.out} holds {_earlier_run(out, earlier)}; pass {mention('overwrite')} "
+                           f"to replace them or choose another {mention('out')}")
     check_writable(out, as_folder=True)
     check_device(config.device)
     check_model(config.model)
@@ -141,15 +149,14 @@ def train(config: TrainConfig) -> Path:
         if config.loss == "wit":
             use_wit_loss(model, WITLoss(config.prompt_weight, config.response_weight))
         trainer = Trainer(**common)
-    if config.overwrite:  # an earlier run's files, gone before this run writes its own
-        for path in (out / name for name in OUTPUTS):
+    if config.overwrite:  # an earlier run's files, partial ones too, gone before this run writes its own
+        for path in run_files(out):
             if path.is_dir():
                 shutil.rmtree(path)
             else:
                 path.unlink(missing_ok=True)
     trainer.train()
-    trainer.save_model(str(out / "model"))
-    tokenizer.save_pretrained(str(out / "model"))
+    _save_model(trainer, tokenizer, out / MODEL)
     return out
 
 
@@ -172,3 +179,54 @@ def _check_labels(samples: list[Sample], tokenizer, template: str, max_length: i
     if missing:
         log.warning("%d of %d samples have no response tokens to train on (%s); dynamics.parquet flags them",
                     sum(missing.values()), len(samples), ", ".join(f"{s} {n}" for s, n in sorted(missing.items())))
+
+
+def run_files(out: str | Path) -> list[Path]:
+    """A run's files in its out folder: its OUTPUTS (under torchrun one monitor file per rank), then the
+    partial ones a run killed while writing them left (their temporaries: _PARTIAL).
+
+    Args:
+        out: The run's out folder.
+
+    Returns:
+        The paths, outputs in OUTPUTS' order, then the partial ones; none where out is no folder.
+    """
+    out = Path(out)
+    files = [p for p in out.iterdir() if _output_of(p.name) in OUTPUTS] if out.is_dir() else []
+    return sorted(files, key=lambda p: (bool(_PARTIAL.search(p.name)), OUTPUTS.index(_output_of(p.name)), p.name))
+
+
+def _output_of(name: str) -> str:
+    """The OUTPUTS name a file in out stands for (a rank's monitor file, a partial one: theirs)."""
+    return _RANK.sub("", _PARTIAL.sub("", name))
+
+
+def _earlier_run(out: Path, files: list[Path]) -> str:
+    """What an earlier run left, as the refusal names it: each file there, a partial one said to be, and
+    whether that run finished (its model, saved last and whole, is there)."""
+    names = [f"{p.name}{'/' if p.is_dir() else ''}{' (partial)' if _PARTIAL.search(p.name) else ''}" for p in files]
+    finished = (out / MODEL).is_dir() and not any(_PARTIAL.search(p.name) for p in files)
+    return ("an earlier run's " if finished else "what an earlier run left, stopped before it finished: ") + \
+        ", ".join(names)
+
+
+def _save_model(trainer, tokenizer, path: Path) -> None:
+    """The trained model and its tokenizer at path, whole or not at all: written into a temporary folder
+    beside it (path.tmp), renamed into place once complete. A failed write (a full disk) leaves no path
+    and an OSError naming it; the run's other outputs, written before, stay."""
+    from safetensors import SafetensorError
+
+    partial = path.with_name(f"{path.name}.tmp")
+    try:
+        trainer.save_model(str(partial))  # on every rank: a model sharded at load is gathered across them
+        if trainer.args.should_save:
+            tokenizer.save_pretrained(str(partial))
+            os.replace(partial, path)
+    except BaseException as error:
+        if trainer.args.should_save:
+            shutil.rmtree(partial, ignore_errors=True)
+        if not isinstance(error, (OSError, RuntimeError, SafetensorError)):  # what a failed write raises
+            raise
+        kept = [p.name for p in run_files(path.parent)]
+        raise OSError(f"{path}: {getattr(error, 'strerror', None) or error}; the model is not saved"
+                      + (f" ({', '.join(kept)} kept)" if kept else "")) from error

@@ -278,26 +278,87 @@ def test_a_run_that_raises_leaves_no_hooks_and_a_readable_file(tokenizer, tmp_pa
     assert _hooks(model) == 0
 
 
-def test_a_backward_that_raises_under_trainer_leaves_hooks_until_the_next_forward(tokenizer, tmp_path):
-    """Trainer reports no exception to its callbacks: the step's hooks stay until the next
-    grad-enabled forward, which finds more forwards than the step's micro-batches and takes them off."""
+def _gradspec_hooks(model) -> list:
+    """Every hook on the model's modules and parameters whose function is gradspec's."""
+    found = []
+    for module in model.modules():
+        for hooks in (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks,
+                      module._backward_pre_hooks):
+            found += list(hooks.values())
+    for parameter in model.parameters():
+        found += list((parameter._backward_hooks or {}).values())
+        found += list((getattr(parameter, "_post_accumulate_grad_hooks", None) or {}).values())
+    return [h for h in found if getattr(h, "__module__", "").startswith("gradspec")]
+
+
+def _gradspec_calls(run) -> set[str]:
+    """The gradspec functions Python enters while run() runs (on this thread: the CPU backward's too)."""
+    import sys
+
+    entered = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_globals.get("__name__", "").startswith("gradspec"):
+            entered.add(f"{frame.f_globals['__name__']}.{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return entered
+
+
+@pytest.mark.parametrize(("where", "error"), [("loss", RuntimeError), ("backward", KeyboardInterrupt)])
+def test_a_trainer_step_that_raises_leaves_the_model_as_it_was_found(tokenizer, tmp_path, where, error):
+    """Trainer calls no callback when train() raises (no on_train_end): the hooks of a monitored step
+    whose loss (computed after the model's forward) or backward raised stayed on the user's model until
+    its next grad-enabled forward. The callback's guard around Trainer's training_step takes them off
+    however the step is left."""
+    from transformers import Trainer, TrainingArguments
+
+    class FailingTrainer(Trainer):
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            if self.state.global_step == 1:  # in step 2, monitored, after the forward
+                if where == "loss":
+                    raise error("the loss failed")
+                loss.register_hook(lambda grad: (_ for _ in ()).throw(error("interrupted in the backward")))
+            return loss
+
     model = tiny_model("llama")
-    calls = []
-
-    def fail_in_backward(module, args, output):
-        calls.append(1)
-        if len(calls) == 2:
-            output.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("backward failed")))
-
-    handle = model.lm_head.register_forward_hook(fail_in_backward)
-    with pytest.raises(RuntimeError, match="backward failed"):
-        _train(model, tokenizer, tmp_path, SpectralMonitorCallback(every=1, out=tmp_path / "m.parquet"))
-    handle.remove()
-    assert _hooks(model) > 0  # what no callback could take off
-    ids = torch.randint(3, 100, (1, 5))
-    model(input_ids=ids, labels=ids)
-    assert _hooks(model) == 0
+    before = _hooks(model)
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=4,
+                             learning_rate=0.0, remove_unused_columns=False, report_to=[], save_strategy="no",
+                             use_cpu=True, logging_steps=1)
+    trainer = FailingTrainer(model=model, args=args, train_dataset=ROWS * 2, data_collator=WITCollator(tokenizer),
+                             callbacks=[SpectralMonitorCallback(every=1, modules="all", out=tmp_path / "m.parquet")])
+    with pytest.raises(error):
+        trainer.train()
+    assert _hooks(model) == before and _gradspec_hooks(model) == []
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # no saved-tensor hooks left active
+    batch = WITCollator(tokenizer)(ROWS[:2])
+    assert _gradspec_calls(lambda: model(**batch).loss.backward()) == set()
     assert pd.read_parquet(tmp_path / "m.parquet")["step"].unique().tolist() == [1]
+
+
+def test_without_a_trainer_a_step_an_exception_left_loses_its_hooks_at_the_next_forward(tokenizer, tmp_path):
+    """A loop calling the callback's events itself has no training_step to guard: a step it leaves by an
+    exception it does not report keeps its hooks until the next grad-enabled forward, which finds more
+    forwards than the step's micro-batches and takes them off."""
+    from types import SimpleNamespace
+
+    model = tiny_model("llama")
+    callback = SpectralMonitorCallback(every=1, out=tmp_path / "m.parquet")
+    args = SimpleNamespace(gradient_accumulation_steps=1, world_size=1, n_gpu=1, torch_compile=False)
+    state = SimpleNamespace(global_step=0)
+    callback.on_train_begin(args, state, None, model=model)
+    callback.on_step_begin(args, state, None)
+    batch = WITCollator(tokenizer)(ROWS[:2])
+    model(**batch)  # the loop fails before its backward, and says nothing
+    assert _hooks(model) > 0  # what no callback could take off
+    model(**batch)
+    assert _hooks(model) == 0
 
 
 def test_a_forward_that_raises_in_a_monitored_step_leaves_no_hooks(tmp_path):

@@ -1,8 +1,13 @@
+import errno
 import json
+import os
+import signal
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
+from safetensors import SafetensorError
 
 from gradspec.cli import main
 from gradspec.training.dynamics import read_dynamics
@@ -81,3 +86,95 @@ def test_under_torchrun_each_rank_loads_onto_its_own_device(data, tiny_model_dir
             "--modules", "zzz", "--max-steps", "1"]  # stops after loading, before training
     assert main(args) == 2
     assert bound == ["cpu"] and loaded == ["cpu"]
+
+
+# Code run before `gradspec train` in a process that then kills itself (SIGKILL: the OOM killer, a preempted job)
+KILLED = {
+    "writing monitor rows": """
+from gradspec.training import monitor
+write, calls = monitor.atomic_write, []
+def atomic_write(path, rows):  # the second monitored step dies half-way through its file
+    calls.append(1)
+    write(path, (lambda f: (f.write(b"PAR1"), f.flush(), die())) if len(calls) == 2 else rows)
+monitor.atomic_write = atomic_write
+""",
+    "saving the model": """
+import transformers.modeling_utils
+def safe_save_file(tensors, filename, *args, **kwargs):
+    open(filename, "wb").write(b"half a model")
+    die()
+transformers.modeling_utils.safe_save_file = safe_save_file
+""",
+}
+LEFT = {"writing monitor rows": "monitor.parquet, monitor.parquet.tmp{pid} (partial)",
+        "saving the model": "dynamics.parquet, monitor.parquet, model.tmp/ (partial)"}
+
+
+@pytest.mark.parametrize("moment", KILLED)
+def test_the_rerun_of_a_killed_train_names_what_it_left(moment, data, tiny_model_dir, tmp_path, capsys):
+    """The refusal listed every output (model, dynamics.parquet, monitor.parquet) whatever was there, and
+    a run killed saving its model left a model/ folder like a whole one: the model is now written aside
+    (model.tmp/) and renamed once whole, and the refusal names each file left, partial ones as such."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    args = ["train", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--epochs", "2",
+            "--batch-size", "2", "--monitor-every", "2"]
+    code = ("import os, signal, sys\ndef die():\n    os.kill(os.getpid(), signal.SIGKILL)\n" + KILLED[moment]
+            + "from gradspec.cli import main\nmain(sys.argv[1:])\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.wait(timeout=300) == -signal.SIGKILL
+    assert not (out / "model").exists()
+    assert main(args) == 2
+    left = LEFT[moment].format(pid=proc.pid)
+    assert f"--out {out} holds what an earlier run left, stopped before it finished: {left}; pass --overwrite to " \
+           "replace them or choose another --out" in capsys.readouterr().err
+    assert main([*args, "--overwrite"]) == 0  # the partial files go with the rest
+    assert sorted(p.name for p in out.iterdir()) == ["dynamics.parquet", "model", "monitor.parquet"]
+
+
+def test_the_refusal_names_each_file_an_earlier_run_left_and_no_other(tmp_path, capsys):
+    """A finished run's files as they are (under torchrun one monitor file per rank), not the list of every
+    output a run can write; a file of the user's own is none of them."""
+    out = tmp_path / "run"
+    (out / "model").mkdir(parents=True)
+    for name in ("dynamics.parquet", "monitor.rank0.parquet", "monitor.rank1.parquet", "notes.txt"):
+        (out / name).write_text("")
+    assert main(["train", "--out", str(out)]) == 2
+    assert f"--out {out} holds an earlier run's model/, dynamics.parquet, monitor.rank0.parquet, " \
+           "monitor.rank1.parquet; pass --overwrite" in capsys.readouterr().err
+
+
+SAFETENSORS_FULL = "Error while serializing: I/O error: No space left on device (os error 28)"
+# A full disk as the model's weights are written, and what the error then says of it
+FULL = {"OSError": (OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
+        "safetensors": (SafetensorError(SAFETENSORS_FULL), SAFETENSORS_FULL)}
+
+
+@pytest.mark.parametrize("raised", FULL)
+def test_a_save_on_a_full_disk_leaves_no_model_folder_and_keeps_the_rest(raised, data, tiny_model_dir, tmp_path,
+                                                                          monkeypatch, capsys):
+    """save_model wrote config.json, then failed on the weights: a model/ folder of config.json alone, as
+    if saved. Nothing is at model/ now, the error names it, and what the run computed before is kept.
+    safetensors reports a full disk with its own SafetensorError, not an OSError."""
+    import transformers.modeling_utils
+
+    error, reason = FULL[raised]
+
+    def full(tensors, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"half a model")
+        raise error
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    out = tmp_path / "run"
+    args = ["train", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--epochs", "2",
+            "--batch-size", "2", "--monitor-every", "2"]
+    assert main(args) == 2
+    said = f"gradspec: error: {out / 'model'}: {reason}; the model is not saved " \
+        "(dynamics.parquet, monitor.parquet kept)"
+    assert said in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["dynamics.parquet", "monitor.parquet"]
+    assert read_dynamics(out / "dynamics.parquet")[0]["index"].tolist() == list(range(8))
+    assert pd.read_parquet(out / "monitor.parquet")["step"].unique().tolist() == [2, 4, 6, 8]
