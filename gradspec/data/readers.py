@@ -192,7 +192,19 @@ def _text(record: dict, name: str, where: str, required: bool) -> str:
         return ""
     if not isinstance(value, str):
         raise InputError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
-    return value
+    return _unicode(value, f"field {name!r}", where)
+
+
+def _unicode(text: str, what: str, where: str) -> str:
+    """text, or an InputError naming where and what: a tokenizer (and a Parquet file) takes only text
+    that encodes as UTF-8, which a lone surrogate (JSON's "\\ud800" unpaired) does not; HF's fast
+    tokenizers meet one with a TypeError that names no row."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{where}: {what} is not valid Unicode text (a lone surrogate, {text[e.start]!r}, at "
+                         f"character {e.start})") from None
+    return text
 
 
 # ShareGPT's speakers -> chat roles (the loss is on the assistant's turns)
@@ -210,12 +222,14 @@ def _messages(record: dict, name: str, where: str) -> list[dict[str, str]]:
     out = []
     for k, m in enumerate(raw):
         if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str):
-            out.append({"role": m["role"], "content": m["content"]})
+            out.append({"role": _unicode(m["role"], f"{name}[{k}].role", where),
+                        "content": _unicode(m["content"], f"{name}[{k}].content", where)})
         elif isinstance(m, dict) and isinstance(m.get("from"), str) and isinstance(m.get("value"), str):
             if m["from"] not in SHAREGPT_ROLES:
                 raise InputError(f"{where}: {name}[{k}] is from {m['from']!r}; ShareGPT speakers understood: "
                                  f"{', '.join(SHAREGPT_ROLES)}")
-            out.append({"role": SHAREGPT_ROLES[m["from"]], "content": m["value"]})
+            out.append({"role": SHAREGPT_ROLES[m["from"]],
+                        "content": _unicode(m["value"], f"{name}[{k}].value", where)})
         else:
             raise InputError(f"{where}: {name}[{k}] must have string 'role' and 'content' (or ShareGPT's "
                              f"'from' and 'value')")
@@ -225,7 +239,9 @@ def _messages(record: dict, name: str, where: str) -> list[dict[str, str]]:
 
 
 def to_sample(index: int, where: str, record: dict, fields: Fields = Fields()) -> Sample:
-    """One record -> Sample; scalar columns other than the text fields are carried."""
+    """One record -> Sample; scalar columns other than the text fields are carried. Every row of every
+    reader comes through here, so here each text it keeps (messages, carried values and their names) is
+    checked to be text a tokenizer takes (_unicode): a bad row is the row's InputError, not a crash."""
     chat = next((name for name in (fields.messages, fields.conversations) if name in record), None)
     if chat is not None:
         messages = _messages(record, chat, where)
@@ -245,6 +261,10 @@ def to_sample(index: int, where: str, record: dict, fields: Fields = Fields()) -
             "--output-field, --messages-field or --conversations-field"
         )
     carried = {k: v for k, v in record.items() if k not in text_fields and _is_scalar(v)}
+    for name, value in carried.items():  # written to the output, which takes only UTF-8 text too
+        _unicode(name, f"field name {name!r}", where)
+        if isinstance(value, str):
+            _unicode(value, f"field {name!r}", where)
     return Sample(index, messages, carried)
 
 

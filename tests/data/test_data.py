@@ -159,3 +159,38 @@ def test_a_byte_order_mark_is_read_past(tmp_path):
     (tmp_path / "d.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(ROWS).encode())
     for name in ("d.jsonl", "d.json"):
         _check(list(read_samples(tmp_path / name)))
+
+
+
+GOOD = {"instruction": "q", "output": "r"}
+CHAT = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+# A lone surrogate (JSON's escape "\ud800" unpaired) wherever a row keeps text: the field an error names, the
+# surrogate, and where in the field's text it is
+SURROGATES = [
+    ({"instruction": "s \ud800", "output": "r"}, "field 'instruction'", "\ud800", 2),
+    ({**GOOD, "input": "\udfff"}, "field 'input'", "\udfff", 0),
+    ({"instruction": "q", "output": "ok \udc00"}, "field 'output'", "\udc00", 3),
+    ({"messages": [{"role": "system", "content": "Be \ud800 brief."}, *CHAT]}, "messages[0].content", "\ud800", 3),
+    ({"messages": [{"role": "user\ud800", "content": "q"}, CHAT[1]]}, "messages[0].role", "\ud800", 4),
+    ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "\ud800"}]},
+     "conversations[1].value", "\ud800", 0),
+    ({**GOOD, "id": "a\ud800"}, "field 'id'", "\ud800", 1),  # carried into the output, which is UTF-8 too
+    ({**GOOD, "\ud800": 1}, "field name '\\ud800'", "\ud800", 0),
+]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_lone_surrogate_anywhere_in_a_row_is_that_rows_input_error(tmp_path, suffix):
+    """Not a TypeError from the tokenizer later, naming no row: read, the row is flagged (or, by
+    default, refused) naming its line and field; a pair escaped as two (an emoji) is one character."""
+    rows = [row for bad, *_ in SURROGATES for row in (bad, GOOD)] + [{"instruction": "\ud83d\ude00", "output": "r"}]
+    path = tmp_path / f"d{suffix}"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) if suffix == ".jsonl" else json.dumps(rows))
+    samples = list(read_samples(path, on_error="skip"))
+    where = [f"{path}:{k + 1}" if suffix == ".jsonl" else f"{path} element {k}" for k in range(len(rows))]
+    assert [s.error for s in samples[:-1:2]] == [
+        f"{where[2 * k]}: {field} is not valid Unicode text (a lone surrogate, {char!r}, at character {at})"
+        for k, (_, field, char, at) in enumerate(SURROGATES)]
+    assert all(s.error is None for s in samples[1::2]) and samples[-1].messages[0]["content"] == "\U0001f600"
+    with pytest.raises(InputError, match=rf"^{where[0]}: field 'instruction' is not valid Unicode text"):
+        list(read_samples(path))
