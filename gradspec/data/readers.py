@@ -137,23 +137,29 @@ def _read_jsonl(path: Path, wanted: Callable[[int], bool]) -> Iterator[tuple[str
                 yield where, None
                 continue
             try:
-                record = _require_object(json.loads(raw.decode("utf-8-sig")), where)  # a BOM (Windows) is fine
-            except UnicodeDecodeError as e:
-                record = InputError(f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})")
-            except json.JSONDecodeError as e:
-                record = InputError(f"{where}: malformed JSON: {e.msg} (column {e.colno})")
+                record = _require_object(_parse_json(raw, where), where)
             except InputError as e:
                 record = e
             yield where, record
 
 
-def _read_json(path: Path) -> Iterator[tuple[str, Record]]:
+def _parse_json(raw: bytes, where: str, whole_file: bool = False) -> Any:
+    """raw's JSON value, or an InputError naming where (and, in a whole file, the line): Python's
+    parser also refuses a number of over 4300 digits and nesting deeper than its recursion limit, each
+    with an error (ValueError, RecursionError) that would name no file."""
     try:
-        data = json.loads(path.read_bytes().decode("utf-8-sig"))
+        return json.loads(raw.decode("utf-8-sig"))  # a BOM (Windows) is fine
     except UnicodeDecodeError as e:
-        raise InputError(f"{path}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+        raise InputError(f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
-        raise InputError(f"{path}:{e.lineno}: malformed JSON: {e.msg} (column {e.colno})") from None
+        line = f":{e.lineno}" if whole_file else ""
+        raise InputError(f"{where}{line}: malformed JSON: {e.msg} (column {e.colno})") from None
+    except (ValueError, RecursionError) as e:
+        raise InputError(f"{where}: JSON that Python cannot read ({e})") from None
+
+
+def _read_json(path: Path) -> Iterator[tuple[str, Record]]:
+    data = _parse_json(path.read_bytes(), str(path), whole_file=True)
     if isinstance(data, dict):
         data = [data]
     if not isinstance(data, list):

@@ -194,3 +194,20 @@ def test_a_lone_surrogate_anywhere_in_a_row_is_that_rows_input_error(tmp_path, s
     assert all(s.error is None for s in samples[1::2]) and samples[-1].messages[0]["content"] == "\U0001f600"
     with pytest.raises(InputError, match=rf"^{where[0]}: field 'instruction' is not valid Unicode text"):
         list(read_samples(path))
+
+
+def test_json_that_python_cannot_read_is_the_rows_input_error(tmp_path):
+    """Python's parser refuses a number of over 4300 digits and nesting past its recursion limit with a
+    ValueError or RecursionError that names no file: each is its row's error, as malformed JSON is."""
+    lines = [json.dumps(ROWS[0]), '{"instruction": "q", "output": "r", "n": ' + "9" * 5000 + "}", "[" * 100_000,
+             json.dumps(ROWS[1])]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    samples = list(read_samples(path, on_error="skip"))
+    assert [s.error is None for s in samples] == [True, False, False, True]
+    assert samples[1].error.startswith(f"{path}:2: JSON that Python cannot read (Exceeds the limit (4300 digits)")
+    assert samples[2].error.startswith(f"{path}:3: JSON that Python cannot read (maximum recursion depth exceeded")
+    for text in lines[1:3]:
+        (tmp_path / "d.json").write_text(text)
+        with pytest.raises(InputError, match=rf"^{tmp_path / 'd.json'}: JSON that Python cannot read \("):
+            list(read_samples(tmp_path / "d.json"))
