@@ -119,9 +119,7 @@ def count_records(path: str | Path, hub: Hub = Hub()) -> int:
         with open(path, "rb") as f:
             return sum(1 for line in f if line.strip())
     if path.suffix == ".parquet" and path.is_file():
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows
+        return open_parquet(path).metadata.num_rows
     return sum(1 for _ in read_records(path))
 
 
@@ -173,15 +171,62 @@ def _read_json(path: Path) -> Iterator[tuple[str, Record]]:
 
 
 def _read_parquet(path: Path, wanted: Callable[[int], bool]) -> Iterator[tuple[str, Record]]:
-    import pyarrow.parquet as pq
-
     row = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+    for batch in _parquet_batches(path):
         rows = range(row, row + batch.num_rows)
-        records = batch.to_pylist() if any(wanted(i) for i in rows) else [None] * batch.num_rows
+        records = _parquet_records(batch, path, row) if any(wanted(i) for i in rows) else [None] * batch.num_rows
         for i, record in zip(rows, records, strict=True):
             yield f"{path} row {i}", record if wanted(i) else None
         row += batch.num_rows
+
+
+def open_parquet(path: str | Path) -> Any:
+    """The Parquet file at path opened (a pyarrow ParquetFile), or an InputError naming it."""
+    import pyarrow.parquet as pq
+
+    return _parquet_read(path, pq.ParquetFile, path)
+
+
+def _parquet_batches(path: Path) -> Iterator[Any]:
+    """The file's record batches; a corrupt page met on the way is an InputError naming the file."""
+    batches = open_parquet(path).iter_batches(batch_size=1024)
+    while (batch := _parquet_read(path, next, batches, None)) is not None:
+        yield batch
+
+
+def _parquet_read(path: Path, read: Callable[..., Any], *args: Any) -> Any:
+    """read(*args) on the Parquet file at path, pyarrow's errors an InputError naming it, on one line:
+    its own, for a truncated or corrupt file ("Parquet magic bytes not found in footer"), name none."""
+    import pyarrow as pa
+
+    try:
+        return read(*args)
+    except (pa.ArrowException, OSError) as e:
+        raise InputError(f"{path}: not a readable Parquet file ({' '.join(str(e).split())})") from None
+
+
+def _parquet_records(batch: Any, path: Path, first: int) -> list[Record]:
+    """A batch's rows as records; where a value will not convert (a string that is not UTF-8, a
+    timestamp beyond Python's dates), which fails the whole batch, each row alone, the bad ones an
+    InputError naming the row and column."""
+    import pyarrow as pa
+
+    try:
+        return batch.to_pylist()
+    except (ValueError, OverflowError, pa.ArrowException):
+        return [_parquet_record(batch, k, f"{path} row {first + k}") for k in range(batch.num_rows)]
+
+
+def _parquet_record(batch: Any, k: int, where: str) -> Record:
+    import pyarrow as pa
+
+    record = {}
+    for name, column in zip(batch.schema.names, batch.columns, strict=True):
+        try:
+            record[name] = column[k].as_py()
+        except (ValueError, OverflowError, pa.ArrowException) as e:
+            return InputError(f"{where}: column {name!r} cannot be read ({e})")
+    return record
 
 
 def _require_object(record: Any, where: str) -> dict:

@@ -64,6 +64,16 @@ def test_skip_flags_rows_lists_them_and_scores_the_rest(tmp_path, tiny_model_dir
     assert df.loc[bad, "error"].tolist() == [e["error"] for e in errors]
 
 
+def test_a_truncated_parquet_file_is_named(tmp_path, tiny_model_dir, capsys):
+    data = tmp_path / "d.parquet"
+    pd.DataFrame([GOOD] * 3).to_parquet(data)
+    data.write_bytes(data.read_bytes()[:-30])
+    assert _score(tiny_model_dir, data, tmp_path / "s.parquet", "--on-error", "skip") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gradspec: error: {data}: not a readable Parquet file (Parquet magic bytes not found")
+    assert err.count("\n") == 1
+
+
 def test_text_problems_are_flagged_rows(tmp_path, tiny_model_dir):
     rows = [GOOD, {"instruction": "", "output": "An answer to nothing."}, {"instruction": "Say it.", "output": " "},
             {"instruction": "word " * 80, "output": "late"}, {"instruction": "Name a colour:\n", "output": "Blue."}]

@@ -211,3 +211,31 @@ def test_json_that_python_cannot_read_is_the_rows_input_error(tmp_path):
         (tmp_path / "d.json").write_text(text)
         with pytest.raises(InputError, match=rf"^{tmp_path / 'd.json'}: JSON that Python cannot read \("):
             list(read_samples(tmp_path / "d.json"))
+
+
+def test_an_unreadable_parquet_file_is_named(tmp_path):
+    """pyarrow's errors for a truncated file, or a corrupt page met while reading, name no file."""
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table(_columns(ROWS)), path)
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])
+    for read in (count_records, lambda p: list(read_samples(p, on_error="skip"))):
+        with pytest.raises(InputError, match=rf"^{path}: not a readable Parquet file \(Parquet magic bytes not found"):
+            read(path)
+    path.write_bytes(whole[:4] + b"\xff" * 8 + whole[12:])  # the first page's header garbled, the footer whole
+    assert count_records(path) == 2
+    with pytest.raises(InputError, match=rf"^{path}: not a readable Parquet file \(Couldn't deserialize thrift"):
+        list(read_samples(path, on_error="skip"))
+
+
+def test_a_parquet_value_that_will_not_convert_is_its_rows_input_error(tmp_path):
+    """A string column's bytes that are not UTF-8 (pyarrow writes them unchecked) fail the conversion of
+    their whole batch: the row alone is flagged, naming the column."""
+    offsets = pa.array([0, 2, 4], pa.int32()).buffers()[1]
+    instructions = pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(b"ok\xff\xfe")])
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"instruction": instructions, "output": ["a", "b"]}), path)
+    samples = list(read_samples(path, on_error="skip"))
+    assert samples[0].messages[0]["content"] == "ok" and samples[0].error is None
+    assert samples[1].error == (f"{path} row 1: column 'instruction' cannot be read ('utf-8' codec can't decode "
+                                "byte 0xff in position 0: invalid start byte)")
