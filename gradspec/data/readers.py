@@ -119,9 +119,7 @@ def count_records(path: str | Path, hub: Hub = Hub()) -> int:
         with open(path, "rb") as f:
             return sum(1 for line in f if line.strip())
     if path.suffix == ".parquet" and path.is_file():
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(path).metadata.num_rows
+        return open_parquet(path).metadata.num_rows
     return sum(1 for _ in read_records(path))
 
 
@@ -137,23 +135,29 @@ def _read_jsonl(path: Path, wanted: Callable[[int], bool]) -> Iterator[tuple[str
                 yield where, None
                 continue
             try:
-                record = _require_object(json.loads(raw.decode("utf-8-sig")), where)  # a BOM (Windows) is fine
-            except UnicodeDecodeError as e:
-                record = InputError(f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})")
-            except json.JSONDecodeError as e:
-                record = InputError(f"{where}: malformed JSON: {e.msg} (column {e.colno})")
+                record = _require_object(_parse_json(raw, where), where)
             except InputError as e:
                 record = e
             yield where, record
 
 
-def _read_json(path: Path) -> Iterator[tuple[str, Record]]:
+def _parse_json(raw: bytes, where: str, whole_file: bool = False) -> Any:
+    """raw's JSON value, or an InputError naming where (and, in a whole file, the line): Python's
+    parser also refuses a number of over 4300 digits and nesting deeper than its recursion limit, each
+    with an error (ValueError, RecursionError) that would name no file."""
     try:
-        data = json.loads(path.read_bytes().decode("utf-8-sig"))
+        return json.loads(raw.decode("utf-8-sig"))  # a BOM (Windows) is fine
     except UnicodeDecodeError as e:
-        raise InputError(f"{path}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+        raise InputError(f"{where}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
-        raise InputError(f"{path}:{e.lineno}: malformed JSON: {e.msg} (column {e.colno})") from None
+        line = f":{e.lineno}" if whole_file else ""
+        raise InputError(f"{where}{line}: malformed JSON: {e.msg} (column {e.colno})") from None
+    except (ValueError, RecursionError) as e:
+        raise InputError(f"{where}: JSON that Python cannot read ({e})") from None
+
+
+def _read_json(path: Path) -> Iterator[tuple[str, Record]]:
+    data = _parse_json(path.read_bytes(), str(path), whole_file=True)
     if isinstance(data, dict):
         data = [data]
     if not isinstance(data, list):
@@ -167,15 +171,62 @@ def _read_json(path: Path) -> Iterator[tuple[str, Record]]:
 
 
 def _read_parquet(path: Path, wanted: Callable[[int], bool]) -> Iterator[tuple[str, Record]]:
-    import pyarrow.parquet as pq
-
     row = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+    for batch in _parquet_batches(path):
         rows = range(row, row + batch.num_rows)
-        records = batch.to_pylist() if any(wanted(i) for i in rows) else [None] * batch.num_rows
+        records = _parquet_records(batch, path, row) if any(wanted(i) for i in rows) else [None] * batch.num_rows
         for i, record in zip(rows, records, strict=True):
             yield f"{path} row {i}", record if wanted(i) else None
         row += batch.num_rows
+
+
+def open_parquet(path: str | Path) -> Any:
+    """The Parquet file at path opened (a pyarrow ParquetFile), or an InputError naming it."""
+    import pyarrow.parquet as pq
+
+    return _parquet_read(path, pq.ParquetFile, path)
+
+
+def _parquet_batches(path: Path) -> Iterator[Any]:
+    """The file's record batches; a corrupt page met on the way is an InputError naming the file."""
+    batches = open_parquet(path).iter_batches(batch_size=1024)
+    while (batch := _parquet_read(path, next, batches, None)) is not None:
+        yield batch
+
+
+def _parquet_read(path: Path, read: Callable[..., Any], *args: Any) -> Any:
+    """read(*args) on the Parquet file at path, pyarrow's errors an InputError naming it, on one line:
+    its own, for a truncated or corrupt file ("Parquet magic bytes not found in footer"), name none."""
+    import pyarrow as pa
+
+    try:
+        return read(*args)
+    except (pa.ArrowException, OSError) as e:
+        raise InputError(f"{path}: not a readable Parquet file ({' '.join(str(e).split())})") from None
+
+
+def _parquet_records(batch: Any, path: Path, first: int) -> list[Record]:
+    """A batch's rows as records; where a value will not convert (a string that is not UTF-8, a
+    timestamp beyond Python's dates), which fails the whole batch, each row alone, the bad ones an
+    InputError naming the row and column."""
+    import pyarrow as pa
+
+    try:
+        return batch.to_pylist()
+    except (ValueError, OverflowError, pa.ArrowException):
+        return [_parquet_record(batch, k, f"{path} row {first + k}") for k in range(batch.num_rows)]
+
+
+def _parquet_record(batch: Any, k: int, where: str) -> Record:
+    import pyarrow as pa
+
+    record = {}
+    for name, column in zip(batch.schema.names, batch.columns, strict=True):
+        try:
+            record[name] = column[k].as_py()
+        except (ValueError, OverflowError, pa.ArrowException) as e:
+            return InputError(f"{where}: column {name!r} cannot be read ({e})")
+    return record
 
 
 def _require_object(record: Any, where: str) -> dict:
@@ -192,7 +243,19 @@ def _text(record: dict, name: str, where: str, required: bool) -> str:
         return ""
     if not isinstance(value, str):
         raise InputError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
-    return value
+    return _unicode(value, f"field {name!r}", where)
+
+
+def _unicode(text: str, what: str, where: str) -> str:
+    """text, or an InputError naming where and what: a tokenizer (and a Parquet file) takes only text
+    that encodes as UTF-8, which a lone surrogate (JSON's "\\ud800" unpaired) does not; HF's fast
+    tokenizers meet one with a TypeError that names no row."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"{where}: {what} is not valid Unicode text (a lone surrogate, {text[e.start]!r}, at "
+                         f"character {e.start})") from None
+    return text
 
 
 # ShareGPT's speakers -> chat roles (the loss is on the assistant's turns)
@@ -210,12 +273,14 @@ def _messages(record: dict, name: str, where: str) -> list[dict[str, str]]:
     out = []
     for k, m in enumerate(raw):
         if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str):
-            out.append({"role": m["role"], "content": m["content"]})
+            out.append({"role": _unicode(m["role"], f"{name}[{k}].role", where),
+                        "content": _unicode(m["content"], f"{name}[{k}].content", where)})
         elif isinstance(m, dict) and isinstance(m.get("from"), str) and isinstance(m.get("value"), str):
             if m["from"] not in SHAREGPT_ROLES:
                 raise InputError(f"{where}: {name}[{k}] is from {m['from']!r}; ShareGPT speakers understood: "
                                  f"{', '.join(SHAREGPT_ROLES)}")
-            out.append({"role": SHAREGPT_ROLES[m["from"]], "content": m["value"]})
+            out.append({"role": SHAREGPT_ROLES[m["from"]],
+                        "content": _unicode(m["value"], f"{name}[{k}].value", where)})
         else:
             raise InputError(f"{where}: {name}[{k}] must have string 'role' and 'content' (or ShareGPT's "
                              f"'from' and 'value')")
@@ -225,7 +290,9 @@ def _messages(record: dict, name: str, where: str) -> list[dict[str, str]]:
 
 
 def to_sample(index: int, where: str, record: dict, fields: Fields = Fields()) -> Sample:
-    """One record -> Sample; scalar columns other than the text fields are carried."""
+    """One record -> Sample; scalar columns other than the text fields are carried. Every row of every
+    reader comes through here, so here each text it keeps (messages, carried values and their names) is
+    checked to be text a tokenizer takes (_unicode): a bad row is the row's InputError, not a crash."""
     chat = next((name for name in (fields.messages, fields.conversations) if name in record), None)
     if chat is not None:
         messages = _messages(record, chat, where)
@@ -245,6 +312,10 @@ def to_sample(index: int, where: str, record: dict, fields: Fields = Fields()) -
             "--output-field, --messages-field or --conversations-field"
         )
     carried = {k: v for k, v in record.items() if k not in text_fields and _is_scalar(v)}
+    for name, value in carried.items():  # written to the output, which takes only UTF-8 text too
+        _unicode(name, f"field name {name!r}", where)
+        if isinstance(value, str):
+            _unicode(value, f"field {name!r}", where)
     return Sample(index, messages, carried)
 
 

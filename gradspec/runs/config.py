@@ -10,8 +10,6 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from gradspec.alignment.task import AGGREGATES, DEFAULT_AGGREGATES, check_aggregates
 from gradspec.data.batching import BATCH_TOKENS, CPU_BATCH_TOKENS
 from gradspec.data.hub import is_dataset_name
@@ -27,6 +25,7 @@ from gradspec.data.readers import (
     count_records,
     data_samples,
     mixed_columns_of,
+    open_parquet,
     with_text_columns,
 )
 from gradspec.data.shared_options import (
@@ -137,7 +136,7 @@ class ScoreConfig:
             if path is not None and not Path(path).exists() and not is_dataset_name(path):
                 raise OptionError(name, f"{path}: no such file or folder (nor a Hub dataset name: org/name)")
             if path is not None and Path(path).suffix == ".parquet" and Path(path).is_file() and \
-                    METADATA_KEY in (pq.read_schema(path).metadata or {}):
+                    METADATA_KEY in (open_parquet(path).schema_arrow.metadata or {}):
                 raise OptionError(name, f"{path}: a file gradspec wrote (scores, a store), not training data; "
                                   "pass the data it scored")
         check_model(self.model)

@@ -31,6 +31,9 @@ BAD_LINES = [
     (b'{"instruction": "q"}', "missing field 'output'"),
     (b'{"instruction": "q", "output": 7}', "field 'output' must be a string, got int"),
     (b'["a", "list"]', "expected a JSON object, got list"),
+    # JSON's escape of a lone surrogate reads as a str no tokenizer takes (a TypeError naming no row, before)
+    (rb'{"instruction": "s \ud800", "output": "r"}',
+     "field 'instruction' is not valid Unicode text (a lone surrogate, '\\ud800', at character 2)"),
 ]
 
 
@@ -38,7 +41,8 @@ BAD_LINES = [
 def test_malformed_row_fails_by_default_naming_file_and_line(tmp_path, tiny_model_dir, capsys, line, reason):
     data = _lines(tmp_path / "d.jsonl", [json.dumps(GOOD).encode(), line])
     assert _score(tiny_model_dir, data, tmp_path / "s.parquet") == 2
-    assert f"gradspec: error: {data}:2: {reason}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith(f"gradspec: error: {data}:2: {reason}") and err.count("\n") == 1  # one line, no traceback
 
 
 def test_skip_flags_rows_lists_them_and_scores_the_rest(tmp_path, tiny_model_dir, capsys):
@@ -58,6 +62,16 @@ def test_skip_flags_rows_lists_them_and_scores_the_rest(tmp_path, tiny_model_dir
     for e, (_, reason) in zip(errors, BAD_LINES, strict=True):
         assert e["error"] == f"{data}:{e['index'] + 1}: {reason}"
     assert df.loc[bad, "error"].tolist() == [e["error"] for e in errors]
+
+
+def test_a_truncated_parquet_file_is_named(tmp_path, tiny_model_dir, capsys):
+    data = tmp_path / "d.parquet"
+    pd.DataFrame([GOOD] * 3).to_parquet(data)
+    data.write_bytes(data.read_bytes()[:-30])
+    assert _score(tiny_model_dir, data, tmp_path / "s.parquet", "--on-error", "skip") == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"gradspec: error: {data}: not a readable Parquet file (Parquet magic bytes not found")
+    assert err.count("\n") == 1
 
 
 def test_text_problems_are_flagged_rows(tmp_path, tiny_model_dir):

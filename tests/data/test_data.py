@@ -159,3 +159,83 @@ def test_a_byte_order_mark_is_read_past(tmp_path):
     (tmp_path / "d.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(ROWS).encode())
     for name in ("d.jsonl", "d.json"):
         _check(list(read_samples(tmp_path / name)))
+
+
+
+GOOD = {"instruction": "q", "output": "r"}
+CHAT = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+# A lone surrogate (JSON's escape "\ud800" unpaired) wherever a row keeps text: the field an error names, the
+# surrogate, and where in the field's text it is
+SURROGATES = [
+    ({"instruction": "s \ud800", "output": "r"}, "field 'instruction'", "\ud800", 2),
+    ({**GOOD, "input": "\udfff"}, "field 'input'", "\udfff", 0),
+    ({"instruction": "q", "output": "ok \udc00"}, "field 'output'", "\udc00", 3),
+    ({"messages": [{"role": "system", "content": "Be \ud800 brief."}, *CHAT]}, "messages[0].content", "\ud800", 3),
+    ({"messages": [{"role": "user\ud800", "content": "q"}, CHAT[1]]}, "messages[0].role", "\ud800", 4),
+    ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "\ud800"}]},
+     "conversations[1].value", "\ud800", 0),
+    ({**GOOD, "id": "a\ud800"}, "field 'id'", "\ud800", 1),  # carried into the output, which is UTF-8 too
+    ({**GOOD, "\ud800": 1}, "field name '\\ud800'", "\ud800", 0),
+]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_lone_surrogate_anywhere_in_a_row_is_that_rows_input_error(tmp_path, suffix):
+    """Not a TypeError from the tokenizer later, naming no row: read, the row is flagged (or, by
+    default, refused) naming its line and field; a pair escaped as two (an emoji) is one character."""
+    rows = [row for bad, *_ in SURROGATES for row in (bad, GOOD)] + [{"instruction": "\ud83d\ude00", "output": "r"}]
+    path = tmp_path / f"d{suffix}"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) if suffix == ".jsonl" else json.dumps(rows))
+    samples = list(read_samples(path, on_error="skip"))
+    where = [f"{path}:{k + 1}" if suffix == ".jsonl" else f"{path} element {k}" for k in range(len(rows))]
+    assert [s.error for s in samples[:-1:2]] == [
+        f"{where[2 * k]}: {field} is not valid Unicode text (a lone surrogate, {char!r}, at character {at})"
+        for k, (_, field, char, at) in enumerate(SURROGATES)]
+    assert all(s.error is None for s in samples[1::2]) and samples[-1].messages[0]["content"] == "\U0001f600"
+    with pytest.raises(InputError, match=rf"^{where[0]}: field 'instruction' is not valid Unicode text"):
+        list(read_samples(path))
+
+
+def test_json_that_python_cannot_read_is_the_rows_input_error(tmp_path):
+    """Python's parser refuses a number of over 4300 digits and nesting past its recursion limit with a
+    ValueError or RecursionError that names no file: each is its row's error, as malformed JSON is."""
+    lines = [json.dumps(ROWS[0]), '{"instruction": "q", "output": "r", "n": ' + "9" * 5000 + "}", "[" * 100_000,
+             json.dumps(ROWS[1])]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    samples = list(read_samples(path, on_error="skip"))
+    assert [s.error is None for s in samples] == [True, False, False, True]
+    assert samples[1].error.startswith(f"{path}:2: JSON that Python cannot read (Exceeds the limit (4300 digits)")
+    assert samples[2].error.startswith(f"{path}:3: JSON that Python cannot read (maximum recursion depth exceeded")
+    for text in lines[1:3]:
+        (tmp_path / "d.json").write_text(text)
+        with pytest.raises(InputError, match=rf"^{tmp_path / 'd.json'}: JSON that Python cannot read \("):
+            list(read_samples(tmp_path / "d.json"))
+
+
+def test_an_unreadable_parquet_file_is_named(tmp_path):
+    """pyarrow's errors for a truncated file, or a corrupt page met while reading, name no file."""
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table(_columns(ROWS)), path)
+    whole = path.read_bytes()
+    path.write_bytes(whole[: len(whole) // 2])
+    for read in (count_records, lambda p: list(read_samples(p, on_error="skip"))):
+        with pytest.raises(InputError, match=rf"^{path}: not a readable Parquet file \(Parquet magic bytes not found"):
+            read(path)
+    path.write_bytes(whole[:4] + b"\xff" * 8 + whole[12:])  # the first page's header garbled, the footer whole
+    assert count_records(path) == 2
+    with pytest.raises(InputError, match=rf"^{path}: not a readable Parquet file \(Couldn't deserialize thrift"):
+        list(read_samples(path, on_error="skip"))
+
+
+def test_a_parquet_value_that_will_not_convert_is_its_rows_input_error(tmp_path):
+    """A string column's bytes that are not UTF-8 (pyarrow writes them unchecked) fail the conversion of
+    their whole batch: the row alone is flagged, naming the column."""
+    offsets = pa.array([0, 2, 4], pa.int32()).buffers()[1]
+    instructions = pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(b"ok\xff\xfe")])
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"instruction": instructions, "output": ["a", "b"]}), path)
+    samples = list(read_samples(path, on_error="skip"))
+    assert samples[0].messages[0]["content"] == "ok" and samples[0].error is None
+    assert samples[1].error == (f"{path} row 1: column 'instruction' cannot be read ('utf-8' codec can't decode "
+                                "byte 0xff in position 0: invalid start byte)")
