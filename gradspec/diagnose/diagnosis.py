@@ -302,8 +302,9 @@ def diagnose(base: str, model: str, data: str | Path, out: str | Path, checkpoin
         check_model(name, given)
     if Path(out).exists() and not Path(out).is_dir():
         raise OptionError("out", f"{out} is a file; diagnose writes a folder")
-    if any((Path(out) / name).exists() for name in OUTPUTS) and not overwrite:
-        raise OptionExists("out", f"{out} holds an earlier diagnosis ({', '.join(OUTPUTS)}); pass "
+    earlier = [name for name in OUTPUTS if (Path(out) / name).exists()]
+    if earlier and not overwrite:
+        raise OptionExists("out", f"{out} holds an earlier diagnosis ({', '.join(earlier)}); pass "
                            f"{mention('overwrite')} or choose another {mention('out')}")
     check_writable(out, as_folder=True)
     samples = list(read_samples(data, fields, limit=limit))
