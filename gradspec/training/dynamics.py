@@ -16,6 +16,7 @@ keeps its status and gets no statistics (NaN; no forgetting events), never a ver
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from pathlib import Path
@@ -33,6 +34,8 @@ from gradspec.data.readers import Sample
 from gradspec.data.templates import check_response_tokens, tokenize
 from gradspec.engine.loss import item_losses
 from gradspec.runs.score_files import parquet_schema, schema_metadata, write_parquet
+
+log = logging.getLogger("gradspec")
 
 LEARNED_ACCURACY = 0.9
 MEASURES = ("mean_token_prob", "perplexity", "token_accuracy")
@@ -142,6 +145,7 @@ class DynamicsCallback(TrainerCallback):
         self.tokenizer, self.samples, self.out = tokenizer, samples, out
         self.template, self.max_length, self.learned_accuracy = template, max_length, learned_accuracy
         self.checkpoints: dict[str, dict[int, dict[str, Any]]] = {}
+        self.write_error: OSError | None = None  # why out could not be written at the end (the run goes on)
 
     def on_epoch_end(self, args, state, control, model=None, **kwargs):
         """Measures every sample under the model as it is now, as checkpoint "epoch <n>".
@@ -163,6 +167,11 @@ class DynamicsCallback(TrainerCallback):
             state: Trainer's TrainerState (unused).
             control: Trainer's TrainerControl (unused).
         """
-        if self.checkpoints:
+        if not self.checkpoints:
+            return
+        try:
             write_dynamics(summarise(self.checkpoints, self.learned_accuracy), self.out, list(self.checkpoints),
                            self.learned_accuracy)
+        except OSError as e:  # a full disk: the training it measured must not be lost with it (write_error)
+            self.write_error = e
+            log.error("%s not written: %s; the training goes on", self.out, e)

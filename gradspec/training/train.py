@@ -151,12 +151,15 @@ def train(config: TrainConfig) -> Path:
         trainer = Trainer(**common)
     if config.overwrite:  # an earlier run's files, partial ones too, gone before this run writes its own
         for path in run_files(out):
-            if path.is_dir():
+            if path.is_dir() and not path.is_symlink():  # a link is removed, not what it points to
                 shutil.rmtree(path)
             else:
                 path.unlink(missing_ok=True)
     trainer.train()
     _save_model(trainer, tokenizer, out / MODEL)
+    if callbacks[1].write_error is not None:  # the model is saved: now the file that was not is named
+        raise OSError(f"{callbacks[1].out}: not written ({callbacks[1].write_error}); the model is saved in "
+                      f"{out / MODEL}")
     return out
 
 

@@ -178,3 +178,22 @@ def test_a_save_on_a_full_disk_leaves_no_model_folder_and_keeps_the_rest(raised,
     assert sorted(p.name for p in out.iterdir()) == ["dynamics.parquet", "monitor.parquet"]
     assert read_dynamics(out / "dynamics.parquet")[0]["index"].tolist() == list(range(8))
     assert pd.read_parquet(out / "monitor.parquet")["step"].unique().tolist() == [2, 4, 6, 8]
+
+
+def test_dynamics_on_a_full_disk_lose_not_the_trained_model(data, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """dynamics.parquet is written at the end of training, before the model is saved: a full disk
+    there raised out of train() and the trained model was never saved. Now it is, and the error names
+    the file that was not written."""
+    import gradspec.training.dynamics
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(gradspec.training.dynamics, "write_dynamics", full)
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--epochs", "1",
+                 "--batch-size", "2", "--monitor-every", "2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"gradspec: error: {out / 'dynamics.parquet'}: not written ([Errno 28] No space left on device); the model "
+        f"is saved in {out / 'model'}")
+    assert (out / "model" / "config.json").exists() and (out / "monitor.parquet").exists()
