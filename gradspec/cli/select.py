@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--fraction", type=float, help="keep this share of the complete rows (0 < F <= 1)")
     size.add_argument("--count", type=int, help="keep this many rows")
-    p.add_argument("--length-buckets", type=int, default=0, help="choose within this many length quantiles")
+    p.add_argument("--length-buckets", type=int, default=0, help="share the rows out evenly over this many length "
+                   "quantiles (choosing within each)")
 
 
 def run(args: argparse.Namespace) -> int:
