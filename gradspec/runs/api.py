@@ -52,12 +52,13 @@ def score(data: str | Path | None = None, model: str | Path | None = None, out: 
         return read_scores(out)[0]
     check_settings(config, settings.device, settings.device_map)
     batch_tokens = settings.batch_tokens or batch_tokens_for(settings.device, settings.device_map)
-    engine, tokenizer, _ = load_engine(config, settings.device, settings.backend, settings.trust_remote_code,
-                                       batch_tokens, settings.progress, settings.device_map)
+    engine, tokenizer, _, max_length = load_engine(config, settings.device, settings.backend,
+                                                   settings.trust_remote_code, batch_tokens, settings.progress,
+                                                   settings.device_map)
     rows: list[dict[str, Any]] = []
     with engine:
         score_samples(config.samples(on_error=settings.on_error), engine, tokenizer,
-                      lambda _, chunk: rows.extend(chunk), config.chunk_rows, config.template, config.max_length,
+                      lambda _, chunk: rows.extend(chunk), config.chunk_rows, config.template, max_length,
                       batch_tokens, settings.progress, config.records())
     return pd.DataFrame(rows)
 
