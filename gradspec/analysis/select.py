@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from gradspec.data.errors import check_at_least
+from gradspec.data.in_memory import plain_value
 from gradspec.data.readers import Hub, InputError, read_records
 from gradspec.options import OptionError
 from gradspec.runs.score_files import complete, module_columns, module_mean, write_parquet
@@ -141,7 +142,7 @@ def write_selection(data: str | Path, chosen: pd.DataFrame, out: str | Path, col
         if isinstance(record, InputError):
             raise record
         if record is not None and index in extra.index:
-            record.update({c: _plain(v) for c, v in extra.loc[index].items()})
+            record.update({c: plain_value(v) for c, v in extra.loc[index].items()})
             records.append(record)
     if len(records) != len(extra):
         raise InputError(f"{data}: has {seen} records; the score file names rows beyond them (another input?)")
@@ -157,15 +158,8 @@ def write_selection(data: str | Path, chosen: pd.DataFrame, out: str | Path, col
 
             write_parquet(pa.table(columns_of), out)
     elif out.suffix == ".jsonl":
-        out.write_text("".join(json.dumps(r, ensure_ascii=False, default=_plain) + "\n" for r in records),
+        out.write_text("".join(json.dumps(r, ensure_ascii=False, default=plain_value) + "\n" for r in records),
                        encoding="utf-8")
     else:
-        out.write_text(json.dumps(records, ensure_ascii=False, indent=1, default=_plain), encoding="utf-8")
+        out.write_text(json.dumps(records, ensure_ascii=False, indent=1, default=plain_value), encoding="utf-8")
     return len(records)
-
-
-def _plain(value):
-    """numpy's scalars and arrays (from a Parquet or datasets input) as JSON takes them."""
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    return value.item() if isinstance(value, np.generic) else value
