@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from gradspec.data.errors import check_at_least
+from gradspec.data.in_memory import plain_value
 from gradspec.data.readers import Hub, InputError, read_records
 from gradspec.options import OptionError
 from gradspec.runs.score_files import complete, module_columns, module_mean, write_parquet
@@ -83,10 +84,11 @@ def choose(
     length_buckets: int = 0,
 ) -> pd.DataFrame:
     """The chosen rows of a score table (complete rows only: score_files.complete), with their selection score in
-    ``gradspec_score``.
+    ``gradspec_score``: exactly count rows (or the fraction of the complete rows, rounded), or every complete
+    row where there are fewer.
 
-    With length_buckets > 0 the choice is made within each quantile bucket of num_tokens, so that a
-    criterion correlated with length does not select by length alone.
+    With length_buckets > 0 the rows are shared out over quantile buckets of num_tokens, so that a criterion
+    correlated with length does not select by length alone (balanced_order).
     """
     if (fraction is None) == (count is None):
         raise OptionError(("fraction", "count"), ": give exactly one of them")
@@ -101,21 +103,25 @@ def choose(
             ok[name] = criterion_values(ok, name)
     ok["gradspec_score"] = combined_score(ok, by)
     ok = ok[np.isfinite(ok["gradspec_score"])]
-    groups = [ok]
-    if length_buckets > 0:
-        buckets = pd.qcut(ok["num_tokens"].rank(method="first"), length_buckets, labels=False)
-        groups = [g for _, g in ok.groupby(buckets)]
-    share = fraction if fraction is not None else count / max(len(ok), 1)
-    chosen = []
-    for g in groups:
-        k = min(len(g), int(round(share * len(g))))
-        chosen.append(g.sort_values("gradspec_score", ascending=not top, kind="stable").head(k))
-    chosen_rows = pd.concat(chosen).sort_values("index") if chosen else ok.head(0)
-    if chosen_rows.empty:
+    wanted = min(len(ok), count if count is not None else int(round(fraction * len(ok))))
+    if wanted == 0:
         size = f"--fraction {fraction}" if fraction is not None else f"--count {count}"
-        split = f" over {length_buckets} length buckets" if length_buckets else ""
-        raise ValueError(f"{size} of {len(ok)} complete rows{split} selects none; ask for more (or fewer buckets)")
-    return chosen_rows
+        raise ValueError(f"{size} of {len(ok)} complete rows selects none; ask for more")
+    ranked = ok.sort_values("gradspec_score", ascending=not top, kind="stable")
+    if length_buckets > 0:
+        ranked = balanced_order(ranked, min(length_buckets, len(ok)))
+    return ranked.head(wanted).sort_values("index")
+
+
+def balanced_order(ranked: pd.DataFrame, buckets: int) -> pd.DataFrame:
+    """Rows ranked best first, reordered as a draft over length buckets: every bucket's best row, then every
+    bucket's second best, and so on, each round in score order. Any head of it keeps the buckets within one
+    row of each other (a bucket that runs out leaves its share to the others), the odd rows going to the best
+    of each round: the rounding of a count over buckets loses no row."""
+    by_length = ranked["num_tokens"].sort_index().rank(method="first")  # ties in input order
+    bucket = pd.qcut(by_length, buckets, labels=False)
+    place = ranked.groupby(bucket, sort=False).cumcount()  # 0: the best of its bucket
+    return ranked.iloc[np.argsort(place.to_numpy(), kind="stable")]
 
 
 OUTPUT_FORMATS = (".jsonl", ".json", ".parquet", "")  # "": a datasets folder (save_to_disk)
@@ -136,7 +142,7 @@ def write_selection(data: str | Path, chosen: pd.DataFrame, out: str | Path, col
         if isinstance(record, InputError):
             raise record
         if record is not None and index in extra.index:
-            record.update({c: _plain(v) for c, v in extra.loc[index].items()})
+            record.update({c: plain_value(v) for c, v in extra.loc[index].items()})
             records.append(record)
     if len(records) != len(extra):
         raise InputError(f"{data}: has {seen} records; the score file names rows beyond them (another input?)")
@@ -152,15 +158,8 @@ def write_selection(data: str | Path, chosen: pd.DataFrame, out: str | Path, col
 
             write_parquet(pa.table(columns_of), out)
     elif out.suffix == ".jsonl":
-        out.write_text("".join(json.dumps(r, ensure_ascii=False, default=_plain) + "\n" for r in records),
+        out.write_text("".join(json.dumps(r, ensure_ascii=False, default=plain_value) + "\n" for r in records),
                        encoding="utf-8")
     else:
-        out.write_text(json.dumps(records, ensure_ascii=False, indent=1, default=_plain), encoding="utf-8")
+        out.write_text(json.dumps(records, ensure_ascii=False, indent=1, default=plain_value), encoding="utf-8")
     return len(records)
-
-
-def _plain(value):
-    """numpy's scalars and arrays (from a Parquet or datasets input) as JSON takes them."""
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    return value.item() if isinstance(value, np.generic) else value

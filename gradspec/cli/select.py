@@ -21,13 +21,15 @@ def add_parser(sub) -> None:
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--fraction", type=float, help="keep this share of the complete rows (0 < F <= 1)")
     size.add_argument("--count", type=int, help="keep this many rows")
-    p.add_argument("--length-buckets", type=int, default=0, help="choose within this many length quantiles")
+    p.add_argument("--length-buckets", type=int, default=0, help="share the rows out evenly over this many length "
+                   "quantiles (choosing within each)")
 
 
 def run(args: argparse.Namespace) -> int:
     from gradspec.analysis.select import choose, criteria, write_selection
     from gradspec.data.errors import InputError, check_writable
     from gradspec.data.hub import is_dataset_name
+    from gradspec.data.in_memory import is_label
     from gradspec.data.readers import Hub
     from gradspec.runs.score_files import check_scored_input, complete, read_metadata, read_scores
 
@@ -35,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
     data = args.data or meta.get("data")
     if not data or data == "humaneval":
         raise ValueError(f"{args.scores} does not name a data file to select from; pass --data")
+    if not args.data and is_label(data):
+        raise InputError(f"{args.scores} scored rows given in memory ({data}); pass --data with a file of those rows")
     if not args.data and not Path(data).exists() and not is_dataset_name(data):
         raise InputError(f"{data}, the input {args.scores} scored, is gone; pass --data with where it is now")
     check_scored_input(meta, data, args.scores)

@@ -147,15 +147,22 @@ def size(data: str, hub: Hub = Hub()) -> int:
 def records(data: str, hub: Hub = Hub(), wanted: Callable[[int], bool] | None = None
             ) -> Iterator[tuple[str, dict | None]]:
     """(location, record) per row of the split, None for rows that wanted(index) rejects."""
-    ds = load(data, hub)
     where = f"{data} [{hub.split}] row"
-    if hub.streaming:
+    yield from dataset_records(load(data, hub), lambda row: f"{where} {row}", wanted, hub.streaming)
+
+
+def dataset_records(ds: Any, locate: Callable[[int], str], wanted: Callable[[int], bool] | None = None,
+                    streaming: bool = False) -> Iterator[tuple[str, dict | None]]:
+    """(locate(index), record) per row of a loaded split: a ``datasets.Dataset`` read in batches (only those
+    holding a wanted row), or an ``IterableDataset`` (streaming) as it comes; None for rows that wanted
+    rejects."""
+    if streaming:
         for row, record in enumerate(ds):
-            yield f"{where} {row}", record if wanted is None or wanted(row) else None
+            yield locate(row), record if wanted is None or wanted(row) else None
         return
     for start in range(0, len(ds), _ROWS_PER_READ):
         rows = range(start, min(start + _ROWS_PER_READ, len(ds)))
         keep = [wanted is None or wanted(i) for i in rows]
         batch = ds[rows.start : rows.stop] if any(keep) else {}
         for k, (i, kept) in enumerate(zip(rows, keep, strict=True)):
-            yield f"{where} {i}", {c: v[k] for c, v in batch.items()} if kept else None
+            yield locate(i), {c: v[k] for c, v in batch.items()} if kept else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -27,6 +28,10 @@ CUDA_WHEELS = "https://pytorch.org/get-started/locally/"
 # accelerate's big-model dispatch: one process, the model's layers over every visible GPU (then CPU RAM and disk)
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+# Where a model's config gives the most positions it takes, by family (GPT-2: n_positions, older ones n_ctx)
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")
+
+log = logging.getLogger("gradspec")
 
 
 def check_model(name_or_path: str | None, option: str = "model") -> None:
@@ -105,6 +110,32 @@ def placement(model: torch.nn.Module, device_map: str | None) -> dict | None:
     where = getattr(model, "hf_device_map", None) or {"": next(model.parameters()).device}
     return {"mode": "device_map", "strategy": device_map,
             "devices": {name: f"cuda:{d}" if isinstance(d, int) else str(d) for name, d in where.items()}}
+
+
+def model_context(model: torch.nn.Module) -> int | None:
+    """The most tokens the model takes in one sequence, as its config gives it (CONTEXT_KEYS; a multimodal
+    model's text config); None where the config says nothing."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for key in CONTEXT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def fit_to_context(max_length: int, *models: torch.nn.Module) -> int:
+    """max_length, or the shortest context of the models where it is longer: a position beyond a model's
+    context has no embedding (a GPT-2 of 64 positions fails with an IndexError on the 65th token), so rows
+    are cut there instead, flagged truncated as any row longer than max_length is; a warning says so once."""
+    contexts = [c for c in map(model_context, models) if c is not None]
+    if not contexts or max_length <= min(contexts):
+        return max_length
+    context = min(contexts)
+    log.warning("--max-length %d exceeds the model's context of %d tokens; rows are cut to %d (flagged truncated)",
+                max_length, context, context)
+    return context
 
 
 def cache_dir() -> Path:

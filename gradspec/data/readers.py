@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from gradspec.data import hub as hub_datasets
+from gradspec.data import in_memory
 from gradspec.data.errors import InputError
 from gradspec.data.hub import Hub
 from gradspec.options import check_options, option
@@ -87,8 +88,12 @@ def read_records(
     location is 'file:line' or 'file row i'. Rows that wanted(index) rejects are not parsed; a
     problem confined to one row comes back in its place, so the caller decides to stop or skip.
     A folder, or a name that is no local path but reads as a Hub dataset's, goes to `datasets`
-    (gradspec.data.hub: hub says which split, configuration, and whether to stream).
+    (gradspec.data.hub: hub says which split, configuration, and whether to stream); the label of
+    rows given in memory, to those rows (gradspec.data.in_memory: location 'data[i]').
     """
+    if in_memory.is_label(path):
+        yield from in_memory.check_held(path).records(wanted)
+        return
     if Path(path).is_dir() or hub_datasets.is_dataset_name(str(path)):
         yield from hub_datasets.records(str(path), hub, wanted)
         return
@@ -112,6 +117,8 @@ def _everything(index: int) -> bool:
 
 def count_records(path: str | Path, hub: Hub = Hub()) -> int:
     """Rows in a dataset without parsing them (a JSON list is parsed)."""
+    if in_memory.is_label(path):
+        return len(in_memory.check_held(path))
     if Path(path).is_dir() or hub_datasets.is_dataset_name(str(path)):
         return hub_datasets.size(str(path), hub)
     path = Path(path)
@@ -438,8 +445,11 @@ def with_text_columns(sample: Sample, columns: set[str]) -> Sample:
 def mixed_columns_of(path: str | Path | None, fields: Fields = Fields(), limit: int | None = None,
                      hub: Hub = Hub()) -> set[str]:
     """mixed_columns over the whole input (its rows up to limit; malformed ones left out) for a JSON
-    or JSONL file, whose rows may give a column any type; empty for other inputs (a Parquet file or a
-    `datasets` split types each column once). Read once per version of the file."""
+    or JSONL file or rows given in memory, whose rows may give a column any type; empty for other inputs
+    (a Parquet file or a `datasets` split types each column once). Read once per version of the file
+    (per content of rows in memory: their label)."""
+    if in_memory.is_label(path):
+        return set(_mixed_columns_of(str(path), 0, 0, fields, limit, hub))
     if path is None or Path(path).is_dir() or Path(path).suffix not in (".json", ".jsonl") or not Path(path).is_file():
         return set()
     stat = os.stat(path)

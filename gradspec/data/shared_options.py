@@ -17,7 +17,8 @@ def template_option() -> Any:
 
 
 def max_length_option(default: int) -> Any:
-    return option(default, "tokens per sample at most (longer samples are cut, and flagged)", kind="int", at_least=1)
+    return option(default, "tokens per sample at most, and never more than the model's context (longer samples "
+                  "are cut, and flagged)", kind="int", at_least=1)
 
 
 def limit_option(verb: str) -> Any:

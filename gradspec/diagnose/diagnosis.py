@@ -37,7 +37,7 @@ from rapidfuzz.distance import LCSseq
 
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
 from gradspec.data.errors import InputError, check_at_least, check_covers, check_writable
-from gradspec.data.models import check_device, check_model, load_model
+from gradspec.data.models import check_device, check_model, fit_to_context, load_model
 from gradspec.data.readers import Fields, Sample, read_samples
 from gradspec.data.templates import IGNORE_INDEX, Tokenized, check_response_tokens, tokenize
 from gradspec.diagnose.report import write_diagnosis
@@ -318,6 +318,7 @@ def diagnose(base: str, model: str, data: str | Path, out: str | Path, checkpoin
         check_covers(pq.read_table(scores, columns=["index"])["index"].to_pylist(), indices, "scores", scores)
     tuned, tokenizer = load_model(model, device)
     base_model, _ = load_model(base, device)
+    max_length = fit_to_context(max_length, tuned, base_model)  # both models read the same tokens
     table = detect(tuned, base_model, tokenizer, samples, template, max_length, thresholds)
     history = None
     if dynamics is not None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
+from gradspec.data.models import model_context
 from gradspec.data.templates import IGNORE_INDEX
 from gradspec.engine.capture import BatchCapture
 from gradspec.linalg import stages
@@ -79,11 +80,13 @@ def available_bytes(device: torch.device | str) -> int:
 def measure(engine, pad_id: int) -> BatchMemory:
     """The engine's BatchMemory, from one-row probe batches of PROBE_TOKENS tokens (every token but
     the first a response token: the LM head's share is counted at every position, an over-estimate
-    for prompts). pad_id: a token the probes avoid (they hold no padding). The probes are given on
-    the host: the engine moves them to the model's device."""
-    (t1, t2) = PROBE_TOKENS
+    for prompts), or half and all of the model's context where that is shorter (no row is longer:
+    models.fit_to_context). pad_id: a token the probes avoid (they hold no padding). The probes are
+    given on the host: the engine moves them to the model's device."""
+    t2 = min(PROBE_TOKENS[1], model_context(engine.model) or PROBE_TOKENS[1])
+    t1 = min(PROBE_TOKENS[0], t2 // 2)
     with stages.DISPATCH.unmeasured():  # one-row probes must not choose the paths of real batches
-        (s1, inputs), (s2, _) = (_probe(engine, T, pad_id) for T in PROBE_TOKENS)
+        (s1, inputs), (s2, _) = (_probe(engine, T, pad_id) for T in (t1, t2))
     pair = max((s2 / t2 - s1 / t1) / (t2 - t1), 0.0)
     if engine.sketch is not None:  # lowrank: sketches, no Grams
         inputs = ()

@@ -13,6 +13,7 @@ from typing import Any
 from gradspec.alignment.task import AGGREGATES, DEFAULT_AGGREGATES, check_aggregates
 from gradspec.data.batching import BATCH_TOKENS, CPU_BATCH_TOKENS
 from gradspec.data.hub import is_dataset_name
+from gradspec.data.in_memory import check_held, is_label
 from gradspec.data.models import DEFAULT_MODEL, DEVICE_MAPS, DTYPES, check_device, check_device_map, check_model
 from gradspec.data.readers import (
     HUMANEVAL_SIZE,
@@ -129,11 +130,14 @@ class ScoreConfig:
         were checked where the config was made): a clear error for each."""
         if not self.spectra and self.task is None and not self.project:
             raise ValueError("nothing to compute: spectra are off, and neither a task file nor a projection is given")
-        if self.hub != Hub() and self.data is not None and Path(self.data).is_file():
+        if self.hub != Hub() and self.data is not None and (Path(self.data).is_file() or is_label(self.data)):
+            what = "rows given in memory" if is_label(self.data) else "a file"
             raise OptionError(("split", "config_name", "streaming"), f"apply to data read through datasets (a Hub "
-                              f"name or a folder); {self.data} is a file")
+                              f"name or a folder); {self.data} is {what}")
         for name, path in (("data", self.data), ("task", self.task)):
-            if path is not None and not Path(path).exists() and not is_dataset_name(path):
+            if path is not None and is_label(path):
+                check_held(path)
+            elif path is not None and not Path(path).exists() and not is_dataset_name(path):
                 raise OptionError(name, f"{path}: no such file or folder (nor a Hub dataset name: org/name)")
             if path is not None and Path(path).suffix == ".parquet" and Path(path).is_file() and \
                     METADATA_KEY in (open_parquet(path).schema_arrow.metadata or {}):

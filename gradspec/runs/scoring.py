@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 from gradspec.data.batching import BATCH_TOKENS, batch_tokens_for
 from gradspec.data.errors import OptionInputError, check_parquet_out, check_writable
 from gradspec.data.hub import loaded_once
-from gradspec.data.models import DEFAULT_MODEL, input_device, load_model, placement
+from gradspec.data.models import DEFAULT_MODEL, fit_to_context, input_device, load_model, placement
 from gradspec.data.readers import InputError, count_records, read_samples
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.environment import numerics
@@ -35,7 +35,8 @@ log = logging.getLogger("gradspec")
 def load_engine(config: ScoreConfig, device: str, backend: str, trust_remote_code: bool,
                 batch_tokens: int = BATCH_TOKENS, progress: bool = True, device_map: str | None = None,
                 fsdp: bool = False):
-    """(engine, tokenizer, how the model was placed: None, or its sharding or device map)."""
+    """(engine, tokenizer, how the model was placed: None, or its sharding or device map, the tokens kept per
+    row: config's max_length, or the model's context where that is shorter, models.fit_to_context)."""
     def load(where: str):
         return load_model(config.model, where, config.dtype, trust_remote_code, progress, device_map)
 
@@ -49,11 +50,12 @@ def load_engine(config: ScoreConfig, device: str, backend: str, trust_remote_cod
                             token_stats=config.classic, spectra=config.spectra, project=config.project)
     if fsdp:
         lockstep_engine(engine, device)
+    max_length = fit_to_context(config.max_length, net)
     if config.task is not None:  # under FSDP in lockstep: every rank runs the task's passes
-        batches = task_batches(config.task, tokenizer, config.fields, config.template, config.max_length,
+        batches = task_batches(config.task, tokenizer, config.fields, config.template, max_length,
                                batch_tokens, input_device(net))
         engine.set_task(batches, config.aggregate)
-    return engine, tokenizer, placed
+    return engine, tokenizer, placed, max_length
 
 
 @loaded_once()
@@ -86,8 +88,8 @@ def run(
     with Group(collectives=fsdp and device.startswith("cuda")) if ranks else nullcontext() as group:
         # A torchrun rank makes its own GPU current before anything touches CUDA (bind_device)
         device = bind_device(device) if ranks else device
-        engine, tokenizer, sharding = load_engine(config, device, backend, trust_remote_code, batch_tokens, progress,
-                                                  device_map, fsdp)
+        engine, tokenizer, sharding, max_length = load_engine(config, device, backend, trust_remote_code,
+                                                              batch_tokens, progress, device_map, fsdp)
         folder = RunFolder(out)
         info = _run_info(config, group, identity, device, batch_tokens)
         try:  # the lock this process takes in the run folder is released however the run ends, errors included
@@ -96,7 +98,7 @@ def run(
             metadata = _metadata(config, engine, info, sharding)
             shown = progress and (ranks is None or mine.index == 0)
             statuses = _score_into(folder, created, config, engine, tokenizer, metadata, wanted, on_error,
-                                   batch_tokens, shown, total)
+                                   max_length, batch_tokens, shown, total)
             if group is not None:
                 group.wait()
             if merge and mine.index == 0 and (group is not None or mine.count == 1):
@@ -219,15 +221,16 @@ def _metadata(config: ScoreConfig, engine: SpectralEngine, info: dict[str, Any],
 
 
 def _score_into(folder: RunFolder, created: bool, config: ScoreConfig, engine: SpectralEngine, tokenizer,
-                metadata: dict[str, Any], wanted: Callable[[int], bool], on_error: str, batch_tokens: int,
-                progress: bool, total: int) -> Counter[str]:
-    """Scores the rows wanted into the folder's parts (score_samples); the engine is closed however
-    that ends. created: this process made the folder, which a run stopped before any part abandons."""
+                metadata: dict[str, Any], wanted: Callable[[int], bool], on_error: str, max_length: int,
+                batch_tokens: int, progress: bool, total: int) -> Counter[str]:
+    """Scores the rows wanted into the folder's parts (score_samples), each cut to max_length tokens (load_engine's);
+    the engine is closed however that ends. created: this process made the folder, which a run stopped before
+    any part abandons."""
     try:
         return score_samples(  # a stream shorter than the limit: the run ends where it did (input_ended)
             config.samples(wanted, on_error, folder.input_ended), engine, tokenizer,
             lambda chunk, rows: folder.write_part(chunk, rows, {**metadata, **engine.policy.describe()}),
-            config.chunk_rows, config.template, config.max_length, batch_tokens, progress, total,
+            config.chunk_rows, config.template, max_length, batch_tokens, progress, total,
         )
     except BaseException as e:
         if created:  # stopped before any part: leave no run to --resume (abandon keeps one with parts)

@@ -19,7 +19,7 @@ from gradspec.alignment.cosines import projected_cosines
 from gradspec.alignment.projection import ProjectionCapture
 from gradspec.alignment.task import DEFAULT_AGGREGATES, alignment_metrics, check_aggregates
 from gradspec.data.batching import batch_tokens_for
-from gradspec.data.models import load_model
+from gradspec.data.models import fit_to_context, load_model
 from gradspec.data.readers import Fields
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.layers.hooks import BatchLayout
@@ -77,8 +77,8 @@ def query_store(
     engine, tokenizer = store_engine(meta, store, device, trust_remote_code)
     fields = Fields(**meta.get("fields", {}))
     batches = task_batches(task, tokenizer, fields, meta.get("template", "plain"),
-                           meta.get("max_length", 2048), batch_tokens or batch_tokens_for(device),
-                           next(engine.model.parameters()).device)
+                           fit_to_context(meta.get("max_length", 2048), engine.model),
+                           batch_tokens or batch_tokens_for(device), next(engine.model.parameters()).device)
     task_values = task_vectors(engine, batches)
     names = [p.name for p in engine.projection.parts]
     metrics = alignment_metrics(aggregates)

@@ -115,12 +115,14 @@ def read_dynamics(path: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
 
 def from_checkpoints(checkpoints: list[str], samples: list[Sample], template: str = "plain",
                      max_length: int = 2048, device: str = "cpu") -> dict[str, dict[int, dict[str, Any]]]:
-    """The measures of every sample at each saved checkpoint (folders, in training order)."""
-    from gradspec.data.models import load_model
+    """The measures of every sample at each saved checkpoint (folders, in training order), each cut to
+    max_length tokens or to the checkpoint's context where that is shorter (models.fit_to_context)."""
+    from gradspec.data.models import fit_to_context, load_model
 
     out = {}
     for path in checkpoints:
         model, tokenizer = load_model(path, device)
+        max_length = fit_to_context(max_length, model)  # kept for the next checkpoints: said once
         items = _tokenized(samples, tokenizer, template, max_length)
         check_response_tokens(Counter(item.tokens.status for item in items))
         out[path] = measure_tokens(model, tokenizer, items)

@@ -104,7 +104,7 @@ def train(config: TrainConfig) -> Path:
     check(config)  # before transformers' Trainer loads: a mistake is named at once
     from transformers import Trainer, TrainingArguments
 
-    from gradspec.data.models import load_model
+    from gradspec.data.models import fit_to_context, load_model
     from gradspec.layers.targets import select_targets
     from gradspec.runs.distributed import bind_device
     from gradspec.training.dynamics import DynamicsCallback
@@ -123,7 +123,8 @@ def train(config: TrainConfig) -> Path:
                      "reference_dynamics", config.reference_dynamics)
     # under torchrun each rank loads onto its own GPU (a bare cuda was GPU 0 for every rank until Trainer moved it)
     model, tokenizer = load_model(config.model, bind_device(config.device))
-    _check_labels(samples, tokenizer, config.template, config.max_length)
+    max_length = fit_to_context(config.max_length, model)
+    _check_labels(samples, tokenizer, config.template, max_length)
     select_targets(model, config.modules)  # the monitor's modules, named now if none matches: not at its first step
     rows = [{"messages": s.messages} for s in samples]
     out = Path(config.out)
@@ -134,14 +135,14 @@ def train(config: TrainConfig) -> Path:
         seed=config.seed, use_cpu=config.device == "cpu",
     )
     prompt_weight = config.prompt_weight if config.loss == "wit" else 0.0
-    collator = WITCollator(tokenizer, prompt_weight, config.template, config.max_length)
+    collator = WITCollator(tokenizer, prompt_weight, config.template, max_length)
     callbacks = [
         SpectralMonitorCallback(config.monitor_every, config.modules, out / "monitor.parquet", overwrite=True),
-        DynamicsCallback(tokenizer, samples, out / "dynamics.parquet", config.template, config.max_length),
+        DynamicsCallback(tokenizer, samples, out / "dynamics.parquet", config.template, max_length),
     ]
     common = {"model": model, "args": args, "train_dataset": rows, "data_collator": collator, "callbacks": callbacks}
     if config.loss == "sftmix":
-        confident, unconfident = confidence_halves(_reference(config, model, tokenizer, samples),
+        confident, unconfident = confidence_halves(_reference(config, model, tokenizer, samples, max_length),
                                                    [s.index for s in samples])  # positions in rows
         mix = {k: v for k, v in (("alpha", config.alpha), ("mu", config.mu)) if v is not None}
         trainer = SFTMixTrainer(**common, confident=confident, unconfident=unconfident, **mix)
@@ -163,13 +164,14 @@ def train(config: TrainConfig) -> Path:
     return out
 
 
-def _reference(config: TrainConfig, model, tokenizer, samples: list[Sample]):
-    """Per-sample mean perplexity over reference checkpoints: a dynamics file, or the start."""
+def _reference(config: TrainConfig, model, tokenizer, samples: list[Sample], max_length: int):
+    """Per-sample mean perplexity over reference checkpoints: a dynamics file, or the start (each sample cut
+    to max_length tokens, as it trains)."""
     from gradspec.training.dynamics import measure, read_dynamics, summarise
 
     if config.reference_dynamics is not None:
         return read_dynamics(config.reference_dynamics)[0]
-    start = measure(model, tokenizer, samples, config.template, config.max_length)
+    start = measure(model, tokenizer, samples, config.template, max_length)
     return summarise({"start": start})
 
 

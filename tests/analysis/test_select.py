@@ -55,6 +55,39 @@ def test_length_buckets_choose_within_each_bucket():
     assert choose(s, "loss", count=2, length_buckets=2)["index"].tolist() == [2, 5]
 
 
+def _bucket_counts(chosen, scores, buckets):
+    """How many chosen rows each length quantile holds."""
+    bucket = pd.qcut(scores["num_tokens"].rank(method="first"), buckets, labels=False)
+    return bucket[chosen.index].value_counts().reindex(range(buckets), fill_value=0).tolist()
+
+
+@pytest.mark.parametrize("size", [{"count": 10}, {"fraction": 0.5}])
+def test_length_buckets_keep_the_size_asked_for(size):
+    """10 of 20 rows over 4 buckets of 5 is 2.5 a bucket: the odd rows go to the buckets whose next rows score
+    best, not lost to rounding (each bucket rounding its own share wrote 8)."""
+    s = pd.DataFrame({"index": range(20), "status": "ok", "num_tokens": range(10, 30),
+                      "loss": np.random.default_rng(0).random(20)})
+    chosen = choose(s, "loss", length_buckets=4, **size)
+    assert len(chosen) == 10
+    assert sorted(_bucket_counts(chosen, s, 4)) == [2, 2, 3, 3]
+    within = s.assign(bucket=pd.qcut(s["num_tokens"].rank(method="first"), 4, labels=False))
+    for bucket, rows in within.groupby("bucket"):  # each bucket's best rows, however many it gives
+        kept = _bucket_counts(chosen, s, 4)[bucket]
+        assert set(chosen.index) & set(rows.index) == set(rows.nlargest(kept, "loss").index)
+    thirds = s.assign(loss=[3.0, 2.0, 1.0, 0.0, 0.0] * 4)  # every bucket's third row ties: input order
+    assert choose(thirds, "loss", count=10, length_buckets=4)["index"].tolist() == [0, 1, 2, 5, 6, 7, 10, 11, 15, 16]
+
+
+def test_a_short_bucket_gives_its_share_to_the_others():
+    """7 rows in 4 buckets (2, 2, 1, 2): 6 rows take the short bucket's one row and 5 of the other 6."""
+    s = pd.DataFrame({"index": range(7), "status": "ok", "num_tokens": range(7),
+                      "loss": [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]})
+    chosen = choose(s, "loss", count=6, length_buckets=4)
+    assert len(chosen) == 6 and _bucket_counts(chosen, s, 4) == [1, 2, 1, 2]
+    assert len(choose(s, "loss", count=10, length_buckets=4)) == 7  # fewer eligible rows than asked: all of them
+    assert len(choose(s.head(3), "loss", count=2, length_buckets=5)) == 2  # more buckets than rows
+
+
 ROWS = [{"instruction": f"Task {i}: say {w}", "output": f"{w} " * (i + 1), "reward": float(i)}
         for i, w in enumerate(["yes", "no", "maybe", "sure", "never", "ok"])]
 
@@ -120,6 +153,19 @@ def test_select_errors_are_clear(tmp_path, tiny_model_dir, capsys):
     assert main(["select", "--scores", str(scores), "--out", str(tmp_path / "o.jsonl"), "--by", "rank",
                  "--count", "1"]) == 2
     assert "unknown criterion" in capsys.readouterr().err
+
+
+def test_select_writes_count_rows_over_length_buckets(tmp_path, tiny_model_dir, capsys):
+    """The command line as the issue met it: --count 10 --length-buckets 4 of 20 rows writes 10."""
+    rows = [{"instruction": f"Task {i}: say {i}", "output": "yes " * (i + 1), "id": i} for i in range(20)]
+    data, scores, out = tmp_path / "d.jsonl", tmp_path / "s.parquet", tmp_path / "chosen.jsonl"
+    _write(data, rows)
+    assert main(["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(scores), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["select", "--scores", str(scores), "--out", str(out), "--by", "loss", "--count", "10",
+                 "--length-buckets", "4"]) == 0
+    assert "wrote 10 of 20 rows" in capsys.readouterr().out
+    assert len(_read(out)) == 10
 
 
 @pytest.mark.parametrize(("by", "message"), [

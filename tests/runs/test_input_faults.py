@@ -92,7 +92,8 @@ def test_python_api_keeps_chunks_before_a_malformed_row(tmp_path, tiny_model_dir
     ({"max_length": "64"}, "max_length must be an int, got str '64'"),
     ({"max_length": True}, "max_length must be an int, got bool True"),
     ({"limit": 2.5}, "limit must be an int or None, got float 2.5"),
-    ({"data": 7}, "data must be a str or a pathlib.Path or None, got int 7"),
+    ({"data": 7}, "data must be a str, a pathlib.Path, a list of dicts, a pandas DataFrame, a datasets.Dataset or "
+                  "None, got int 7"),
     ({"fields": ["instruction"]}, "fields must be a Fields or a dict of its fields, got list"),
     ({"fields": {"prompt": "q"}}, "fields has no field 'prompt': a dict's keys are Fields' fields (instruction, "),
     ({"fields": {"output": 3}}, "fields.output must be a str, got int 3"),
