@@ -53,6 +53,8 @@ NO_RESPONSE = {
     "label_span_mismatch": f"check {mention('template')} (the chat template rewrites earlier turns?) and the tokenizer",
     "prompt_too_long": f"the prompts fill {mention('max_length')}: raise it",
     "empty_response": "the responses are blank: check the output or messages field",
+    "template_refused": f"the chat template refuses the conversations (roles in an order it does not take?): "
+                        f"check the messages or use {mention('template')} plain",
 }
 
 Span = tuple[int, int]  # characters [start, end) of an assistant turn in the text
@@ -196,10 +198,16 @@ def tokenize(messages: list[dict[str, str]], tokenizer, template: str = "plain",
     the module's docstring for the statuses); truncated on the right at max_length."""
     if template not in TEMPLATES:
         raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
+    refused = False
     if template == "plain":
         text, spans = _plain_text(messages)
     else:
-        text, spans = _chat_text(messages, tokenizer)
+        from jinja2 import TemplateError
+
+        try:
+            text, spans = _chat_text(messages, tokenizer)
+        except TemplateError:  # its raise_exception (Llama 2's "roles must alternate"): the row, not the run
+            (text, _), spans, refused = _plain_text(messages), None, True
     located = spans is not None
     spans = spans or []
     cuts = {x for span in spans for x in span}
@@ -213,7 +221,7 @@ def tokenize(messages: list[dict[str, str]], tokenizer, template: str = "plain",
         located = False  # counted spans that fail the check are shifted: no labels rather than wrong ones
     if not located:
         labels = [IGNORE_INDEX] * len(ids)
-    status = _status(messages, labels, labels[:max_length], located, holds)
+    status = "template_refused" if refused else _status(messages, labels, labels[:max_length], located, holds)
     if len(ids) > max_length and status in SCORED:  # scored on its first max_length tokens: say so
         status = "truncated" if status == "ok" else f"{status};truncated"
     return Tokenized(ids[:max_length], labels[:max_length], status)

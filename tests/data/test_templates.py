@@ -131,6 +131,22 @@ def test_chat_template_that_rewrites_earlier_turns_is_flagged(tokenizer):
     assert tok.decode(_response(single)) == "<think>greet back</think>Hello there.<|im_end|>\n"
 
 
+# Refuses a system turn, as Llama 2's and Mistral's templates refuse roles out of their order
+STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system turns') }}"
+                   "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_flagged_row_not_a_crash(tokenizer):
+    tok = _with_template(tokenizer, STRICT_TEMPLATE)
+    refused = tokenize([{"role": "system", "content": "Be brief."}, *THINKING[:2]], tok, "chat")
+    assert refused.status == "template_refused" and not refused.scorable and refused.num_tokens > 0
+    assert set(refused.labels) == {IGNORE_INDEX}
+    assert tokenize(THINKING[:2], tok, "chat").status == "ok"
+    with pytest.raises(ValueError, match="the chat template refuses the conversations"):
+        check_response_tokens({"template_refused": 9, "ok": 1})
+
+
 # Marks the assistant's content and <|im_end|> for training, not the newline after it
 GENERATION_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"

@@ -92,6 +92,21 @@ def _cli(args, patch=""):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def _wait_for(path, proc):
+    """Until proc makes path (it fails the test if proc ends first)."""
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+
+
+def _held_before_chunk_2(tmp_path, args):
+    """A run in a subprocess, held before it writes chunk 2 (WAIT_AT_CHUNK_2), its first two parts written."""
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    proc = _cli(args, WAIT_AT_CHUNK_2.format(ready=str(ready), go=str(go)))
+    _wait_for(ready, proc)
+    return proc
+
+
 def test_parts_copied_in_from_another_run_are_refused_by_merge_and_resume(tmp_path, tiny_model_dir, data, capsys):
     out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
     assert main(_args(tiny_model_dir, data, out, "--shard", "0/2")) == 0  # chunks 0, 2, 4
@@ -311,11 +326,7 @@ def test_torchrun_rank_0_alone_holds_the_lock(tmp_path, tiny_model_dir, data, re
 
 def test_a_killed_run_leaves_a_stale_lock_that_resume_takes_over(tmp_path, tiny_model_dir, data, reference):
     out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
-    ready, go = tmp_path / "ready", tmp_path / "go"
-    proc = _cli(_args(tiny_model_dir, data, out), WAIT_AT_CHUNK_2.format(ready=str(ready), go=str(go)))
-    while not ready.exists():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
+    proc = _held_before_chunk_2(tmp_path, _args(tiny_model_dir, data, out))
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert (parts / "run.lock").exists()
@@ -436,9 +447,7 @@ def test_a_merge_killed_while_writing_leaves_no_temporary(tmp_path, tiny_model_d
                "    return real(table, schema)\n"
                "rf._conform = _conform")
     merging = _cli(["merge", "--out", str(out)], halfway)
-    while not ready.exists():
-        assert merging.poll() is None, merging.communicate()[1][-3000:]
-        time.sleep(0.05)
+    _wait_for(ready, merging)
     time.sleep(0.5)
     merging.send_signal(signal.SIGKILL)
     merging.wait()
@@ -451,11 +460,7 @@ def test_a_merge_killed_while_writing_leaves_no_temporary(tmp_path, tiny_model_d
 def test_sigterm_ends_a_run_as_ctrl_c_does(tmp_path, tiny_model_dir, data, reference):
     """A scheduler's SIGTERM: one line, exit 143, the lock released and no temporary left; --resume continues."""
     out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
-    ready, go = tmp_path / "ready", tmp_path / "go"
-    proc = _cli(_args(tiny_model_dir, data, out), WAIT_AT_CHUNK_2.format(ready=str(ready), go=str(go)))
-    while not ready.exists():
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(0.05)
+    proc = _held_before_chunk_2(tmp_path, _args(tiny_model_dir, data, out))
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143 and "Traceback" not in err
