@@ -127,10 +127,10 @@ def test_errors_name_options_as_the_caller_does(tmp_path, capsys):
     assert "gradspec: error: --split, --config-name and --streaming apply to" in capsys.readouterr().err
 
     (tmp_path / "run" / "model").mkdir(parents=True)
-    with pytest.raises(FileExistsError, match="pass overwrite or choose another out$"):
+    with pytest.raises(FileExistsError, match="pass overwrite to replace them or choose another out$"):
         check(TrainConfig(out=str(tmp_path / "run")))
     assert main(["train", "--out", str(tmp_path / "run")]) == 2
-    assert "pass --overwrite or choose another --out" in capsys.readouterr().err
+    assert "pass --overwrite to replace them or choose another --out" in capsys.readouterr().err
 
 
 def test_diagnose_thresholds_are_declared_options(capsys):

@@ -19,12 +19,12 @@ from gradspec.data.hub import loaded_once
 from gradspec.data.models import DEFAULT_MODEL, fit_to_context, input_device, load_model, placement
 from gradspec.data.readers import InputError, count_records, read_samples
 from gradspec.engine.spectral_engine import SpectralEngine
-from gradspec.environment import numerics
 from gradspec.options import OptionError, mention
 from gradspec.runs.chunks import score_samples
 from gradspec.runs.config import ScoreConfig, check_settings
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
 from gradspec.runs.fsdp import load_sharded, lockstep_engine
+from gradspec.runs.numerics import numerics
 from gradspec.runs.run_folder import MODEL_IDENTITY, NUMERICS, RunFolder, Shard, model_identity
 from gradspec.runs.score_files import file_metadata
 from gradspec.runs.task_set import task_batches

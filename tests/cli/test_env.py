@@ -32,7 +32,7 @@ def test_env_lists_cuda_devices_with_their_compute_capability(monkeypatch, capsy
 
 
 def test_env_names_the_cpu_model_and_its_vector_units(tmp_path):
-    from gradspec.environment import cpu
+    from gradspec.runs.numerics import cpu
 
     info = tmp_path / "cpuinfo"
     core = "model name\t: Intel(R) Xeon(R) Processor\nflags\t\t: fpu sse avx512f amx_tile\n"

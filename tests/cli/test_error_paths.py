@@ -329,8 +329,8 @@ def test_train_checks_its_data_and_settings_before_loading(capsys, tmp_path, run
     assert not (tmp_path / "t").exists()
     (tmp_path / "t" / "model").mkdir(parents=True)  # an earlier run
     assert _error(capsys, *base, "--data", run / "d.jsonl") == \
-        (f"--out {tmp_path / 't'} holds an earlier run (model, dynamics.parquet, monitor.parquet); pass --overwrite "
-         "or choose another --out")
+        (f"--out {tmp_path / 't'} holds an earlier run's model/; pass --overwrite to replace them or choose "
+         "another --out")
 
 
 def test_dynamics_and_diagnose_keep_what_exists(capsys, tmp_path, run, tiny_model_dir):
