@@ -18,7 +18,7 @@ from gradspec.data.errors import check_at_least
 from gradspec.data.in_memory import plain_value
 from gradspec.data.readers import Hub, InputError, read_records
 from gradspec.options import OptionError
-from gradspec.runs.score_files import complete, module_columns, module_mean, write_parquet
+from gradspec.runs.score_files import atomic_write, complete, module_columns, module_mean, write_parquet
 
 ALIGNMENT_COLUMNS = ("align_mean", "align_mean_gradient", "align_max")  # what "alignment" means, by preference
 
@@ -157,9 +157,18 @@ def write_selection(data: str | Path, chosen: pd.DataFrame, out: str | Path, col
             import pyarrow as pa
 
             write_parquet(pa.table(columns_of), out)
-    elif out.suffix == ".jsonl":
-        out.write_text("".join(json.dumps(r, ensure_ascii=False, default=plain_value) + "\n" for r in records),
-                       encoding="utf-8")
     else:
-        out.write_text(json.dumps(records, ensure_ascii=False, indent=1, default=plain_value), encoding="utf-8")
+        text = "".join(_json(r) + "\n" for r in records) if out.suffix == ".jsonl" else _json(records, indent=1)
+        atomic_write(out, lambda f: f.write(text.encode("utf-8")))
     return len(records)
+
+
+def _json(value, indent: int | None = None) -> str:
+    """JSON text with its characters as they are, or escaped where UTF-8 cannot hold them (a lone
+    surrogate in a column gradspec does not read), so that writing the selection cannot fail on them."""
+    text = json.dumps(value, ensure_ascii=False, indent=indent, default=plain_value)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(value, indent=indent, default=plain_value)
+    return text

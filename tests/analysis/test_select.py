@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gradspec.analysis.select import choose, combined_score, criteria, criterion_values
+from gradspec.analysis.select import choose, combined_score, criteria, criterion_values, write_selection
 from gradspec.cli import main
 
 
@@ -179,3 +179,19 @@ def test_criteria_are_read_strictly(by, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         criteria(by)
     assert criteria("effective_rank: 2, loss") == [("effective_rank", 2.0), ("loss", 1.0)]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_selection_whose_records_hold_text_utf8_cannot_is_written_escaped(tmp_path, suffix):
+    """A lone surrogate in a column gradspec does not read (nested here) reaches the selection as it
+    is: written as its JSON escape, not a UnicodeEncodeError after the scores were read."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"instruction": "a", "output": "b", "meta": {"note": "x \\ud800"}}\n'
+                    '{"instruction": "c", "output": "d", "meta": {"note": "caf\u00e9"}}\n', encoding="utf-8")
+    out = tmp_path / f"best{suffix}"
+    chosen = pd.DataFrame({"index": [0, 1], "effective_rank": [2.0, 1.0]})
+    assert write_selection(data, chosen, out, ["effective_rank"]) == 2
+    text = out.read_text(encoding="utf-8")
+    assert "\\ud800" in text and ("café" in text) == (suffix == ".jsonl")  # escaped record by record in JSONL
+    rows = [json.loads(line) for line in text.splitlines()] if suffix == ".jsonl" else json.loads(text)
+    assert rows[0]["meta"]["note"] == "x \ud800" and rows[1]["effective_rank"] == 1.0
