@@ -23,7 +23,11 @@ matrices, bias excluded: bergson's default modules), where
 - P is the identity for `--preconditioner none`, else the inverse of a
   Kronecker-factored Gauss-Newton Hessian fitted on the pool (bergson's
   HessianConfig.method kfac / shampoo / tkfac; ekfac = kfac with eigenvalue
-  correction), damped by bergson's default `damped_inverse` with damping_factor 0.1;
+  correction), damped by bergson's default `damped_inverse` with damping_factor 0.1,
+  the Fisher's labels sampled from the model (bergson's `use_dataset_labels=False`) on the
+  response positions; kfac/ekfac were run (2026-12-03), shampoo/tkfac only wired up.
+  bergson's Adam preconditioning (IndexConfig.optimizer_state: second moments from a
+  saved optimizer state) needs a training run's optimizer and is not offered here;
 - `--cosine` unit-normalizes the gradients first (cosine similarity; not with a
   factored preconditioner, which bergson refuses).
 
