@@ -107,6 +107,9 @@ def test_rows_in_memory_are_checked_as_a_file_s_and_errors_name_the_row(tmp_path
     skipped = gradspec.score(bad, tiny_model_dir, on_error="skip", progress=False)
     assert skipped["status"].tolist() == ["ok", "input_error", "ok"]
     assert skipped["error"][1] == "data[1]: missing field 'output'"
+    surrogate = [ROWS[0], {"instruction": "s \ud800", "output": "r"}]  # no UTF-8 holds it: hashed, then flagged
+    assert gradspec.score(surrogate, tiny_model_dir, on_error="skip", progress=False)["status"].tolist() == \
+        ["ok", "input_error"]
     with pytest.raises(ValueError, match=r"task\[0\]: expected Alpaca fields 'instruction', 'output'"):
         gradspec.align(ROWS, [{"question": "?"}], tiny_model_dir, progress=False)
     renamed = [{"prompt": r["instruction"], "answer": r["output"]} for r in ROWS[:2]]
