@@ -62,7 +62,7 @@ _RECORDED = ("model_path", "model")
 # The input files' sizes: recorded, warned about when they change, not refused: fixing a malformed
 # row (docs/inputs.md) changes its file, and the parts written before that row stay valid.
 _INPUT_SIZES = ("data_bytes", "task_bytes")
-NUMERICS = "numerics"  # in the manifest: what the rows' last bits depend on beside the config (environment.numerics)
+NUMERICS = "numerics"  # in the manifest: what the rows' last bits depend on beside the config (runs.numerics)
 FINGERPRINT = "config_fingerprint"  # in each part's metadata (and the merged file's): the run's config, hashed
 PART = "part"  # in each part's metadata: {"chunk", "first_row", "last_row"}
 LOCK_BEAT_S = 30.0  # a lock's owner refreshes its file's time this often
@@ -74,7 +74,7 @@ _WHOLE = "run.lock"
 _SHARD_LOCK = re.compile(r"shard-(\d+)-of-(\d+)\.lock")
 _DIGEST = ".sha256"  # beside each part (NNNNNNNN.parquet.sha256): the SHA-256 of its bytes, in hex
 _OURS = re.compile(r"(\d{8}\.parquet(\.sha256)?|manifest\.json|input_end\.json)")  # the files a run writes here
-_TEMPORARY = re.compile(r"(\d{8}\.parquet(\.sha256)?|manifest\.json|input_end\.json|.+\.lock)\.(tmp|stale)\d+")
+_TEMPORARY = re.compile(rf"({_OURS.pattern}|.+\.lock)\.(tmp|stale)\d+")  # a killed write's leftovers
 _MODEL_SUFFIXES = {".json", ".safetensors", ".bin", ".pt", ".pth", ".model", ".txt", ".gguf", ".py", ".tiktoken"}
 _SAMPLE = 1 << 16  # bytes read at each of a model file's start, middle and end for its fingerprint
 
@@ -273,14 +273,20 @@ class RunFolder:
         return True
 
     def _out_differences(self, config: dict[str, Any], unknown: tuple[str, ...]) -> list[str]:
-        try:
-            recorded = json.loads((pq.read_schema(self.out).metadata or {}).get(METADATA_KEY, b"{}"))
-        except (pa.ArrowException, OSError, ValueError) as e:
-            return [f"not a score file gradspec wrote ({' '.join(str(e).split())})"]
+        recorded = self._out_metadata()
+        if isinstance(recorded, str):
+            return [recorded]
         config = _as_json(config)
         keys = set(config) - set(unknown) - {NUMERICS}  # a finished file is this run's whatever threads made it
-        return _differences(recorded, config, keys, "in the file", "now") if isinstance(recorded, dict) else \
-            ["its gradspec metadata is not a mapping"]
+        return _differences(recorded, config, keys, "in the file", "now")
+
+    def _out_metadata(self) -> dict[str, Any] | str:
+        """What out records of its run, or why it records nothing readable."""
+        try:
+            recorded = schema_metadata(pq.read_schema(self.out))
+        except (pa.ArrowException, OSError, ValueError) as e:
+            return f"not a score file gradspec wrote ({' '.join(str(e).split())})"
+        return recorded if isinstance(recorded, dict) else "its gradspec metadata is not a mapping"
 
     def tidy_merged(self) -> bool:
         """Removes what a merge killed after its file was in place left behind (the parts it merged,
@@ -288,12 +294,8 @@ class RunFolder:
         whether there was any. Only where out's recorded fingerprint is the manifest's."""
         if not self.out.is_file() or not self.path.is_dir() or self.path.is_symlink():
             return False
-        manifest = self.manifest(damaged_ok=True)
-        try:
-            merged = json.loads((pq.read_schema(self.out).metadata or {}).get(METADATA_KEY, b"{}"))
-        except (pa.ArrowException, OSError, ValueError):
-            return False
-        if manifest is None or not isinstance(merged, dict) or \
+        manifest, merged = self.manifest(damaged_ok=True), self._out_metadata()
+        if manifest is None or isinstance(merged, str) or \
                 merged.get(FINGERPRINT) != config_fingerprint({k: v for k, v in manifest.items() if k != _SHARDS}):
             return False
         self._refuse_live_owner(Shard())
@@ -717,7 +719,7 @@ def _match(recorded: Any, now: Any) -> str:
             ways.append(f"its parts were cut into batches of at most {value} tokens: pass "
                         f"{mention('batch_tokens')} {value}")
         else:
-            ways.append(f"it ran with {key} {value!r}: continue it with the same")
+            ways.append(f"it ran with {key} {value!r}: run with the same")
     return "; ".join(ways) + " to continue it"
 
 
