@@ -47,14 +47,23 @@ class AlignmentCapture(KeptCapture):
         self.task, self.dtype = task, dtype
 
     def on_part(self, part: Part, captured: Captured) -> None:
-        inner, norms2 = self.task.parts[part.name].inner(captured.X, captured.D, captured.mask,
-                                                         captured.lengths.tolist(), self.dtype)
-        self.kept[part.name] = (captured.scatter(inner), captured.scatter(norms2))
+        directions = self.task.parts[part.name]
+        inner, norms2 = directions.inner(captured.X, captured.D, captured.mask, captured.lengths.tolist(), self.dtype)
+        unreached = directions.unreached() if part.routed else None
+        fills = (None, None) if unreached is None else unreached
+        self.kept[part.name] = (captured.scatter(inner, fills[0]), captured.scatter(norms2, fills[1]))
 
     def finish(self, scores) -> None:
-        per_part, model = cosines(self.task, self.kept, self.batch.N)
+        missed = [p.name for t in self.targets for p in t.parts if p.routed and p.name not in self.kept]
+        for name in missed if self.kept else ():  # routed parts no sample of the batch reached
+            unreached = self.task.parts[name].unreached()
+            if unreached is not None:
+                self.kept[name] = tuple(v.cpu().expand(self.batch.N, *v.shape) for v in unreached)
+        per_part, model, attribution = cosines(self.task, self.kept, self.batch.N)
         routed = {p.name for t in self.targets for p in t.parts if p.routed}
         per_part, model = flag_alignment(per_part, model, scores.scored, scores.flags, routed)
+        if attribution is not None:
+            scores.attribution = torch.where(scores.scored[:, None], attribution, torch.nan)
         scores.metrics = {p: torch.cat([scores.metrics[p], v], 1) if p in scores.metrics else v
                           for p, v in per_part.items()}
         scores.alignment = dict(zip(self.task.metric_names, model.unbind(1), strict=True))

@@ -24,13 +24,18 @@ def _aggregate(cos: torch.Tensor, mean_gradient: torch.Tensor, aggregates: tuple
 
 
 def cosines(task: TaskGradients, results: dict[str, tuple[torch.Tensor, torch.Tensor]], samples: int
-            ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """results[part] = (<G_i, W_k> (N, K), ||G_i||^2 (N,)) -> ({part: (N, A)}, whole model (N, A)),
-    A = len(task.aggregates), fp64 on the CPU; NaN where a norm is zero or not finite, and
-    everywhere when nothing was captured (no sample of the batch had a loss)."""
+            ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor | None]:
+    """results[part] = (<G_i, W_k> (N, K), ||G_i||^2 (N,)) -> ({part: (N, A)}, whole model (N, A),
+    attribution), A = len(task.aggregates), fp64 on the CPU; NaN where a norm is zero or not finite,
+    and everywhere when nothing was captured (no sample of the batch had a loss). attribution (with
+    task.attribution, else None): (N, m) whole-model inner products with each task example's gradient,
+    NaN for the examples left out."""
+    attribution = None
+    if task.attribution:
+        attribution = torch.full((samples, len(task.kept)), torch.nan, dtype=torch.float64)
     if not results:
         nan = torch.full((samples, len(task.aggregates)), torch.nan, dtype=torch.float64)
-        return {name: nan.clone() for name in task.parts}, nan
+        return {name: nan.clone() for name in task.parts}, nan, attribution
     results = {name: (inner.double().cpu(), n2.double().cpu()) for name, (inner, n2) in results.items()}
     per_part = {}
     model_inner = sum(inner for inner, _ in results.values())
@@ -46,6 +51,8 @@ def cosines(task: TaskGradients, results: dict[str, tuple[torch.Tensor, torch.Te
         else:
             found = {"mean_gradient": inner[:, 0] / (n2 * d.mean_norm2).sqrt(), "mean": inner[:, 1] / n2.sqrt()}
             per_part[name] = torch.stack([found[a] for a in task.aggregates], -1)
+    if task.attribution:
+        attribution[:, task.kept] = model_inner
     if task.per_example:
         cos = model_inner / (model_n2[:, None] * task.model_norms2[task.kept][None, :]).sqrt()
         model = _aggregate(cos, model_inner.mean(1) / (model_n2 * mean_norm2).sqrt(), task.aggregates)
@@ -53,7 +60,7 @@ def cosines(task: TaskGradients, results: dict[str, tuple[torch.Tensor, torch.Te
         found = {"mean_gradient": model_inner[:, 0] / (model_n2 * mean_norm2).sqrt(),
                  "mean": model_inner[:, 2] / model_n2.sqrt()}
         model = torch.stack([found[a] for a in task.aggregates], -1)
-    return per_part, model
+    return per_part, model, attribution
 
 
 def projected_cosines(pool: torch.Tensor, task: torch.Tensor, part_names: list[str], aggregates: tuple[str, ...]

@@ -12,6 +12,7 @@ same route and give the same numbers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,7 @@ class PartDirections:
     D: torch.Tensor | None = None
     owner: torch.Tensor | None = None
     device_coefficients: torch.Tensor | None = None
+    pool_gradient: Callable[[torch.Tensor], torch.Tensor] | None = None  # a pool-side preconditioner (dense)
 
     def follow(self, device: torch.device) -> None:
         """The held tensors moved to device, where the part's module runs (a dispatched model's
@@ -81,7 +83,8 @@ class PartDirections:
         (N, K) and ||G_i||^2 (N,), at dtype, on X's device."""
         self.follow(X.device)
         if self.route == "dense":
-            flat = per_sample_gradients(X, D, mask, dtype).flatten(1)
+            G = per_sample_gradients(X, D, mask, dtype)
+            flat = (G if self.pool_gradient is None else self.pool_gradient(G)).flatten(1)
             return flat @ self.W.flatten(1).T, flat.pow(2).sum(1)
         C = self.device_coefficients
         inner, norms2 = [], []
@@ -92,6 +95,15 @@ class PartDirections:
             inner.append(C @ per_example)
             norms2.append(gram_norms2(x, d))
         return torch.stack(inner), torch.stack(norms2)
+
+    def unreached(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """With a pool-side preconditioner, what a sample that did not reach the part (a routed one) has
+        there: its gradient is zero, but Adam's update of zero is not (the momentum). (<Γ(0), W_k> (K,),
+        ||Γ(0)||^2); None without one."""
+        if self.pool_gradient is None:
+            return None
+        flat = self.pool_gradient(self.W.new_zeros(1, *self.W.shape[1:])).flatten(1)
+        return (flat @ self.W.flatten(1).T)[0], flat.pow(2).sum()
 
     def task_inner(self) -> torch.Tensor:
         """<G_j, G_k> over the task examples (m, m), from the kept rows (cross route)."""

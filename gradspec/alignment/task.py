@@ -25,11 +25,11 @@ from gradspec.alignment.capture import KeptCapture
 from gradspec.alignment.directions import (
     ROUTES,
     PartDirections,
-    gram_norms2,
     held_values,
     per_sample_gradients,
     route_for,
 )
+from gradspec.alignment.preconditioner import Preconditioner
 from gradspec.layers.hooks import BatchLayout, Captured
 from gradspec.layers.registry import Part, Target
 from gradspec.linalg.host_copies import to_device
@@ -59,16 +59,21 @@ def alignment_metrics(aggregates: Sequence[str]) -> tuple[str, ...]:
 @dataclass
 class TaskGradients:
     """What the pool is compared with: per part, its directions; kept: which task examples count;
-    model_norms2 (m,): each example's squared gradient norm over every scored part."""
+    model_norms2 (m,): each example's squared gradient norm over every scored part (preconditioned,
+    where the preconditioner is task-side); attribution: each pool sample's inner product with every
+    kept example's gradient is kept too (BatchScores.attribution)."""
 
     aggregates: tuple[str, ...]
     parts: dict[str, PartDirections]
     kept: torch.Tensor
     model_norms2: torch.Tensor
+    attribution: bool = False
+    preconditioner: Preconditioner | None = None
 
     @property
     def per_example(self) -> bool:
-        return "max" in self.aggregates
+        """One direction per kept example (the max aggregate and the attribution need them)."""
+        return "max" in self.aggregates or self.attribution
 
     @property
     def metric_names(self) -> tuple[str, ...]:
@@ -76,16 +81,18 @@ class TaskGradients:
 
 
 class _Norms(KeptCapture):
-    """First pass: each example's ||G_j||^2 per part, from its Grams (no G formed), read once at the end."""
+    """First pass: each example's ||G_j||^2 per part (preconditioned where the task side is), from its
+    Grams where it can be (no G formed), read once at the end."""
 
-    def __init__(self, targets, batch: BatchLayout, dtype, rows: list[int], norms2: dict[str, dict[int, torch.Tensor]]):
+    def __init__(self, targets, batch: BatchLayout, dtype, rows: list[int], norms2: dict[str, dict[int, torch.Tensor]],
+                 preconditioner: Preconditioner):
         super().__init__(targets, batch)
-        self.dtype, self.rows, self.norms2 = dtype, rows, norms2
+        self.dtype, self.rows, self.norms2, self.preconditioner = dtype, rows, norms2, preconditioner
 
     def on_part(self, part: Part, captured: Captured) -> None:
         for k, n in enumerate(captured.lengths.tolist()):
             x, d = captured.X[k, :n].to(self.dtype), captured.D[k, :n].to(self.dtype)
-            self.norms2[part.name][self.rows[captured.batch_row(k)]] = gram_norms2(x, d)
+            self.norms2[part.name][self.rows[captured.batch_row(k)]] = self.preconditioner.task_norm2(part.name, x, d)
 
 
 class _Directions(KeptCapture):
@@ -93,10 +100,10 @@ class _Directions(KeptCapture):
     at coefficient 0): dense parts accumulate W += C[:, examples] G(examples); cross parts keep the rows."""
 
     def __init__(self, targets, batch: BatchLayout, dtype, rows: list[int], kept: torch.Tensor,
-                 parts: dict[str, PartDirections], kept_rows: dict[str, list]):
+                 parts: dict[str, PartDirections], kept_rows: dict[str, list], preconditioner: Preconditioner):
         super().__init__(targets, batch)
         self.dtype, self.parts, self.kept_rows = dtype, parts, kept_rows
-        self.rows, self.kept_examples = rows, kept
+        self.rows, self.kept_examples, self.preconditioner = rows, kept, preconditioner
 
     def on_part(self, part: Part, captured: Captured) -> None:
         p = self.parts[part.name]
@@ -106,28 +113,37 @@ class _Directions(KeptCapture):
         if not local:
             return
         p.follow(captured.X.device)
+        side = self.preconditioner.task_side(part.name)
         if p.route == "dense":
             take = to_device(torch.tensor(local), captured.X.device)
-            G = per_sample_gradients(captured.X[take], captured.D[take], captured.mask[take], self.dtype).flatten(1)
+            G = per_sample_gradients(captured.X[take], captured.D[take], captured.mask[take], self.dtype)
+            G = (G if side is None else side.task_gradient(G)).flatten(1)
             p.W += (p.device_coefficients[:, examples] @ G).view_as(p.W)
             return
         for k, example in zip(local, examples, strict=True):
             n = int(captured.lengths[k])  # copies: a view would keep the whole padded (fused) tensor alive
             x, d = captured.X[k, :n].to(self.dtype, copy=True), captured.D[k, :n].to(self.dtype, copy=True)
-            self.kept_rows[part.name].append((example, x, d))
+            self.kept_rows[part.name].append((example, *((x, d) if side is None else side.task_rows(x, d))))
 
 
 def collect_task(
     backward_pass: Pass, targets: list[Target], batches: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     aggregates: Sequence[str] | str = DEFAULT_AGGREGATES, dtype: torch.dtype = torch.float64, route: str = "auto",
-    budget_bytes: int | None = None,
+    budget_bytes: int | None = None, preconditioner: Preconditioner | None = None, attribution: bool = False,
 ) -> TaskGradients:
     """The task's directions from right-padded batches of its examples (in order: example j is the
     j-th row over all batches). route: "auto" (route_for, per part, within budget_bytes of held
-    directions: default GRADSPEC_TASK_BYTES or 8 GiB), or "dense" or "cross" for all."""
+    directions: default GRADSPEC_TASK_BYTES or 8 GiB), or "dense" or "cross" for all; a preconditioner
+    that is not Kronecker (EK-FAC, Adam) needs each G formed: dense for all. attribution: one direction
+    per example, and each pool sample's inner product with each kept."""
     aggregates = check_aggregates(aggregates)
     if route not in ("auto", *ROUTES):
         raise ValueError(f"route must be 'auto', 'dense' or 'cross', got {route!r}")
+    preconditioner = preconditioner or Preconditioner("none", {})
+    if preconditioner.kind not in ("none", "kfac"):
+        if route == "cross":
+            raise ValueError(f"the {preconditioner.kind} preconditioner needs each gradient formed: route 'dense'")
+        route = "dense"
     parts = [p for t in targets for p in t.parts]
     m = sum(len(b[0]) for b in batches)
     device = batches[0][0].device if batches else torch.device("cpu")
@@ -135,7 +151,7 @@ def collect_task(
     usable = torch.zeros(m, dtype=torch.bool)
     for rows, batch in _numbered(batches):
         layout = BatchLayout(batch[1].sum(1).cpu(), device)
-        _, _, finite, _ = backward_pass([_Norms(targets, layout, dtype, rows, found)], batch)
+        _, _, finite, _ = backward_pass([_Norms(targets, layout, dtype, rows, found, preconditioner)], batch)
         usable[rows] = finite.cpu()
     # An example a part never saw has no gradient there: a routed part (an expert) it did not reach,
     # or any part where it had no loss (then it is not usable anyway).
@@ -150,21 +166,24 @@ def collect_task(
         log.warning("task examples %s have no usable gradient (no response tokens, non-finite or zero); "
                     "left out", torch.nonzero(~kept).flatten().tolist())
     task_tokens = sum(int(b[1][k].sum()) for rows, b in _numbered(batches) for k, j in enumerate(rows) if kept[j])
-    coefficients = {p.name: _coefficients(norms2[p.name], model_norms2, kept, aggregates) for p in parts}
+    per_example = "max" in aggregates or attribution
+    coefficients = {p.name: _coefficients(norms2[p.name], model_norms2, kept, per_example) for p in parts}
     routes = _routes(parts, {n: len(c) for n, c in coefficients.items()}, task_tokens, route,
                      torch.finfo(dtype).bits // 8, budget_bytes)
     directions = {}
     for p in parts:
         C = coefficients[p.name]
         d = directions[p.name] = PartDirections(routes[p.name], C, norms2[p.name],
-                                                device_coefficients=C.to(device, dtype))
+                                                device_coefficients=C.to(device, dtype),
+                                                pool_gradient=preconditioner.pool_side(p.name))
         if d.route == "dense":
             d.W = torch.zeros(len(C), p.d_out, p.d_in, dtype=dtype, device=device)
     kept_rows: dict[str, list] = {name: [] for name, d in directions.items() if d.route == "cross"}
     for rows, batch in _numbered(batches):
         if kept[rows].any():
             layout = BatchLayout(batch[1].sum(1).cpu(), device)
-            backward_pass([_Directions(targets, layout, dtype, rows, kept, directions, kept_rows)], batch)
+            backward_pass([_Directions(targets, layout, dtype, rows, kept, directions, kept_rows, preconditioner)],
+                          batch)
     mean = (kept.double() / int(kept.sum())).to(device, dtype)
     for name, d in directions.items():
         if d.route == "cross":
@@ -173,11 +192,12 @@ def collect_task(
             d.owner = torch.cat([torch.full((len(x),), j, dtype=torch.long) for j, x, _ in rows]).to(d.X.device)
             inner = d.task_inner()
             d.mean_norm2 = float(mean.to(inner.device) @ inner @ mean.to(inner.device))
-        elif "max" in aggregates:
+        elif per_example:
             d.mean_norm2 = float(d.W.mean(0).pow(2).sum())
         else:
             d.mean_norm2 = float(d.W[0].pow(2).sum())
-    return TaskGradients(aggregates, directions, kept, model_norms2)
+    return TaskGradients(aggregates, directions, kept, model_norms2, attribution,
+                         None if preconditioner.kind == "none" else preconditioner)
 
 
 def _numbered(batches: Sequence[tuple[torch.Tensor, ...]]):
@@ -189,12 +209,12 @@ def _numbered(batches: Sequence[tuple[torch.Tensor, ...]]):
 
 
 def _coefficients(norms2: torch.Tensor, model_norms2: torch.Tensor, kept: torch.Tensor,
-                  aggregates: tuple[str, ...]) -> torch.Tensor:
-    """C (K, m), fp64: one row per kept example with "max"; else the mean gradient, and the means of
-    the examples' gradients over their part's norm (zero-norm examples out: NaN where none is left)
+                  per_example: bool) -> torch.Tensor:
+    """C (K, m), fp64: one row per kept example where per_example; else the mean gradient, and the means
+    of the examples' gradients over their part's norm (zero-norm examples out: NaN where none is left)
     and over their model-wide norm."""
     m = len(norms2)
-    if "max" in aggregates:
+    if per_example:
         return torch.eye(m, dtype=torch.float64)[kept]
     in_part = kept & (norms2 > 0)
     count = int(in_part.sum())

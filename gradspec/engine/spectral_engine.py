@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from gradspec.alignment.capture import AlignmentCapture
+from gradspec.alignment.preconditioner import Preconditioner
 from gradspec.alignment.projection import KroneckerProjection, ProjectionCapture
 from gradspec.alignment.task import DEFAULT_AGGREGATES, TaskGradients, collect_task
 from gradspec.data.models import input_device
@@ -61,6 +62,9 @@ class BatchScores:
             the response tokens; filled only with ``token_stats``.
         alignment: "align_<aggregate>" -> (N,) fp64 cosines over the whole scored model; filled
             only after ``set_task``.
+        attribution: (N, m) fp64, each sample's (preconditioned) gradient's inner product with each
+            task example's over the whole scored model, NaN where either has none; only after
+            ``set_task(..., attribution=True)``.
         projection: (N, dims) fp32 projected gradients, parts in order (gradspec.alignment.projection);
             NaN rows for samples not scored; None without ``project``.
         routed_tokens: "<experts module>.<e>" -> (N,) int64 tokens each sample routed to expert e,
@@ -76,6 +80,7 @@ class BatchScores:
     spectra: dict[str, list[np.ndarray]] = field(default_factory=dict)
     token_stats: dict[str, torch.Tensor] = field(default_factory=dict)  # see response_losses
     alignment: dict[str, torch.Tensor] = field(default_factory=dict)  # whole-model cosines, (N,) each
+    attribution: torch.Tensor | None = None  # (N, m) fp64: inner products with each task example's gradient
     projection: torch.Tensor | None = None  # (N, dims) fp32: gradspec.alignment.projection's, parts in order
     routed_tokens: dict[str, torch.Tensor] = field(default_factory=dict)  # "<experts>.<e>" -> (N,) tokens routed
     scored: torch.Tensor | None = None  # (N,) bool: which samples had a loss to differentiate
@@ -164,6 +169,7 @@ class SpectralEngine:
     def set_task(
         self, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         aggregates: list[str] | str = DEFAULT_AGGREGATES, route: str = "auto",
+        preconditioner: Preconditioner | None = None, attribution: bool = False,
     ) -> TaskGradients:
         """Compare every later batch's gradients with these task examples' (right-padded batches,
         as for score), under the model as it is now: call again to follow a training model. Adds the
@@ -179,11 +185,16 @@ class SpectralEngine:
             route: How each part's directions are held: "dense" (K d_out x d_in matrices), "cross"
                 (the task's own inputs and output gradients), or "auto": the cheaper per part,
                 within GRADSPEC_TASK_BYTES (default 8 GiB) of held directions.
+            preconditioner: Applied before the gradients are compared (gradspec.alignment.preconditioner:
+                K-FAC or EK-FAC on the task's side, Adam on each pool sample's); None: plain gradients.
+            attribution: Also each pool sample's inner product with every task example's gradient
+                (BatchScores.attribution): the per-(sample, example) influence scores.
 
         Returns:
             The task's directions, also kept as ``self.task``.
         """
-        self.task = collect_task(self.backward_pass, self.targets, batches, aggregates, self.policy.dtype, route)
+        self.task = collect_task(self.backward_pass, self.targets, batches, aggregates, self.policy.dtype, route,
+                                 preconditioner=preconditioner, attribution=attribution)
         return self.task
 
     @property

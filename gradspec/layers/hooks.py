@@ -180,11 +180,13 @@ class Captured:
         """These samples' entries of a per-batch-row tensor (N, ...)."""
         return values if self.rows is None else values[self._index(values.device)]
 
-    def scatter(self, values: torch.Tensor) -> torch.Tensor:
-        """(n, ...) values of these samples -> (N, ...), zero at the samples that did not reach the part."""
+    def scatter(self, values: torch.Tensor, fill: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, ...) values of these samples -> (N, ...), zero (or fill, shaped like one sample's values)
+        at the samples that did not reach the part."""
         if self.rows is None:
             return values
-        full = values.new_zeros((self.batch.N, *values.shape[1:]))
+        full = values.new_zeros((self.batch.N, *values.shape[1:])) if fill is None else \
+            fill.to(values).expand(self.batch.N, *values.shape[1:]).clone()
         return full.index_copy_(0, self._index(values.device), values)
 
 

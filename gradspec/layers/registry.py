@@ -38,10 +38,14 @@ class Part:
         """This part's columns of a captured output gradient (..., features)."""
         return D[..., slice(*self.features)]
 
+    def slice(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Its (d_out, d_in) block of a tensor shaped like its parameter (the .grad, an optimizer's moments)."""
+        block = tensor[self.index]
+        return block.T if self.transposed else block
+
     def gradient(self, parameters: dict[str, torch.Tensor]) -> torch.Tensor:
         """Its (d_out, d_in) gradient from the parameters' .grad (the reference's)."""
-        grad = parameters[self.parameter].grad[self.index]
-        return grad.T if self.transposed else grad
+        return self.slice(parameters[self.parameter].grad)
 
 
 class Target:
