@@ -28,11 +28,12 @@ def cosines(task: TaskGradients, results: dict[str, tuple[torch.Tensor, torch.Te
     """results[part] = (<G_i, W_k> (N, K), ||G_i||^2 (N,)) -> ({part: (N, A)}, whole model (N, A),
     attribution), A = len(task.aggregates), fp64 on the CPU; NaN where a norm is zero or not finite,
     and everywhere when nothing was captured (no sample of the batch had a loss). attribution (with
-    task.attribution, else None): (N, m) whole-model inner products with each task example's gradient,
-    NaN for the examples left out."""
+    task.attribution, else None): (N, width) whole-model inner products with each task example's
+    gradient, NaN for the examples (or task file rows) left out (TaskGradients.attribution_columns)."""
     attribution = None
     if task.attribution:
-        attribution = torch.full((samples, len(task.kept)), torch.nan, dtype=torch.float64)
+        width, positions = task.attribution_columns()
+        attribution = torch.full((samples, width), torch.nan, dtype=torch.float64)
     if not results:
         nan = torch.full((samples, len(task.aggregates)), torch.nan, dtype=torch.float64)
         return {name: nan.clone() for name in task.parts}, nan, attribution
@@ -52,7 +53,7 @@ def cosines(task: TaskGradients, results: dict[str, tuple[torch.Tensor, torch.Te
             found = {"mean_gradient": inner[:, 0] / (n2 * d.mean_norm2).sqrt(), "mean": inner[:, 1] / n2.sqrt()}
             per_part[name] = torch.stack([found[a] for a in task.aggregates], -1)
     if task.attribution:
-        attribution[:, task.kept] = model_inner
+        attribution[:, positions] = model_inner
     if task.per_example:
         cos = model_inner / (model_n2[:, None] * task.model_norms2[task.kept][None, :]).sqrt()
         model = _aggregate(cos, model_inner.mean(1) / (model_n2 * mean_norm2).sqrt(), task.aggregates)

@@ -69,6 +69,15 @@ class TaskGradients:
     model_norms2: torch.Tensor
     attribution: bool = False
     preconditioner: Preconditioner | None = None
+    example_rows: tuple[list[int], int] | None = None  # (the file row of each example, the file's rows)
+
+    def attribution_columns(self) -> tuple[int, torch.Tensor]:
+        """(width, positions): the attribution's width (the task file's rows, else its examples) and
+        where each kept example's values go in it."""
+        if self.example_rows is None:
+            return len(self.kept), torch.nonzero(self.kept).flatten()
+        rows, width = self.example_rows
+        return width, torch.tensor(rows, dtype=torch.long)[self.kept]
 
     @property
     def per_example(self) -> bool:
@@ -130,12 +139,14 @@ def collect_task(
     backward_pass: Pass, targets: list[Target], batches: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     aggregates: Sequence[str] | str = DEFAULT_AGGREGATES, dtype: torch.dtype = torch.float64, route: str = "auto",
     budget_bytes: int | None = None, preconditioner: Preconditioner | None = None, attribution: bool = False,
+    example_rows: tuple[list[int], int] | None = None,
 ) -> TaskGradients:
     """The task's directions from right-padded batches of its examples (in order: example j is the
     j-th row over all batches). route: "auto" (route_for, per part, within budget_bytes of held
     directions: default GRADSPEC_TASK_BYTES or 8 GiB), or "dense" or "cross" for all; a preconditioner
     that is not Kronecker (EK-FAC, Adam) needs each G formed: dense for all. attribution: one direction
-    per example, and each pool sample's inner product with each kept."""
+    per example, and each pool sample's inner product with each kept, laid out over the task file's rows
+    where example_rows gives them ((the file row of each example, the file's rows); NaN for rows left out)."""
     aggregates = check_aggregates(aggregates)
     if route not in ("auto", *ROUTES):
         raise ValueError(f"route must be 'auto', 'dense' or 'cross', got {route!r}")
@@ -197,7 +208,7 @@ def collect_task(
         else:
             d.mean_norm2 = float(d.W[0].pow(2).sum())
     return TaskGradients(aggregates, directions, kept, model_norms2, attribution,
-                         None if preconditioner.kind == "none" else preconditioner)
+                         None if preconditioner.kind == "none" else preconditioner, example_rows)
 
 
 def _numbered(batches: Sequence[tuple[torch.Tensor, ...]]):

@@ -9,7 +9,7 @@ from typing import Any
 
 from gradspec.cli.given import refuse_unused
 from gradspec.cli.options import add_options, options_from_args
-from gradspec.runs.config import RunSettings, ScoreConfig
+from gradspec.runs.config import ALIGN_ONLY, RunSettings, ScoreConfig
 from gradspec.runs.run_folder import INPUT_ERROR, RunFolder, Shard
 from gradspec.runs.scoring import run as run_scoring
 from gradspec.runs.summary import run_summary, written
@@ -24,7 +24,7 @@ def _shard(text: str) -> Shard:
 
 def add_parser(sub) -> None:
     add_run_arguments(sub.add_parser("score", help="per-sample gradient spectra of a dataset -> Parquet"),
-                      "scores.parquet", skip=("task", "aggregate", "spectra", "project"))
+                      "scores.parquet", skip=("task", "aggregate", "spectra", "project", *ALIGN_ONLY))
 
 
 def add_run_arguments(p: argparse.ArgumentParser, out: str, skip: tuple[str, ...] = (),

@@ -170,6 +170,7 @@ class SpectralEngine:
         self, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         aggregates: list[str] | str = DEFAULT_AGGREGATES, route: str = "auto",
         preconditioner: Preconditioner | None = None, attribution: bool = False,
+        example_rows: tuple[list[int], int] | None = None,
     ) -> TaskGradients:
         """Compare every later batch's gradients with these task examples' (right-padded batches,
         as for score), under the model as it is now: call again to follow a training model. Adds the
@@ -189,12 +190,14 @@ class SpectralEngine:
                 K-FAC or EK-FAC on the task's side, Adam on each pool sample's); None: plain gradients.
             attribution: Also each pool sample's inner product with every task example's gradient
                 (BatchScores.attribution): the per-(sample, example) influence scores.
+            example_rows: (the task file's row of each example, its rows): the attribution laid out
+                over the file's rows, NaN for those left out (default: over the examples given).
 
         Returns:
             The task's directions, also kept as ``self.task``.
         """
         self.task = collect_task(self.backward_pass, self.targets, batches, aggregates, self.policy.dtype, route,
-                                 preconditioner=preconditioner, attribution=attribution)
+                                 preconditioner=preconditioner, attribution=attribution, example_rows=example_rows)
         return self.task
 
     @property

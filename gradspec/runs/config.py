@@ -10,6 +10,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from gradspec.alignment.kfac import DAMPING
+from gradspec.alignment.preconditioner import PRECONDITIONERS
 from gradspec.alignment.task import AGGREGATES, DEFAULT_AGGREGATES, check_aggregates
 from gradspec.data.batching import BATCH_TOKENS, CPU_BATCH_TOKENS
 from gradspec.data.hub import is_dataset_name
@@ -39,9 +41,12 @@ from gradspec.data.shared_options import (
 from gradspec.engine.spectral_engine import METHODS
 from gradspec.layers.roles import PRESETS
 from gradspec.linalg.policy import BACKENDS, PRECISIONS
-from gradspec.options import OptionError, check_options, option, typed
+from gradspec.options import OptionError, check_options, mention, option, typed
 from gradspec.runs.run_folder import CHUNK_ROWS
 from gradspec.runs.score_files import METADATA_KEY
+
+# align's options alone: score and project leave them out
+ALIGN_ONLY = ("attribution", "precondition", "damping", "factors", "fit_data", "fit_limit", "optimizer_state")
 
 
 def _aggregates(name: str, value: Any) -> str:
@@ -83,6 +88,21 @@ class ScoreConfig:
     aggregate: str = option(",".join(DEFAULT_AGGREGATES), f"comma-separated, of {', '.join(AGGREGATES)}: the "
                             "cosine with the task's mean gradient, the mean and the max of the cosines with each "
                             "example's (max keeps one gradient per example and module)", convert=_aggregates)
+    attribution: bool = option(False, "also each sample's inner product with every target example's gradient: a "
+                               "list column (attribution) over the target file's rows, the influence scores "
+                               "`gradspec validate` tests", kind="bool")
+    precondition: str = option("none", "kfac or ekfac: the training data's curvature (fitted on fit_data) applied to "
+                               "the target's gradients; adam: each sample's gradient as the update a checkpoint's "
+                               "AdamW state takes for it (LESS; optimizer_state); none: plain gradients",
+                               choices=PRECONDITIONERS)
+    damping: float = option(DAMPING, "K-FAC/EK-FAC damping, relative to the mean eigenvalue", kind="float")
+    factors: str | None = option(None, "K-FAC/EK-FAC factors file (.safetensors): read where it exists, else fitted "
+                                 "and written there for later runs", kind="path?")
+    fit_data: str | None = option(None, "training data the K-FAC/EK-FAC factors are fitted on (default: data)",
+                                  kind="path?")
+    fit_limit: int | None = option(None, "fit on the first N rows of fit_data only", kind="int?", at_least=1)
+    optimizer_state: str | None = option(None, "adam: a transformers Trainer checkpoint of the model scored (its "
+                                         "folder, holding optimizer.pt)", kind="path?")
     spectra: bool = option(True, "also the spectral metrics, in the same pass", kind="bool")
     project: int = option(0, "projection size per side: each sample's gradient stored under a k x k Kronecker "
                           "projection per module, for align's store (0: none)", kind="int", at_least=0, flag="--k")
@@ -110,6 +130,18 @@ class ScoreConfig:
             del info["seed"]
         if not self.project:
             del info["project"]
+        if self.task is None or not self.attribution:  # a run describes itself as before these options existed
+            del info["attribution"]
+        if self.task is None or self.precondition == "none":
+            del info["precondition"]
+        if self.precondition not in ("kfac", "ekfac"):
+            for key in ("damping", "factors", "fit_data", "fit_limit"):
+                del info[key]
+        elif info["fit_data"] is not None:
+            info["fit_data"] = str(Path(info["fit_data"]).resolve()) if Path(info["fit_data"]).exists() else \
+                info["fit_data"]
+        if self.precondition != "adam":
+            del info["optimizer_state"]
         if self.task is None:  # a spectra run describes itself as before alignment existed
             del info["task"], info["aggregate"]
         if self.task is None and not self.project:
@@ -130,6 +162,7 @@ class ScoreConfig:
         were checked where the config was made): a clear error for each."""
         if not self.spectra and self.task is None and not self.project:
             raise ValueError("nothing to compute: spectra are off, and neither a task file nor a projection is given")
+        self._check_preconditioning()
         if self.hub != Hub() and self.data is not None and (Path(self.data).is_file() or is_label(self.data)):
             what = "rows given in memory" if is_label(self.data) else "a file"
             raise OptionError(("split", "config_name", "streaming"), f"apply to data read through datasets (a Hub "
@@ -144,6 +177,29 @@ class ScoreConfig:
                 raise OptionError(name, f"{path}: a file gradspec wrote (scores, a store), not training data; "
                                   "pass the data it scored")
         check_model(self.model)
+
+    def _check_preconditioning(self) -> None:
+        """Each preconditioning option only with a task and the preconditioner it belongs to."""
+        if self.task is None:
+            given = [n for n in ("attribution", "precondition") if getattr(self, n) not in (False, "none")]
+            if given:
+                raise OptionError(given, f": only with {mention('task')} (gradspec align)")
+        fitted = self.precondition in ("kfac", "ekfac")
+        given = [n for n in ("factors", "fit_data", "fit_limit") if getattr(self, n) is not None]
+        if self.damping != DAMPING:
+            given.append("damping")
+        if given and not fitted:
+            raise OptionError(given, f": only with {mention('precondition')} kfac or ekfac")
+        if self.damping <= 0:
+            raise OptionError("damping", f"must be above 0, got {self.damping}")
+        if (self.optimizer_state is not None) != (self.precondition == "adam"):
+            raise OptionError("optimizer_state" if self.optimizer_state is not None else "precondition",
+                              f"{mention('precondition')} adam reads {mention('optimizer_state')}: give both or "
+                              "neither")
+        for name in ("fit_data", "optimizer_state"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).exists():
+                raise OptionError(name, f"{path}: no such file or folder")
 
     def records(self) -> int:
         """Rows the run covers: the input's, up to the limit (the limit, for a streamed split

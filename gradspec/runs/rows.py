@@ -15,7 +15,15 @@ from gradspec.data.readers import Sample
 from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
 from gradspec.runs.classic_scores import CLASSIC_COLUMNS, loss_ratios, losses_alone, response_text
 from gradspec.runs.run_folder import INPUT_ERROR
-from gradspec.runs.score_files import PROJECTION, ROUTED_TOKENS, SPECTRA, carried_name, column, metric_columns
+from gradspec.runs.score_files import (
+    ATTRIBUTION,
+    PROJECTION,
+    ROUTED_TOKENS,
+    SPECTRA,
+    carried_name,
+    column,
+    metric_columns,
+)
 
 log = logging.getLogger("gradspec")
 
@@ -81,6 +89,8 @@ def fill_scores(row: dict[str, Any], result: BatchScores | None, k: int, names: 
         row[column(name, SPECTRA)] = sigmas[k].tolist()
     row.update({name: float(values[k]) for name, values in result.token_stats.items()})
     row.update({name: float(values[k]) for name, values in result.alignment.items()})
+    if result.attribution is not None:
+        row[ATTRIBUTION] = result.attribution[k].tolist()
     if result.projection is not None and bool(torch.isfinite(result.projection[k]).all()):
         row[PROJECTION] = result.projection[k].numpy()
 
@@ -93,6 +103,8 @@ def with_every_column(row: dict[str, Any], engine: SpectralEngine) -> dict[str, 
     if engine.task is not None:
         for name in engine.task.metric_names:
             row.setdefault(name, math.nan)
+        if engine.task.attribution:
+            row.setdefault(ATTRIBUTION, None)
     if engine.projection is not None:
         row.setdefault(PROJECTION, None)
     for name in engine.part_names:

@@ -21,6 +21,7 @@ from gradspec.linalg.metrics import METRICS, metrics_dict
 BASE_COLUMNS = ("index", "status", "error", "loss", "num_tokens", "num_response_tokens")
 SPECTRA = "singular_values"
 ROUTED_TOKENS = "routed_tokens"  # per expert, "<experts module>.<e>/routed_tokens": the sample's tokens sent there
+ATTRIBUTION = "attribution"  # align --attribution's column: per task file row, the inner product with its gradient
 PROJECTION = "projected_gradient"  # a store's column: gradspec.alignment.projection's values, fp32
 METADATA_KEY = b"gradspec"
 

@@ -25,9 +25,10 @@ from gradspec.runs.config import ScoreConfig, check_settings
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
 from gradspec.runs.fsdp import load_sharded, lockstep_engine
 from gradspec.runs.numerics import numerics
+from gradspec.runs.preconditioning import run_preconditioner
 from gradspec.runs.run_folder import MODEL_IDENTITY, NUMERICS, RunFolder, Shard, model_identity
 from gradspec.runs.score_files import file_metadata
-from gradspec.runs.task_set import task_batches
+from gradspec.runs.task_set import task_examples
 
 log = logging.getLogger("gradspec")
 
@@ -52,9 +53,12 @@ def load_engine(config: ScoreConfig, device: str, backend: str, trust_remote_cod
         lockstep_engine(engine, device)
     max_length = fit_to_context(config.max_length, net)
     if config.task is not None:  # under FSDP in lockstep: every rank runs the task's passes
-        batches = task_batches(config.task, tokenizer, config.fields, config.template, max_length,
-                               batch_tokens, input_device(net))
-        engine.set_task(batches, config.aggregate)
+        batches, rows = task_examples(config.task, tokenizer, config.fields, config.template, max_length,
+                                      batch_tokens, input_device(net))
+        preconditioner = run_preconditioner(config, engine, net, tokenizer, max_length, batch_tokens,
+                                            input_device(net))
+        engine.set_task(batches, config.aggregate, preconditioner=preconditioner, attribution=config.attribution,
+                        example_rows=(rows, count_records(config.task)))
     return engine, tokenizer, placed, max_length
 
 
@@ -217,6 +221,8 @@ def _metadata(config: ScoreConfig, engine: SpectralEngine, info: dict[str, Any],
         metadata["projection"] = engine.projection.describe()
     if engine.task is not None:
         metadata["task_examples"] = {"kept": int(engine.task.kept.sum()), "rows": count_records(config.task)}
+        if engine.task.preconditioner is not None:
+            metadata["preconditioner"] = engine.task.preconditioner.describe()
     return metadata
 
 
