@@ -13,6 +13,8 @@ from gradspec.alignment.adam import read_adam_state
 from gradspec.alignment.kfac import KFACFactors
 from gradspec.cli import main
 from gradspec.data.models import load_model
+from gradspec.data.readers import InputError
+from gradspec.runs.checkpoint_sum import sum_over_checkpoints
 from gradspec.runs.score_files import read_metadata
 
 POOL = [
@@ -94,8 +96,9 @@ def test_preconditioning_options_are_checked_before_the_model_loads(tmp_path, fl
     assert message in capsys.readouterr().err
 
 
-def _trainer_checkpoint(model_dir, tmp_path):
-    """Two AdamW steps of transformers' Trainer on the pool, saved as a checkpoint; the Trainer too."""
+def _trainer_checkpoint(model_dir, tmp_path, every: int = 2):
+    """Two AdamW steps of transformers' Trainer on the pool, saved as a checkpoint (and every N steps);
+    the Trainer too."""
     from transformers import Trainer, TrainingArguments
 
     model, tokenizer = load_model(str(model_dir))
@@ -103,7 +106,7 @@ def _trainer_checkpoint(model_dir, tmp_path):
     rows = [{"input_ids": torch.tensor(x + [0] * (16 - len(x))), "labels": torch.tensor(x + [-100] * (16 - len(x))),
              "attention_mask": torch.tensor([1] * len(x) + [0] * (16 - len(x)))} for x in ids]
     args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=2,
-                             learning_rate=1e-3, save_strategy="steps", save_steps=2, report_to=[], use_cpu=True,
+                             learning_rate=1e-3, save_strategy="steps", save_steps=every, report_to=[], use_cpu=True,
                              weight_decay=0.01, lr_scheduler_type="constant")
     trainer = Trainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer)
     trainer.train()
@@ -140,3 +143,25 @@ def test_ekfac_runs_and_records_its_factors(tmp_path, tiny_model_dir):
                      "--factors", str(factors))
     assert meta["preconditioner"]["factors"]["path"] == str(factors.resolve())
     assert KFACFactors.load(factors, []).kind == "ekfac"
+
+
+def test_checkpoints_are_summed_with_their_learning_rates(tmp_path, tiny_model_dir):
+    _trainer_checkpoint(tiny_model_dir, tmp_path, every=1)
+    files = []
+    for step in (1, 2):
+        checkpoint = tmp_path / "run" / f"checkpoint-{step}"
+        _align(tmp_path, checkpoint, tmp_path / f"a{step}.parquet", "--precondition", "adam",
+               "--optimizer-state", str(checkpoint))
+        files.append(tmp_path / f"a{step}.parquet")
+    summed = sum_over_checkpoints(files, tmp_path / "sum.parquet")
+    parts = [pd.read_parquet(f) for f in files]
+    want = 1e-3 * _attribution(parts[0]) + 1e-3 * _attribution(parts[1])
+    torch.testing.assert_close(_attribution(summed), want, rtol=1e-12, atol=0, equal_nan=True)
+    assert summed["align_mean"].tolist() == pytest.approx((1e-3 * parts[0]["align_mean"]
+                                                           + 1e-3 * parts[1]["align_mean"]).tolist())
+    assert read_metadata(tmp_path / "sum.parquet")["weights"] == [1e-3, 1e-3]
+    half = sum_over_checkpoints(files, tmp_path / "half.parquet", weights=[0.5, 0.0])
+    torch.testing.assert_close(_attribution(half), 0.5 * _attribution(parts[0]), equal_nan=True)
+    _align(tmp_path, tiny_model_dir, tmp_path / "plain.parquet")
+    with pytest.raises(InputError, match="plain.parquet: no learning rate recorded"):
+        sum_over_checkpoints([files[0], tmp_path / "plain.parquet"], tmp_path / "x.parquet")
