@@ -104,7 +104,8 @@ def summary(analysis: Analysis, confidence: float = 0.95) -> str:
             lines.append(f"  {label}: loss {r.loss:.4f}" + ("" if r.selection == "random" else
                                                             f", gain {r.gain:+.4f} [{r.gain_low:+.4f}, "
                                                             f"{r.gain_high:+.4f}] over {r.seeds} seeds"))
-    return "\n".join(lines) or "no scores to analyse (--scores) and no outcome retrains in " + ", ".join(analysis.files)
+    return "\n".join(lines) or (f"next: gradspec validate --runs {' '.join(analysis.files)} --scores FILE[:COLUMN] "
+                                 "... --report DIR (the LDS of each score against these retrains)")
 
 
 def write_report(analysis: Analysis, out: str | Path, overwrite: bool = False, confidence: float = 0.95) -> Path:

@@ -240,7 +240,13 @@ def test_bad_scores_are_named_by_file_and_field(tmp_path, reference, inputs, cap
     assert "--subsets has no effect with --runs" in capsys.readouterr().err
 
 
-def test_options_are_checked_before_the_model_loads(tmp_path, inputs, capsys):
+def test_options_are_checked_before_the_model_loads(tmp_path, inputs, reference, capsys, monkeypatch):
+    from gradspec.validation import run
+
+    def load_model(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(run, "load_model", load_model)
     base = ["validate", "--data", str(inputs / "train.jsonl"), "--out", str(tmp_path / "v.parquet")]
     assert main(base) == 2
     assert "--target is required" in capsys.readouterr().err
@@ -248,6 +254,10 @@ def test_options_are_checked_before_the_model_loads(tmp_path, inputs, capsys):
     assert "--fraction must be between 0 and 1 (not either), got 1.0" in capsys.readouterr().err
     assert main([*base, "--target", str(inputs / "task.jsonl"), "--metric", "nowhere_at_all:f"]) == 2
     assert "--metric nowhere_at_all:f: cannot be imported" in capsys.readouterr().err
+    assert main([*base[:-2], "--target", str(inputs / "task.jsonl"), "--out", str(reference)]) == 2
+    assert f"{reference} exists; pass --overwrite or choose another --out" in capsys.readouterr().err
+    assert main([*base, "--target", str(inputs / "task.jsonl"), "--subsets", "0"]) == 2
+    assert "--subsets and --outcome: nothing to retrain" in capsys.readouterr().err
 
 
 def test_lora_retrains_train_adapters_and_leave_the_model_as_found(tokenizer, monkeypatch, tmp_path, inputs, capsys):
