@@ -17,7 +17,7 @@ from typing import Any
 from gradspec.data.batching import BATCH_TOKENS, Item
 from gradspec.data.errors import InputError, check_parquet_out, check_writable
 from gradspec.data.models import DEFAULT_MODEL, fit_to_context, load_model
-from gradspec.data.readers import data_samples, read_samples
+from gradspec.data.readers import Sample, data_samples, read_samples
 from gradspec.data.templates import check_response_tokens, tokenize
 from gradspec.options import OptionError
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
@@ -67,45 +67,60 @@ def job_count(config: ValidateConfig) -> int:
     return config.subsets + config.seeds * per_seed
 
 
-def plan(config: ValidateConfig, pool: Pool) -> list[Job]:
-    """Every retrain, in chunk order: the LDS subsets, then each seed's outcome selections."""
+def outcome_scores(config: ValidateConfig, rows: int, targets: int) -> dict[str, Any]:
+    """The outcome's scores, one value per row index (an attribution: its mean over targets), read before
+    the model loads so that a bad file is named at once."""
+    scores: dict[str, Any] = {}
+    for spec in config.outcome:
+        score = read_score(spec, rows, targets)
+        if score.name in scores or score.name in (RANDOM, LENGTH):
+            raise OptionError("outcome", f"{spec}: a second score named {score.name}; give each another file or "
+                              "column")
+        scores[score.name] = score.per_sample()
+    return scores
+
+
+def plan(config: ValidateConfig, pool: Pool, scores: dict[str, Any]) -> list[Job]:
+    """Every retrain, in chunk order: the LDS subsets, then each seed's outcome selections by scores."""
     jobs = [Job(LDS, k, None, 0, config.seed, config.fraction,
                 lds_subset(pool.indices, config.fraction, config.seed, k)) for k in range(config.subsets)]
     if config.outcome:
-        scores = {}
-        for spec in config.outcome:
-            score = read_score(spec, pool.rows, len(pool.targets))
-            if score.name in scores or score.name in (RANDOM, LENGTH):
-                raise OptionError("outcome", f"{spec}: a second score named {score.name}; give each another file "
-                                  "or column")
-            scores[score.name] = score.per_sample()
         num_tokens = {i: t.num_tokens for i, t in pool.tokens.items()}
         response = {i: t.num_response_tokens for i, t in pool.tokens.items()}
         for s in outcome_plan(scores, pool.indices, num_tokens, response, config.top, config.seeds,
                               config.length_buckets, config.seed):
             jobs.append(Job(OUTCOME, None, s.name, s.buckets, config.seed + s.seed, config.top, s.members))
+    if len(jobs) != job_count(config):
+        raise RuntimeError(f"the plan holds {len(jobs)} retrains, job_count {job_count(config)}")
     return jobs
 
 
-def read_pool(config: ValidateConfig, tokenizer, max_length: int) -> Pool:
-    """The training rows and target examples, tokenized as gradspec scores them; stops where most rows have
-    no response token (a template or tokenizer problem, not the data)."""
+def read_rows(config: ValidateConfig) -> tuple[list[Sample], list[Sample]]:
+    """The training rows and the target examples, read before the model loads (a malformed row is named
+    at once)."""
     samples = list(data_samples(config.data, config.fields, config.limit))
+    targets = list(read_samples(config.target, config.fields))
+    if not targets:
+        raise InputError(f"{config.target}: no rows; the retrains measure the loss of its examples")
+    return samples, targets
+
+
+def read_pool(config: ValidateConfig, samples: list[Sample], targets: list[Sample], tokenizer,
+              max_length: int) -> Pool:
+    """The rows and targets tokenized as gradspec scores them; the pool is the rows with response tokens.
+    Stops where most rows have none (a template or tokenizer problem, not the data)."""
     tokens = {s.index: tokenize(s.messages, tokenizer, config.template, max_length) for s in samples}
     check_response_tokens(Counter(t.status for t in tokens.values()))
     usable = {i: t for i, t in tokens.items() if t.scorable and t.num_response_tokens > 0}
     if len(usable) < 2:
         raise InputError(f"{config.data or 'humaneval'}: {len(usable)} rows with response tokens; retraining on "
                          "subsets needs 2 or more")
-    targets = [Item(s, tokenize(s.messages, tokenizer, config.template, max_length))
-               for s in read_samples(config.target, config.fields)]
-    if not targets:
-        raise InputError(f"{config.target}: no rows; the retrains measure the loss of its examples")
-    unusable = sum(not t.tokens.num_response_tokens for t in targets)
+    items = [Item(s, tokenize(s.messages, tokenizer, config.template, max_length)) for s in targets]
+    unusable = sum(not t.tokens.num_response_tokens for t in items)
     if unusable:
         log.warning("%d of %d target examples have no response token: their loss is NaN, and they count in no LDS",
-                    unusable, len(targets))
-    return Pool(len(samples), usable, targets)
+                    unusable, len(items))
+    return Pool(len(samples), usable, items)
 
 
 def row(index: int, job: Job, result) -> dict[str, Any]:
@@ -141,12 +156,13 @@ def retrain(config: ValidateConfig, settings: ValidateSettings, shard: Shard | N
         folder.merge(job_count(config), 1)  # every retrain done (by shards, say): only the merge is left
         return 0
     metric = metric_function(config.metric) if config.metric else None
+    samples, targets = read_rows(config)
+    scores = outcome_scores(config, len(samples), len(targets))
     with Group() if ranks else nullcontext() as group:
         device = bind_device(settings.device) if ranks else settings.device
         model, tokenizer = load_model(config.model, device, progress=settings.progress)
-        pool = read_pool(config, tokenizer, fit_to_context(config.max_length, model))
-        jobs = plan(config, pool)
-        assert len(jobs) == job_count(config)
+        pool = read_pool(config, samples, targets, tokenizer, fit_to_context(config.max_length, model))
+        jobs = plan(config, pool, scores)
         info = {**info, **(identity or model_identity(config.model) or
                            {"model_path": config.model or DEFAULT_MODEL, "model_fingerprint": None})}
         if group is not None:

@@ -132,12 +132,12 @@ def inputs(tmp_path_factory):
     return folder
 
 
-def _args(model, folder, out, *extra):
+def _args(model, folder, out, *extra, subsets=4, seeds=1):
     """4 LDS retrains and the outcome of my_score (random, length, my_score, my_score over 2 length
     buckets) over 1 seed: 8 retrains of 1 or 2 steps each."""
     return ["validate", "--model", str(model), "--data", str(folder / "train.jsonl"), "--target",
-            str(folder / "task.jsonl"), "--out", str(out), "--subsets", "4", "--batch-size", "2",
-            "--learning-rate", "1e-3", "--outcome", f"{folder / 's.parquet'}:my_score", "--seeds", "1",
+            str(folder / "task.jsonl"), "--out", str(out), "--subsets", str(subsets), "--batch-size", "2",
+            "--learning-rate", "1e-3", "--outcome", f"{folder / 's.parquet'}:my_score", "--seeds", str(seeds),
             "--length-buckets", "2", "--quiet", *extra]
 
 
@@ -258,6 +258,8 @@ def test_options_are_checked_before_the_model_loads(tmp_path, inputs, reference,
     assert f"{reference} exists; pass --overwrite or choose another --out" in capsys.readouterr().err
     assert main([*base, "--target", str(inputs / "task.jsonl"), "--subsets", "0"]) == 2
     assert "--subsets and --outcome: nothing to retrain" in capsys.readouterr().err
+    assert main([*base, "--target", str(inputs / "task.jsonl"), "--outcome", f"{inputs / 's.parquet'}:nope"]) == 2
+    assert f"{inputs / 's.parquet'}: no column 'nope'" in capsys.readouterr().err
 
 
 def test_lora_retrains_train_adapters_and_leave_the_model_as_found(tokenizer, monkeypatch, tmp_path, inputs, capsys):
@@ -278,3 +280,21 @@ def test_lora_retrains_train_adapters_and_leave_the_model_as_found(tokenizer, mo
                  "--out", str(tmp_path / "v.parquet"), "--lora-rank", "4"]) == 2
     assert "--lora-rank trains LoRA adapters with peft, which is not installed: pip install peft" in \
         capsys.readouterr().err
+
+
+def test_the_outcome_reports_a_metric_s_gain_over_random(tmp_path, tiny_model_dir, inputs, monkeypatch, capsys):
+    """--metric module:function runs after each retrain; the outcome reports its gain over random's, seed by seed."""
+    (tmp_path / "my_metric.py").write_text("def weight_sum(model, tokenizer):\n"
+                                           "    return float(sum(p.double().sum() for p in model.parameters()))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    out = tmp_path / "o.parquet"
+    args = _args(tiny_model_dir, inputs, out, "--metric", "my_metric:weight_sum", "--report", str(tmp_path / "r"),
+                 subsets=0, seeds=2)
+    assert main(args) == 0
+    table = pd.read_parquet(out)
+    assert len(table) == 2 * 4 and table["metric"].notna().all() and table["seed"].tolist() == [0] * 4 + [1] * 4
+    outcome = pd.read_csv(tmp_path / "r" / "outcome.csv").set_index(["selection", "buckets"])
+    mine, random = table.iloc[[2, 6]]["metric"].to_numpy(), table.iloc[[0, 4]]["metric"].to_numpy()
+    assert outcome.loc[("s:my_score", 0), "metric_gain"] == pytest.approx((mine - random).mean())
+    assert outcome.loc[("s:my_score", 0), "seeds"] == 2 and "gain" in capsys.readouterr().out
