@@ -18,7 +18,8 @@ from gradspec.cli.options import flags_of
 from gradspec.data.readers import InputError
 from gradspec.options import OptionError, declared
 
-_NAMES = ("score", "align", "project", "select", "report", "merge", "train", "dynamics", "diagnose", "env")
+_NAMES = ("score", "align", "project", "select", "report", "merge", "train", "dynamics", "diagnose", "validate",
+          "env")
 
 
 class _Commands(Mapping[str, ModuleType]):

@@ -139,7 +139,7 @@ def test_a_model_folder_that_cannot_load(capsys, tmp_path, tiny_model_dir):
                                 "score -h"),
     (["select", "--scores", "s.parquet"], "the following arguments are required: --out, --by; see gradspec select -h"),
     (["scor"], "argument command: invalid choice: 'scor' (choose from 'score', 'align', 'project', 'select', "
-               "'report', 'merge', 'train', 'dynamics', 'diagnose', 'env'); see gradspec -h"),
+               "'report', 'merge', 'train', 'dynamics', 'diagnose', 'validate', 'env'); see gradspec -h"),
 ])
 def test_argument_errors_are_one_line_too(capsys, nothing_loads, argv, message):
     with pytest.raises(SystemExit) as stop:

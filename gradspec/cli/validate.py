@@ -1,0 +1,66 @@
+"""`gradspec validate`: does a score predict what training does? Retrains on random subsets (LDS) and on
+each score's selection (the outcome), then the analysis of the scores against those retrains."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from gradspec.cli.given import refuse_unused
+from gradspec.cli.options import add_options, options_from_args
+from gradspec.cli.score import _shard
+from gradspec.validation.config import ValidateConfig, ValidateSettings
+
+_SPEC = "FILE[:COLUMN]"
+# What only a retrain uses: refused with --runs, which analyses retrains made before
+_RETRAIN_ONLY = ("data", "target", "model", "template", "max_length", "limit", "subsets", "fraction", "outcome",
+                 "top", "seeds", "length_buckets", "epochs", "max_steps", "batch_size", "learning_rate", "lora_rank",
+                 "seed", "metric", "device", "resume", "shard", "merge", "out")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("validate", help="does a score predict training? retrains on random subsets (LDS) and on "
+                                        "each score's selection, against the loss on a target")
+    add_options(p, ValidateConfig, skip=("outcome",))
+    p.add_argument("--outcome", nargs="+", metavar=_SPEC,
+                   help="selection outcome: score specs whose top --top of the pool is retrained on, beside random "
+                        "and length")
+    add_options(p, ValidateSettings, skip=("scores", "runs"))
+    p.add_argument("--scores", nargs="+", metavar=_SPEC,
+                   help="scores to test: an attribution file (align --attribution), or a score or align file with "
+                        "a per-sample column or select --by expression after ':'")
+    p.add_argument("--runs", nargs="+", metavar="RETRAINS",
+                   help="analyse these retrain files (validate's --out) instead of retraining")
+    p.add_argument("--shard", type=_shard, metavar="I/N",
+                   help="run only shard I of N of the retrains; once all are done, the same command with --resume "
+                        "and no --shard merges them (torchrun needs no flag: each rank takes its own shard)")
+    p.add_argument("--no-merge", dest="merge", action="store_false",
+                   help="leave the retrains' parts in <out>.parts/ (merged later by the same command with --resume)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradspec.validation.report import analyse, summary, write_report
+    from gradspec.validation.run import retrain
+
+    settings = ValidateSettings(**options_from_args(ValidateSettings, args))
+    if settings.runs:
+        refuse_unused(args, _RETRAIN_ONLY, False, "with --runs, which analyses retrains made before")
+        files = list(settings.runs)
+    else:
+        config = ValidateConfig(**options_from_args(ValidateConfig, args))
+        began = time.perf_counter()
+        ran = retrain(config, settings, shard=args.shard, merge=args.merge)
+        merged = Path(settings.out).is_file() and not any(Path(f"{settings.out}.parts").glob("*.parquet"))
+        if not merged:
+            print(f"ran {ran} retrains into {settings.out}.parts in {time.perf_counter() - began:.0f} s; when all are "
+                  f"done, the same command with --resume (and no --shard) merges them")
+            return 0
+        print(f"wrote {settings.out}" + (f" ({ran} retrains in {time.perf_counter() - began:.0f} s)" if ran else
+                                         " (already complete: nothing to resume)"))
+        files = [settings.out]
+    analysis = analyse(files, list(settings.scores), settings.resamples, settings.confidence)
+    print(summary(analysis, settings.confidence))
+    if settings.report is not None:
+        print(f"wrote {write_report(analysis, settings.report, settings.overwrite, settings.confidence)}")
+    return 0

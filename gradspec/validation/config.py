@@ -1,0 +1,176 @@
+"""validate's options, declared once (gradspec.options): what the retrains compute (ValidateConfig, the
+run's manifest: a resume continues only the same one) and how the command runs and analyses them
+(ValidateSettings)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+from gradspec.data.errors import check_at_least
+from gradspec.data.hub import is_dataset_name
+from gradspec.data.models import DEFAULT_MODEL, check_device, check_model
+from gradspec.data.readers import Fields
+from gradspec.data.shared_options import device_option, fields_option, limit_option, max_length_option, template_option
+from gradspec.options import OptionError, check_options, mention, option, typed
+
+
+def _specs(name: str, value: Any) -> tuple[str, ...]:
+    """Score specs (FILE[:COLUMN]) as a tuple: a column may be a select --by combination, commas and all,
+    so a list is never joined into one string."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, os.PathLike)):
+        value = [value]
+    return tuple(typed(name, v, "path") for v in value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValidateConfig:
+    """What the retrains are: the pool, the targets, the recipe, the subsets and the selections. Recorded
+    in the run's manifest and its file; a resume or a joining shard must have the same."""
+
+    data: str | None = option(None, "the training pool, as for score (default: HumanEval)", kind="path?")
+    target: str | None = option(None, "examples of the task whose loss the retrains measure (same formats and "
+                                "fields as data); required", kind="path?")
+    model: str | None = option(None, "model folder: every retrain starts from its weights (default: "
+                               "SmolLM2-135M-Instruct)", kind="path?")
+    template: str = template_option()
+    max_length: int = max_length_option(512)
+    limit: int | None = limit_option("train on")
+    subsets: int = option(16, "LDS: retrains on random subsets of the pool (0: none)", kind="int", at_least=0)
+    fraction: float = option(0.5, "LDS: each subset's share of the pool", kind="float", at_least=0, at_most=1)
+    outcome: tuple[str, ...] = option((), "selection outcome: score specs FILE[:COLUMN] whose top --top of the "
+                                      "pool is retrained on, beside random and length", kind="strs", convert=_specs)
+    top: float = option(0.25, "selection outcome: the share of the pool each selection keeps", kind="float",
+                        at_least=0, at_most=1)
+    seeds: int = option(3, "selection outcome: retrains per selection, each with its own seed", kind="int",
+                        at_least=1)
+    length_buckets: int = option(5, "selection outcome: also each score's selection shared out over this many "
+                                 "length buckets (0: not)", kind="int", at_least=0)
+    epochs: float = option(1.0, "passes over the retrain's rows", kind="float")
+    max_steps: int = option(-1, "stop each retrain after this many steps (-1: run the epochs)", kind="int")
+    batch_size: int = option(4, "samples per step", kind="int", at_least=1)
+    learning_rate: float = option(2e-5, "AdamW's learning rate (linear decay to 0, as gradspec train)", kind="float")
+    lora_rank: int | None = option(None, "train LoRA adapters of this rank on every linear layer (needs peft) "
+                                   "instead of the full weights", kind="int?", at_least=1)
+    seed: int = option(0, "seed of the subsets, the random selections and the data order", kind="int")
+    metric: str | None = option(None, "module:function called as function(model, tokenizer) -> float after "
+                                "each retrain (higher is better)", kind="str?")
+    fields: Fields = fields_option()
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest: the config, the input files resolved with their sizes, the outcome's score files'
+        hashes (a selection is only as fixed as the file it is read from) and the version."""
+        info = {**asdict(self), "model": self.model or DEFAULT_MODEL, "data": self.data or "humaneval",
+                "version": version("gradspec"), "chunk_rows": 1}
+        for key in ("data", "target"):
+            path = getattr(self, key)
+            if path is not None and Path(path).exists():
+                info[key] = str(Path(path).resolve())
+                info[f"{key}_bytes"] = Path(path).stat().st_size if Path(path).is_file() else None
+        info["outcome_files"] = {spec: _sha256(split_spec(spec)[0]) for spec in self.outcome}
+        return info
+
+
+@dataclass(frozen=True, kw_only=True)
+class ValidateSettings:
+    """How the command runs and what it does with the retrains; none changes a retrain."""
+
+    out: str = option("validate.parquet", "the retrains' Parquet file (one row per retrain)", kind="path")
+    scores: tuple[str, ...] = option((), "score specs FILE[:COLUMN] to test: an attribution matrix (align "
+                                     "--attribution) or a per-sample column or select --by expression",
+                                     kind="strs", convert=_specs)
+    runs: tuple[str, ...] = option((), "analyse these retrain files instead of retraining", kind="strs",
+                                   convert=_specs)
+    report: str | None = option(None, "folder for report.md, its figures and tables", kind="path?")
+    resamples: int = option(1000, "bootstrap resamples of the intervals", kind="int", at_least=10)
+    confidence: float = option(0.95, "the intervals' confidence", kind="float", at_least=0.5, at_most=0.999)
+    device: str = device_option()
+    resume: bool = option(False, "continue an interrupted run of the same config", kind="bool")
+    overwrite: bool = option(False, "replace the output file (and an unfinished run of it), and the report",
+                             kind="bool", from_file=False)
+    progress: bool = option(True, "show a progress bar", kind="bool", flag="--quiet", flag_help="no progress bar")
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """'FILE[:COLUMN]' -> (file, column or None); the file is the shortest prefix before a ':' that is a
+    file (a column may hold colons: a select --by combination 'a:1,b:-1')."""
+    if Path(spec).is_file():
+        return spec, None
+    for at in (i for i, c in enumerate(spec) if c == ":"):
+        if Path(spec[:at]).is_file():
+            return spec[:at], spec[at + 1:] or None
+    path, _, column = spec.partition(":")  # no such file: the caller names it
+    return path, column or None
+
+
+def check(config: ValidateConfig, settings: ValidateSettings) -> None:
+    """Every option that can be checked before the model loads."""
+    if settings.resume and settings.overwrite:
+        raise OptionError(("resume", "overwrite"), ": the first continues a run, the second starts it again; pass "
+                          "one of them")
+    if config.target is None:
+        raise OptionError("target", "is required: the examples whose loss each retrain measures")
+    if config.subsets == 0 and not config.outcome:
+        raise OptionError(("subsets", "outcome"), ": nothing to retrain (no subsets, no selection outcome)")
+    if config.subsets and not 0 < config.fraction < 1:
+        raise OptionError("fraction", f"must be between 0 and 1 (not either), got {config.fraction}")
+    if config.outcome and not 0 < config.top < 1:
+        raise OptionError("top", f"must be between 0 and 1 (not either), got {config.top}")
+    if config.max_steps != -1:
+        check_at_least({"max_steps": config.max_steps})
+    elif config.epochs <= 0:
+        raise OptionError("epochs", f"must be above 0, got {config.epochs}")
+    if config.learning_rate <= 0:
+        raise OptionError("learning_rate", f"must be above 0, got {config.learning_rate}")
+    for name, path in (("data", config.data), ("target", config.target)):
+        if path is not None and not Path(path).exists() and not is_dataset_name(path):
+            raise OptionError(name, f"{path}: no such file or folder (nor a Hub dataset name: org/name)")
+    for spec in config.outcome:
+        if not Path(split_spec(spec)[0]).is_file():
+            raise OptionError("outcome", f"{spec}: no such score file")
+    if config.lora_rank is not None and importlib.util.find_spec("peft") is None:
+        raise OptionError("lora_rank", "trains LoRA adapters with peft, which is not installed: pip install peft, "
+                          f"or leave {mention('lora_rank')} out to train the full weights")
+    if config.metric is not None:
+        metric_function(config.metric)
+    check_device(settings.device)
+    check_model(config.model)
+
+
+def metric_function(spec: str) -> Callable[[Any, Any], float]:
+    """The callable 'module:function' names (the current folder importable, as for python -m)."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise OptionError("metric", f"{spec!r}: expected module:function, e.g. my_eval:accuracy")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        found = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise OptionError("metric", f"{spec}: cannot be imported ({e})") from None
+    if not callable(found):
+        raise OptionError("metric", f"{spec}: not a function")
+    return found
+
+
+def _sha256(path: str) -> str | None:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+    except OSError:
+        return None

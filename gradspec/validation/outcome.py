@@ -1,0 +1,86 @@
+"""The selection outcome: each score's top share of the pool (plain, and shared out over length
+buckets as `gradspec select --length-buckets` does), a random share and the longest responses, each
+retrained over several seeds; then each selection's held-out target loss against random's of the same
+seed, as paired differences with a t interval."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from gradspec.analysis.select import balanced_order
+from gradspec.validation.subsets import RANDOM_STREAM, draw, subset_size
+
+RANDOM, LENGTH = "random", "length"
+
+
+@dataclass(frozen=True)
+class Selection:
+    """One outcome retrain: which selection (a score's name, random or length), its length buckets (0:
+    none), its seed number (0 ... seeds - 1) and its members' row indices."""
+
+    name: str
+    buckets: int
+    seed: int
+    members: list[int]
+
+
+def top_rows(values: np.ndarray, pool: list[int], num_tokens: dict[int, int], count: int, buckets: int) -> list[int]:
+    """The count rows of pool with the highest values (by row index; NaN last, ties in pool order), or with
+    buckets > 0 shared out over that many length buckets (analysis.select.balanced_order); sorted."""
+    frame = pd.DataFrame({"index": pool, "score": values[pool], "num_tokens": [num_tokens[i] for i in pool]})
+    ranked = frame.sort_values("score", ascending=False, kind="stable", na_position="last")
+    if buckets > 0:
+        ranked = balanced_order(ranked, min(buckets, len(frame)))
+    return sorted(int(i) for i in ranked.head(count)["index"])
+
+
+def plan(scores: dict[str, np.ndarray], pool: list[int], num_tokens: dict[int, int], response_tokens: dict[int, int],
+         top: float, seeds: int, buckets: int, seed: int) -> list[Selection]:
+    """Every outcome retrain: per seed, random (drawn per seed from (seed, s)), length (the longest responses)
+    and each score (values per row index), each score also over length buckets when buckets > 0."""
+    count = subset_size(len(pool), top)
+    length = np.zeros(max(pool) + 1)
+    length[pool] = [response_tokens[i] for i in pool]
+    out = []
+    for s in range(seeds):
+        out.append(Selection(RANDOM, 0, s, draw(pool, count, seed, RANDOM_STREAM, s)))
+        out.append(Selection(LENGTH, 0, s, top_rows(length, pool, num_tokens, count, 0)))
+        for name, values in scores.items():
+            for b in dict.fromkeys([0, buckets]):
+                out.append(Selection(name, b, s, top_rows(values, pool, num_tokens, count, b)))
+    return out
+
+
+def _interval(values: np.ndarray, confidence: float) -> tuple[float, float]:
+    if len(values) < 2 or not np.isfinite(values).all():
+        return np.nan, np.nan
+    sem = stats.sem(values)
+    if sem == 0:
+        return float(values.mean()), float(values.mean())
+    low, high = stats.t.interval(confidence, len(values) - 1, loc=values.mean(), scale=sem)
+    return float(low), float(high)
+
+
+def outcome_table(rows: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
+    """Per selection (and buckets): the seeds, the mean target loss, and its gain over random of the same
+    seed (random's loss - its own: positive = better than random) with a t interval over seeds; the
+    metric's gain too where the retrains measured one (its own - random's: higher is better)."""
+    rows = rows.assign(loss=[np.nanmean(v) if len(v) else np.nan for v in rows["target_loss"]])
+    random = rows[rows["selection"] == RANDOM].set_index("seed")
+    out = []
+    for (name, buckets), group in rows.groupby(["selection", "buckets"], sort=False):
+        group = group.set_index("seed")
+        paired = group.index.intersection(random.index)
+        gain = (random.loc[paired, "loss"] - group.loc[paired, "loss"]).to_numpy(dtype=float)
+        low, high = _interval(gain, confidence)
+        row = {"selection": name, "buckets": int(buckets), "seeds": len(group), "loss": group["loss"].mean(),
+               "gain": gain.mean() if len(gain) else np.nan, "gain_low": low, "gain_high": high}
+        if "metric" in rows and group["metric"].notna().any():
+            metric_gain = (group.loc[paired, "metric"] - random.loc[paired, "metric"]).to_numpy(dtype=float)
+            row.update(metric=group["metric"].mean(), metric_gain=metric_gain.mean())
+        out.append(row)
+    return pd.DataFrame(out)

@@ -1,0 +1,194 @@
+"""The analysis of retrain files: each score's LDS with its interval, the selection outcome's gains over
+random, as text for the terminal and as a report folder (report.md, figures, CSV tables) in the style
+of gradspec report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from gradspec.data.errors import InputError, check_writable  # noqa: E402
+from gradspec.options import OptionError, OptionExists, mention  # noqa: E402
+from gradspec.runs.score_files import parquet_schema, schema_metadata  # noqa: E402
+from gradspec.validation.lds import lds, predictions  # noqa: E402
+from gradspec.validation.outcome import outcome_table  # noqa: E402
+from gradspec.validation.scores import read_score  # noqa: E402
+
+NEEDED = ("kind", "members", "target_loss")
+
+
+@dataclass
+class Analysis:
+    """What the retrain files say of the scores. lds: one row per score; outcome: one row per selection;
+    points: per score, each subset's (mean prediction over targets, mean measured target loss)."""
+
+    files: list[str]
+    retrains: pd.DataFrame
+    info: dict
+    lds: pd.DataFrame = field(default_factory=pd.DataFrame)
+    outcome: pd.DataFrame = field(default_factory=pd.DataFrame)
+    points: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+
+def read_retrains(files: list[str]) -> tuple[pd.DataFrame, dict]:
+    """The retrain rows of validate's files, and what their run recorded (the first file's); files of other
+    pools or targets are refused."""
+    frames, info = [], None
+    for path in files:
+        schema = parquet_schema(path, "pass a retrain file: gradspec validate's --out")
+        missing = [c for c in NEEDED if c not in schema.names]
+        meta = schema_metadata(schema)
+        if missing or "targets" not in meta:
+            raise InputError(f"{path}: not a retrain file of gradspec validate (no {(missing or ['targets'])[0]} "
+                             f"{'column' if missing else 'in its metadata'}); pass validate's --out")
+        if info is not None and (meta.get("rows"), meta.get("targets"), meta.get("target")) != \
+                (info.get("rows"), info.get("targets"), info.get("target")):
+            raise InputError(f"{path}: retrains of another pool or target than {files[0]} ({meta.get('rows')} rows, "
+                             f"{meta.get('targets')} targets from {meta.get('target')}); analyse them apart")
+        info = info or meta
+        frames.append(pd.read_parquet(path))
+    return pd.concat(frames, ignore_index=True), info or {}
+
+
+def analyse(files: list[str], specs: list[str], resamples: int = 1000, confidence: float = 0.95,
+            seed: int = 0) -> Analysis:
+    """Each score's LDS over the files' LDS retrains (a per-sample score against the mean target loss), and
+    the outcome retrains' gains over random."""
+    retrains, info = read_retrains(files)
+    analysis = Analysis(list(files), retrains, info)
+    subsets = retrains[retrains["kind"] == "lds"]
+    if specs and len(subsets) < 3:
+        raise InputError(f"{', '.join(files)}: {len(subsets)} LDS retrains; an LDS needs 3 or more subsets "
+                         "(--subsets)")
+    losses = np.array([list(v) for v in subsets["target_loss"]], dtype=float)
+    members = [list(m) for m in subsets["members"]]
+    rows = []
+    for spec in specs:
+        score = read_score(spec, info["rows"], info["targets"])
+        predicted = predictions(members, score.values)
+        measured = losses if score.per_target else np.nanmean(losses, axis=1, keepdims=True)
+        result = lds(predicted, measured, resamples, confidence, seed)
+        rows.append({"score": score.name, "kind": "attribution" if score.per_target else "per-sample",
+                     "lds": result.value, "low": result.low, "high": result.high, "subsets": result.subsets,
+                     "targets": int(np.isfinite(result.per_target).sum()), "missing": score.missing})
+        analysis.points[score.name] = (predicted.mean(1), np.nanmean(losses, axis=1))
+    analysis.lds = pd.DataFrame(rows)
+    chosen = retrains[retrains["kind"] == "outcome"]
+    if len(chosen):
+        analysis.outcome = outcome_table(chosen, confidence)
+    return analysis
+
+
+def summary(analysis: Analysis, confidence: float = 0.95) -> str:
+    """The analysis in a few lines for the terminal."""
+    lines = []
+    if len(analysis.lds):
+        lines.append(f"LDS (Spearman of predicted and measured target loss across {analysis.lds['subsets'].iloc[0]} "
+                     f"subsets, mean over targets; {confidence:.0%} bootstrap interval):")
+        for r in analysis.lds.itertuples():
+            nan = f"; {r.missing} values missing, counted as 0" if r.missing else ""
+            lines.append(f"  {r.score}: {r.lds:+.3f} [{r.low:+.3f}, {r.high:+.3f}] ({r.kind}, {r.targets} "
+                         f"targets{nan})")
+    if len(analysis.outcome):
+        lines.append("Selection outcome (mean target loss; gain = random's loss - its own, same seed, "
+                     f"{confidence:.0%} t interval over seeds):")
+        for r in analysis.outcome.itertuples():
+            label = r.selection + (f" ({r.buckets} length buckets)" if r.buckets else "")
+            lines.append(f"  {label}: loss {r.loss:.4f}" + ("" if r.selection == "random" else
+                                                            f", gain {r.gain:+.4f} [{r.gain_low:+.4f}, "
+                                                            f"{r.gain_high:+.4f}] over {r.seeds} seeds"))
+    return "\n".join(lines) or (f"next: gradspec validate --runs {' '.join(analysis.files)} --scores FILE[:COLUMN] "
+                                 "... --report DIR (the LDS of each score against these retrains)")
+
+
+def write_report(analysis: Analysis, out: str | Path, overwrite: bool = False, confidence: float = 0.95) -> Path:
+    """report.md, its figures (predicted vs measured per score, LDS with intervals, outcome gains) and the
+    tables as CSV, in folder out."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise OptionError("report", f"{out} is a file; the report is a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise OptionExists("report", f"{out} is a folder that is not empty; pass {mention('overwrite')} or choose "
+                           f"another {mention('report')}")
+    check_writable(out, "report", as_folder=True)
+    out.mkdir(parents=True, exist_ok=True)
+    info = analysis.info
+    lines = ["# gradspec validate", "",
+             f"Retrains: {len(analysis.retrains)} ({', '.join(f'`{f}`' for f in analysis.files)}) of "
+             f"`{info.get('model')}` on `{info.get('data')}` ({info.get('pool')} of {info.get('rows')} rows usable), "
+             f"measured on {info.get('targets')} target examples of `{info.get('target')}`; recipe: "
+             f"{_recipe(info)}.", ""]
+    if len(analysis.lds):
+        analysis.lds.to_csv(out / "lds.csv", index=False)
+        _plot_lds(analysis.lds, out / "lds.png", confidence)
+        _plot_points(analysis.points, out / "predicted_vs_measured.png")
+        lines += ["## LDS", "", "Per target, the Spearman correlation across subsets between the loss change the score "
+                  "predicts (the sum of its values over the subset's rows) and the negative measured loss; then "
+                  f"the mean over targets, with a {confidence:.0%} bootstrap interval over subsets. Positive: the "
+                  "score ranks the subsets as training does.", "", "![LDS](lds.png)", "",
+                  analysis.lds.to_markdown(index=False, floatfmt=".3f"), "",
+                  "![predicted vs measured](predicted_vs_measured.png)", ""]
+    if len(analysis.outcome):
+        analysis.outcome.to_csv(out / "outcome.csv", index=False)
+        _plot_outcome(analysis.outcome, out / "outcome.png")
+        lines += ["## Selection outcome", "", "Each selection's mean target loss after retraining on it; gain = "
+                  "random's loss minus its own for the same seed (positive: better than random), with a "
+                  f"{confidence:.0%} t interval over seeds.", "", "![outcome](outcome.png)", "",
+                  analysis.outcome.to_markdown(index=False, floatfmt=".4f"), ""]
+    report = out / "report.md"
+    report.write_text("\n".join(lines), encoding="utf-8")
+    return report
+
+
+def _recipe(info: dict) -> str:
+    steps = f"{info.get('max_steps')} steps" if info.get("max_steps", -1) != -1 else f"{info.get('epochs')} epochs"
+    lora = f", LoRA rank {info['lora_rank']}" if info.get("lora_rank") else ", full weights"
+    return f"{steps}, batch {info.get('batch_size')}, AdamW lr {info.get('learning_rate')}{lora}"
+
+
+def _plot_lds(table: pd.DataFrame, path: Path, confidence: float) -> None:
+    fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(table), 3.4))
+    x = np.arange(len(table))
+    below = np.clip(table["lds"] - table["low"], 0, None)
+    above = np.clip(table["high"] - table["lds"], 0, None)
+    ax.errorbar(x, table["lds"], yerr=[below, above], fmt="o", capsize=4)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xticks(x, table["score"], rotation=30, ha="right")
+    ax.set_ylabel(f"LDS ({confidence:.0%} interval)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_points(points: dict[str, tuple[np.ndarray, np.ndarray]], path: Path) -> None:
+    fig, axes = plt.subplots(1, len(points), figsize=(3.2 * len(points), 3.2), squeeze=False)
+    for ax, (name, (predicted, measured)) in zip(axes[0], points.items(), strict=True):
+        ax.scatter(predicted, measured, s=14)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("predicted (mean over targets)")
+    axes[0][0].set_ylabel("measured target loss (mean)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_outcome(table: pd.DataFrame, path: Path) -> None:
+    shown = table[table["selection"] != "random"]
+    labels = [s + (f"\n{b} buckets" if b else "") for s, b in zip(shown["selection"], shown["buckets"], strict=True)]
+    fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(shown), 3.4))
+    below = np.nan_to_num(np.clip(shown["gain"] - shown["gain_low"], 0, None))
+    above = np.nan_to_num(np.clip(shown["gain_high"] - shown["gain"], 0, None))
+    ax.bar(range(len(shown)), shown["gain"], yerr=[below, above], capsize=4)
+    ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(shown)), labels, rotation=30, ha="right")
+    ax.set_ylabel("target loss gain over random")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,107 @@
+"""The scores validate tests, read from gradspec's files: an attribution matrix (`gradspec align
+--attribution`: one list per training row, one value per target example) or one value per training
+row (any numeric column of a score or align file, a metric averaged over modules, or a select --by
+expression). Every problem is one line naming the file and the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from gradspec.analysis.select import combined_score, criteria
+from gradspec.data.errors import InputError
+from gradspec.options import OptionError
+from gradspec.runs.score_files import module_columns, parquet_schema
+from gradspec.validation.config import split_spec
+
+ATTRIBUTION = "attribution"
+
+
+@dataclass(frozen=True)
+class Score:
+    """A score as the analysis uses it. values: (rows, targets) for an attribution, (rows, 1) for a
+    per-sample score, by training row index, NaN where a row has none; missing: its NaN cells."""
+
+    name: str
+    path: str
+    column: str
+    values: np.ndarray
+    missing: int
+
+    @property
+    def per_target(self) -> bool:
+        return self.column == ATTRIBUTION
+
+    def per_sample(self) -> np.ndarray:
+        """One value per row: the score itself, or an attribution's mean over targets (a row that helps
+        the task on average), NaN where a row has none."""
+        with np.errstate(all="ignore"):
+            return self.values[:, 0] if not self.per_target else _nanmean_rows(self.values)
+
+
+def read_score(spec: str, rows: int, targets: int) -> Score:
+    """The score spec FILE[:COLUMN] names, for a pool of rows training rows and targets target examples.
+    Without a column, the file's attribution column. Raises InputError naming the file and the field."""
+    path, column = split_spec(spec)
+    schema = parquet_schema(path, "pass a score file: gradspec score, align or align --attribution's output")
+    column = column or ATTRIBUTION
+    if "index" not in schema.names:
+        raise InputError(f"{path}: no index column (the training row of each score); pass a file gradspec wrote")
+    if column == ATTRIBUTION:
+        values = _attribution(path, schema, rows, targets)
+    else:
+        values = _per_sample(path, column, rows)[:, None]
+    name = Path(path).stem + ("" if column == ATTRIBUTION else f":{column}")
+    return Score(name, path, column, values, int(np.isnan(values).sum()))
+
+
+def _rows_of(path: str, index: pd.Series, rows: int) -> np.ndarray:
+    index = index.to_numpy()
+    if len(index) and (index.min() < 0 or index.max() >= rows):
+        raise InputError(f"{path}: index {int(index.max() if index.max() >= rows else index.min())} is not a row of "
+                         f"the {rows}-row pool the retrains drew from; pass the scores of that data")
+    return index.astype(int)
+
+
+def _attribution(path: str, schema: pa.Schema, rows: int, targets: int) -> np.ndarray:
+    if ATTRIBUTION not in schema.names:
+        raise InputError(f"{path}: no attribution column (from gradspec align --attribution); name a per-sample "
+                         f"column as {path}:COLUMN instead (its columns: {', '.join(schema.names[:12])})")
+    frame = pd.read_parquet(path, columns=["index", ATTRIBUTION])
+    out = np.full((rows, targets), np.nan)
+    for i, value in zip(_rows_of(path, frame["index"], rows), frame[ATTRIBUTION], strict=True):
+        if value is None:
+            continue
+        if len(value) != targets:
+            raise InputError(f"{path}: attribution of index {i} has {len(value)} values, but the retrains measured "
+                             f"{targets} target examples; pass the attribution made against the same --target")
+        out[i] = np.asarray(value, dtype=float)
+    return out
+
+
+def _per_sample(path: str, column: str, rows: int) -> np.ndarray:
+    frame = pd.read_parquet(path)
+    try:
+        names = [name for name, _ in criteria(column)]
+        unknown = [n for n in names if n not in frame.columns and n != "alignment" and
+                   not module_columns(frame.columns, n)]
+        if unknown:
+            shown = [c for c in frame.columns if "/" not in c][:12]
+            raise InputError(f"{path}: no column {unknown[0]!r} (nor a metric of its modules); its columns: "
+                             f"{', '.join(shown)}")
+        values = combined_score(frame, column)
+    except OptionError as e:  # select's, which names --by: here the field is the spec's column
+        raise InputError(f"{path}: {column}: {e.text}") from None
+    out = np.full(rows, np.nan)
+    out[_rows_of(path, frame["index"], rows)] = values.to_numpy(dtype=float)
+    return out
+
+
+def _nanmean_rows(values: np.ndarray) -> np.ndarray:
+    counts = np.isfinite(values).sum(1)
+    sums = np.nansum(values, 1)
+    return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
