@@ -160,6 +160,7 @@ def _plot_lds(table: pd.DataFrame, path: Path, confidence: float) -> None:
     above = np.clip(table["high"] - table["lds"], 0, None)
     ax.errorbar(x, table["lds"], yerr=[below, above], fmt="o", capsize=4)
     ax.axhline(0, color="grey", lw=0.8)
+    ax.set_xlim(-0.6, len(table) - 0.4)
     ax.set_xticks(x, table["score"], rotation=30, ha="right")
     ax.set_ylabel(f"LDS ({confidence:.0%} interval)")
     fig.tight_layout()

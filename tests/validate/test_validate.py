@@ -155,7 +155,7 @@ def reference(tmp_path_factory, tiny_model_dir, inputs):
     return out
 
 
-def test_one_run_writes_a_row_per_retrain_and_its_analysis(reference, inputs, capsys):
+def test_one_run_writes_a_row_per_retrain_and_its_analysis(reference, inputs, tmp_path, capsys):
     table = pd.read_parquet(reference)
     assert table["index"].tolist() == list(range(8))
     assert table["kind"].tolist() == ["lds"] * 4 + ["outcome"] * 4
@@ -174,6 +174,11 @@ def test_one_run_writes_a_row_per_retrain_and_its_analysis(reference, inputs, ca
     assert main(["validate", "--runs", str(reference), "--scores", f"{inputs / 's.parquet'}:my_score"]) == 0
     printed = capsys.readouterr().out
     assert "s:my_score: " in printed and "1 values missing, counted as 0" in printed and "gain" in printed
+    attribution = tmp_path / "a.parquet"  # 3 values a row, one a NaN; the last row unscored
+    rows = [[i, -i, np.nan] for i in range(7)] + [None]
+    pd.DataFrame({"index": range(8), "attribution": rows}).to_parquet(attribution)
+    assert main(["validate", "--runs", str(reference), "--scores", str(attribution)]) == 0
+    assert "  a: " in (printed := capsys.readouterr().out) and "(attribution, 2 targets; 10 values missing" in printed
 
 
 def test_a_killed_run_resumed_equals_one_run(tmp_path, tiny_model_dir, inputs, reference, monkeypatch):
