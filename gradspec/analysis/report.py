@@ -181,15 +181,22 @@ def _check_groups(groups: dict[str, str | Path], longs: dict[str, pd.DataFrame])
                          "same --modules")
 
 
-def write_report(groups: dict[str, str | Path], out: str | Path, overwrite: bool = False) -> Path:
-    """Figures and report.md for labelled score files ({"high": path, "low": path, ...})."""
+def report_folder(out: str | Path, option: str, overwrite: bool) -> Path:
+    """out as a report's folder: refused where it is a file, or a folder not empty without overwrite,
+    or not writable; the option names it in the message."""
     out = Path(out)
     if out.exists() and not out.is_dir():
-        raise OptionError("out", f"{out} is a file; report writes a folder")
+        raise OptionError(option, f"{out} is a file; a report is a folder")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise OptionExists("out", f"{out} is a folder that is not empty; pass {mention('overwrite')} or choose "
-                           f"another {mention('out')}")
-    check_writable(out, as_folder=True)
+        raise OptionExists(option, f"{out} is a folder that is not empty; pass {mention('overwrite')} or choose "
+                           f"another {mention(option)}")
+    check_writable(out, option, as_folder=True)
+    return out
+
+
+def write_report(groups: dict[str, str | Path], out: str | Path, overwrite: bool = False) -> Path:
+    """Figures and report.md for labelled score files ({"high": path, "low": path, ...})."""
+    out = report_folder(out, "out", overwrite)
     loaded = {label: load_group(label, path) for label, path in groups.items()}  # every input checked first
     longs = {label: long for label, (_, long) in loaded.items()}
     _check_groups(groups, longs)

@@ -97,7 +97,7 @@ def run(
         folder = RunFolder(out)
         info = _run_info(config, group, identity, device, batch_tokens)
         try:  # the lock this process takes in the run folder is released however the run ends, errors included
-            created = _start_folder(folder, info, group, mine, resume, overwrite, records)
+            created = start_folder(folder, info, group, mine, resume, overwrite, records)
             wanted, total = _chunks_to_score(config, mine, folder.done(), records)
             metadata = _metadata(config, engine, info, sharding)
             shown = progress and (ranks is None or mine.index == 0)
@@ -177,7 +177,7 @@ def _run_info(config: ScoreConfig, group: Group | None, identity: dict[str, Any]
     return info
 
 
-def _start_folder(folder: RunFolder, info: dict[str, Any], group: Group | None, mine: Shard, resume: bool,
+def start_folder(folder: RunFolder, info: dict[str, Any], group: Group | None, mine: Shard, resume: bool,
                   overwrite: bool, records: int) -> bool:
     """Takes the run folder's lock and prepares it; returns whether this process made the folder
     (torchrun's rank 0 keeps it). Under torchrun rank 0 prepares it and the others check it, or stop

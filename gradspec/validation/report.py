@@ -14,8 +14,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from gradspec.data.errors import InputError, check_writable  # noqa: E402
-from gradspec.options import OptionError, OptionExists, mention  # noqa: E402
+from gradspec.analysis.report import report_folder  # noqa: E402
+from gradspec.data.errors import InputError  # noqa: E402
 from gradspec.runs.score_files import parquet_schema, schema_metadata  # noqa: E402
 from gradspec.validation.lds import lds, predictions  # noqa: E402
 from gradspec.validation.outcome import outcome_table  # noqa: E402
@@ -111,13 +111,7 @@ def summary(analysis: Analysis, confidence: float = 0.95) -> str:
 def write_report(analysis: Analysis, out: str | Path, overwrite: bool = False, confidence: float = 0.95) -> Path:
     """report.md, its figures (predicted vs measured per score, LDS with intervals, outcome gains) and the
     tables as CSV, in folder out."""
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise OptionError("report", f"{out} is a file; the report is a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise OptionExists("report", f"{out} is a folder that is not empty; pass {mention('overwrite')} or choose "
-                           f"another {mention('report')}")
-    check_writable(out, "report", as_folder=True)
+    out = report_folder(out, "report", overwrite)
     out.mkdir(parents=True, exist_ok=True)
     info = analysis.info
     lines = ["# gradspec validate", "",

@@ -23,6 +23,7 @@ from gradspec.options import OptionError
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
 from gradspec.runs.numerics import numerics
 from gradspec.runs.run_folder import MODEL_IDENTITY, NUMERICS, RunFolder, Shard, model_identity
+from gradspec.runs.scoring import start_folder
 from gradspec.validation.config import ValidateConfig, ValidateSettings, check, metric_function
 from gradspec.validation.outcome import LENGTH, RANDOM
 from gradspec.validation.outcome import plan as outcome_plan
@@ -193,23 +194,8 @@ def retrain(config: ValidateConfig, settings: ValidateSettings, shard: Shard | N
 
 def _start(folder: RunFolder, info: dict[str, Any], group: Group | None, mine: Shard, settings: ValidateSettings,
            records: int) -> bool:
-    """Takes the folder's lock and prepares it (torchrun: rank 0 does, the others check it or stop with rank
-    0's error); returns whether this process made the folder."""
-    if group is None:
-        return folder.start(info, settings.resume, settings.overwrite, shards=mine.count, records=records,
-                            shard=mine)
-    problem = None
-    if group.rank == 0:
-        try:
-            folder.start(info, settings.resume, settings.overwrite, records=records)
-        except (FileExistsError, ValueError) as e:
-            problem = e
-    problem = group.share(problem)
-    if problem is not None:
-        raise problem
-    if group.rank != 0:
-        folder.start(info, resume=True, overwrite=False, member=True)
-    return False
+    """scoring.start_folder with the settings' resume and overwrite."""
+    return start_folder(folder, info, group, mine, settings.resume, settings.overwrite, records)
 
 
 def _progress(todo: list[int], shown: bool):

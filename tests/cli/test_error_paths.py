@@ -83,7 +83,7 @@ def test_report_needs_spectra_and_distinct_labels(run, capsys, tmp_path):
         "label 'a' is given twice; give each score file its own label"
     (tmp_path / "r.md").write_text("")
     assert _error(capsys, "report", f"a={run / 's.parquet'}", "--out", tmp_path / "r.md") == \
-        f"--out {tmp_path / 'r.md'} is a file; report writes a folder"
+        f"--out {tmp_path / 'r.md'} is a file; a report is a folder"
 
 
 def test_score_out_resume_and_empty_input(run, capsys, tmp_path, tiny_model_dir):
