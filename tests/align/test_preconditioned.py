@@ -143,6 +143,9 @@ def test_factors_are_stored_and_read_back_exactly_and_refused_for_other_parts(tm
     factors.save(path)
     back = KFACFactors.load(path, engine.parts)
     assert back.kind == "ekfac" and back.provenance == factors.provenance
+    # q, k and v read one input: one A for the three, decomposed and stored once (o reads another)
+    for found in (factors, back):
+        assert len({id(t) for t in found.A.values()}) == 2 * len(model.model.layers)
     for name in factors.A:
         assert torch.equal(back.A[name], factors.A[name]) and torch.equal(back.S[name], factors.S[name])
         assert torch.equal(back.eigenvalues[name], factors.eigenvalues[name])
