@@ -303,3 +303,15 @@ def test_the_outcome_reports_a_metric_s_gain_over_random(tmp_path, tiny_model_di
     mine, random = table.iloc[[2, 6]]["metric"].to_numpy(), table.iloc[[0, 4]]["metric"].to_numpy()
     assert outcome.loc[("s:my_score", 0), "metric_gain"] == pytest.approx((mine - random).mean())
     assert outcome.loc[("s:my_score", 0), "seeds"] == 2 and "gain" in capsys.readouterr().out
+
+
+def test_an_align_attribution_file_is_a_score_validate_reads(reference, inputs, tiny_model_dir, tmp_path, capsys):
+    """align --attribution (K-FAC preconditioned) on the same pool and target, then validate --scores on it."""
+    out = tmp_path / "kfac.parquet"
+    assert main(["align", "--model", str(tiny_model_dir), "--data", str(inputs / "train.jsonl"), "--target",
+                 str(inputs / "task.jsonl"), "--out", str(out), "--attribution", "--precondition", "kfac",
+                 "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["validate", "--runs", str(reference), "--scores", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "  kfac: " in printed and "(attribution, 3 targets" in printed and "missing" not in printed
