@@ -143,12 +143,10 @@ class KFACFactors:
             out[name] = EigenCorrectedInverse(Q_A, Q_S, L + damping * L.mean())
         return out
 
-    def save(self, path: str | Path) -> None:
-        """Written atomically as safetensors: <part>.A, <part>.S (and <part>.eigenvalues), fp64; a factor
-        several parts share once, the others named as its aliases in the metadata."""
+    def to_bytes(self) -> bytes:
+        """The factors as safetensors: <part>.A, <part>.S (and <part>.eigenvalues), fp64; a factor several
+        parts share once, the others named as its aliases in the metadata (read back by load)."""
         from safetensors.torch import save
-
-        from gradspec.runs.score_files import atomic_write
 
         tensors, aliases, first = {}, {}, {}
         named = [(f"{n}.A", t) for n, t in self.A.items()] + [(f"{n}.S", t) for n, t in self.S.items()]
@@ -157,9 +155,8 @@ class KFACFactors:
                 aliases[key] = first[id(t)]
             else:
                 first[id(t)], tensors[key] = key, t.contiguous()
-        blob = save(tensors, metadata={"format": _FORMAT, "kind": self.kind, "provenance": json.dumps(self.provenance),
+        return save(tensors, metadata={"format": _FORMAT, "kind": self.kind, "provenance": json.dumps(self.provenance),
                                        "aliases": json.dumps(aliases)})
-        atomic_write(path, lambda f: f.write(blob))
 
     @classmethod
     def load(cls, path: str | Path, parts: Sequence[Part]) -> KFACFactors:

@@ -13,6 +13,7 @@ from gradspec.alignment.kfac import KFACFactors, fit_factors
 from gradspec.alignment.preconditioner import Preconditioner
 from gradspec.options import OptionError, mention
 from gradspec.runs.run_folder import model_identity
+from gradspec.runs.score_files import atomic_write
 from gradspec.runs.task_set import task_batches
 
 log = logging.getLogger("gradspec")
@@ -64,7 +65,7 @@ def _factors(config, engine, tokenizer, max_length: int, batch_tokens: int, devi
                            batch_tokens, device, limit=config.fit_limit)
     factors = fit_factors(engine.backward_pass, engine.targets, batches, config.precondition, wanted)
     if path is not None:
-        factors.save(path)
+        atomic_write(path, lambda f: f.write(factors.to_bytes()))
         log.info("K-FAC factors written to %s", path)
     return factors
 
