@@ -28,10 +28,13 @@ if [ $# -ne 1 ]; then
     echo "usage: $0 OUT_DIR" >&2
     exit 2
 fi
-OUT_DIR=$1
+mkdir -p "$1"
+OUT_DIR=$(cd "$1" && pwd)
 PY=${PYTHON:-python3}
 VENV="$OUT_DIR/.venv-bergson"
-mkdir -p "$OUT_DIR"
+# Not from the repository's root: its top-level kernels/ would shadow Hugging Face's `kernels`, which
+# transformers >= 5.25 imports (ImportError: cannot import name 'CUDAProperties' from 'kernels').
+cd "$OUT_DIR"
 start=$(date +%s)
 
 "$PY" -m venv "$VENV"

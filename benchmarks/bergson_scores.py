@@ -16,7 +16,8 @@ matrices, bias excluded: bergson's default modules), where
 - the rows are rendered as gradspec's plain template renders them: text =
   instruction (+ "\\n" + input) + "\\n" + output, with the tokenizer's special tokens,
   and the labelled tokens are those whose text starts inside the output (as
-  gradspec/data/templates.py `_offset_labels`). The driver tokenizes itself and hands
+  gradspec/data/templates.py `_offset_labels`), cut to the first `--max-length` tokens
+  where given (gradspec's truncation). The driver tokenizes itself and hands
   bergson a pre-tokenized dataset (input_ids, labels), which bergson uses as is;
 - `--projection D` > 0: bergson's random (Rademacher, JL-scaled, per-module
   two-sided) projection of each gradient to D dimensions per module; 0: none;
@@ -52,8 +53,9 @@ from pathlib import Path
 PRECONDITIONERS = ("none", "kfac", "ekfac", "shampoo", "tkfac")
 
 
-def plain_rows(path: Path, tokenizer) -> list[dict]:
-    """Alpaca JSONL -> [{input_ids, labels}] as gradspec's plain template labels them."""
+def plain_rows(path: Path, tokenizer, max_length: int | None = None) -> list[dict]:
+    """Alpaca JSONL -> [{input_ids, labels}] as gradspec's plain template labels them (and, with
+    max_length, truncates them: the first max_length tokens)."""
     out = []
     for line in path.read_text().splitlines():
         if not line.strip():
@@ -68,7 +70,7 @@ def plain_rows(path: Path, tokenizer) -> list[dict]:
             i if b > a and a >= start else -100
             for i, (a, b) in zip(ids, enc["offset_mapping"], strict=True)
         ]
-        out.append({"input_ids": ids, "labels": labels})
+        out.append({"input_ids": ids[:max_length], "labels": labels[:max_length]})
     return out
 
 
@@ -89,6 +91,7 @@ def main() -> None:
     ap.add_argument("--loss-reduction", choices=("sum", "mean"), default="sum")
     ap.add_argument("--precision", choices=("fp32", "bf16", "fp64"), default="fp32")
     ap.add_argument("--workdir", type=Path, help="keep bergson's stores here")
+    ap.add_argument("--max-length", type=int, help="keep each row's first tokens, as gradspec's --max-length")
     args = ap.parse_args()
 
     import numpy as np
@@ -109,8 +112,8 @@ def main() -> None:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bergson-"))
     work.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(args.model)
-    pool = write_jsonl(plain_rows(args.pool, tok), work / "pool.jsonl")
-    target = write_jsonl(plain_rows(args.target, tok), work / "target.jsonl")
+    pool = write_jsonl(plain_rows(args.pool, tok, args.max_length), work / "pool.jsonl")
+    target = write_jsonl(plain_rows(args.target, tok, args.max_length), work / "target.jsonl")
 
     def index_cfg(run: str, data: str) -> IndexConfig:
         return IndexConfig(

@@ -102,8 +102,7 @@ def summary(analysis: Analysis, confidence: float = 0.95) -> str:
         for r in analysis.outcome.itertuples():
             label = r.selection + (f" ({r.buckets} length buckets)" if r.buckets else "")
             lines.append(f"  {label}: loss {r.loss:.4f}" + ("" if r.selection == "random" else
-                                                            f", gain {r.gain:+.4f} [{r.gain_low:+.4f}, "
-                                                            f"{r.gain_high:+.4f}] over {r.seeds} seeds"))
+                                                            f", gain {r.gain:+.4f} {_gain_interval(r)}"))
     return "\n".join(lines) or (f"next: gradspec validate --runs {' '.join(analysis.files)} --scores FILE[:COLUMN] "
                                  "... --report DIR (the LDS of each score against these retrains)")
 
@@ -136,9 +135,21 @@ def write_report(analysis: Analysis, out: str | Path, overwrite: bool = False, c
                   "random's loss minus its own for the same seed (positive: better than random), with a "
                   f"{confidence:.0%} t interval over seeds.", "", "![outcome](outcome.png)", "",
                   analysis.outcome.to_markdown(index=False, floatfmt=".4f"), ""]
+        if analysis.outcome.loc[analysis.outcome["selection"] != "random", "gain_low"].isna().any():
+            lines += ["gain_low and gain_high are NaN where there is no interval: a selection retrained with one "
+                      "seed (--seeds 2 or more give one), or a retrain that measured no finite loss.", ""]
     report = out / "report.md"
     report.write_text("\n".join(lines), encoding="utf-8")
     return report
+
+
+def _gain_interval(r) -> str:
+    """The interval over seeds, or why there is none (one seed, a NaN loss) rather than NaNs."""
+    if np.isfinite(r.gain_low):
+        return f"[{r.gain_low:+.4f}, {r.gain_high:+.4f}] over {r.seeds} seeds"
+    if r.seeds < 2:
+        return f"(no interval: {r.seeds} seed; --seeds 2 or more give one)"
+    return f"(no interval over {r.seeds} seeds: a retrain measured no finite loss)"
 
 
 def _recipe(info: dict) -> str:

@@ -15,10 +15,8 @@ import pyarrow as pa
 from gradspec.analysis.select import combined_score, criteria
 from gradspec.data.errors import InputError
 from gradspec.options import OptionError
-from gradspec.runs.score_files import module_columns, parquet_schema
+from gradspec.runs.score_files import ATTRIBUTION, module_columns, parquet_schema
 from gradspec.validation.config import split_spec
-
-ATTRIBUTION = "attribution"
 
 
 @dataclass(frozen=True)

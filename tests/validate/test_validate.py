@@ -169,11 +169,13 @@ def test_one_run_writes_a_row_per_retrain_and_its_analysis(reference, inputs, tm
     report = reference.parent / "report"
     assert {"report.md", "lds.png", "predicted_vs_measured.png", "outcome.png", "lds.csv", "outcome.csv"} <= \
         {p.name for p in report.iterdir()}
+    assert "NaN where there is no interval: a selection retrained with one seed" in (report / "report.md").read_text()
     lds_table = pd.read_csv(report / "lds.csv")
     assert lds_table["score"].tolist() == ["s:my_score"] and lds_table["missing"].tolist() == [1]
     assert main(["validate", "--runs", str(reference), "--scores", f"{inputs / 's.parquet'}:my_score"]) == 0
     printed = capsys.readouterr().out
     assert "s:my_score: " in printed and "1 values missing, counted as 0" in printed and "gain" in printed
+    assert "nan" not in printed and "(no interval: 1 seed; --seeds 2 or more give one)" in printed
     attribution = tmp_path / "a.parquet"  # 3 values a row, one a NaN; the last row unscored
     rows = [[i, -i, np.nan] for i in range(7)] + [None]
     pd.DataFrame({"index": range(8), "attribution": rows}).to_parquet(attribution)
