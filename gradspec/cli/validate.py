@@ -16,7 +16,7 @@ _SPEC = "FILE[:COLUMN]"
 # What only a retrain uses: refused with --runs, which analyses retrains made before
 _RETRAIN_ONLY = ("data", "target", "model", "template", "max_length", "limit", "subsets", "fraction", "outcome",
                  "top", "seeds", "length_buckets", "epochs", "max_steps", "batch_size", "learning_rate", "lora_rank",
-                 "seed", "metric", "device", "resume", "shard", "merge", "out")
+                 "seed", "metric", "metric_limit", "device", "resume", "shard", "merge", "out")
 
 
 def add_parser(sub) -> None:

@@ -21,6 +21,7 @@ from gradspec.data.models import DEFAULT_MODEL, check_device, check_model
 from gradspec.data.readers import Fields
 from gradspec.data.shared_options import device_option, fields_option, limit_option, max_length_option, template_option
 from gradspec.options import OptionError, check_options, mention, option, typed
+from gradspec.validation.lm_eval_metric import is_lm_eval, lm_eval_metric
 
 
 def _specs(name: str, value: Any) -> tuple[str, ...]:
@@ -64,7 +65,10 @@ class ValidateConfig:
                                    "instead of the full weights", kind="int?", at_least=1)
     seed: int = option(0, "seed of the subsets, the random selections and the data order", kind="int")
     metric: str | None = option(None, "module:function called as function(model, tokenizer) -> float after "
-                                "each retrain (higher is better)", kind="str?")
+                                "each retrain (higher is better), or lm-eval:TASK[:METRIC] (a task name or YAML "
+                                "file; needs lm-eval)", kind="str?")
+    metric_limit: int | None = option(None, "lm-eval metric: evaluate on the task's first N documents", kind="int?",
+                                      at_least=1)
     fields: Fields = fields_option()
 
     def __post_init__(self) -> None:
@@ -147,14 +151,19 @@ def check(config: ValidateConfig, settings: ValidateSettings) -> None:
     if config.lora_rank is not None and importlib.util.find_spec("peft") is None:
         raise OptionError("lora_rank", "trains LoRA adapters with peft, which is not installed: pip install peft, "
                           f"or leave {mention('lora_rank')} out to train the full weights")
+    if config.metric_limit is not None and not is_lm_eval(config.metric or ""):
+        raise OptionError("metric_limit", f"applies to an lm-eval metric ({mention('metric')} lm-eval:TASK)")
     if config.metric is not None:
         metric_function(config.metric)
     check_device(settings.device)
     check_model(config.model)
 
 
-def metric_function(spec: str) -> Callable[[Any, Any], float]:
-    """The callable 'module:function' names (the current folder importable, as for python -m)."""
+def metric_function(spec: str, limit: int | None = None) -> Callable[[Any, Any], float]:
+    """The callable 'module:function' names (the current folder importable, as for python -m), or
+    lm-eval's task metric for 'lm-eval:TASK[:METRIC]' (on its first limit documents)."""
+    if is_lm_eval(spec):
+        return lm_eval_metric(spec, limit)
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
         raise OptionError("metric", f"{spec!r}: expected module:function, e.g. my_eval:accuracy")

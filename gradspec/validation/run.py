@@ -156,7 +156,7 @@ def retrain(config: ValidateConfig, settings: ValidateSettings, shard: Shard | N
     if settings.resume and ranks is None and mine.count == 1 and set(range(job_count(config))) <= folder.done():
         folder.merge(job_count(config), 1)  # every retrain done (by shards, say): only the merge is left
         return 0
-    metric = metric_function(config.metric) if config.metric else None
+    metric = metric_function(config.metric, config.metric_limit) if config.metric else None
     samples, targets = read_rows(config)
     scores = outcome_scores(config, len(samples), len(targets))
     with Group() if ranks else nullcontext() as group:
