@@ -1,15 +1,16 @@
 """Which scores predict what training does? The retraining evidence of docs/findings.md (issue 38):
 the LDS and the selection outcome of exact alignment (plain, K-FAC, EK-FAC, Adam summed over two
-checkpoints), each spectral metric, IFD, perplexity, length and random, and bergson 2.5.1's own
-scores (none, K-FAC, EK-FAC: its build and query on the same model, data and loss), all through the
-same retrains of SmolLM2-135M-Instruct on the CPU.
+checkpoints), each spectral metric, IFD, perplexity, length, random and a filter by the target's kind,
+and bergson 2.5.1's own K-FAC and EK-FAC scores (its build and query on the same model, modules, data
+and loss), all through the same retrains of SmolLM2-135M-Instruct on the CPU.
 
 Pool: 64 instruction samples (WizardLM, OpenHermes, Magpie: the reward, IFD and difficulty subsets,
 high and low), 32 gsm8k R1 traces and 32 HumanEval problems, as Alpaca rows; target: 8 other gsm8k
-traces. max_length 256, plain template, q/k/v/o. Retrains: one epoch, batch 4, lr 1e-4 (the LDS: 24
-random halves of the pool, for every score; the outcome: the top quarter by alignment (plain, K-FAC,
-EK-FAC, Adam), bergson's EK-FAC, nuclear norm, effective rank, IFD and perplexity, with and
-without 4 length buckets, beside random and length, over 3 seeds).
+traces. max_length 256, plain template, q/k/v/o. Retrains: one epoch, batch 4, lr 1e-4. The LDS: 24
+random halves of the pool, one set of retrains for every score. The outcome: the top quarter by
+alignment (plain, K-FAC, EK-FAC, Adam), bergson's EK-FAC, nuclear norm, effective rank, IFD and the
+pool's gsm8k rows (the filter by kind), beside random and length, over 3 seeds (no length buckets:
+time; validate --length-buckets adds them).
 
     .venv/bin/python docs/validate_findings.py [OUT]    # hours on 2 CPU cores: not run in CI
 
@@ -144,6 +145,15 @@ def random_attribution(out: Path, pool: Path, target: Path) -> Path:
     return path
 
 
+def kind(out: Path) -> Path:
+    """The filter by kind that alignment must beat: 1 for the pool's gsm8k rows (the target's kind), else 0."""
+    path = out / "kind.parquet"
+    n_instruction, n_gsm8k, n_code, _ = SIZES
+    values = [0.0] * n_instruction + [1.0] * n_gsm8k + [0.0] * n_code
+    pd.DataFrame({"index": range(len(values)), "gsm8k": values}).to_parquet(path)
+    return path
+
+
 def validate(out: Path, pool: Path, target: Path, name: str, *extra: str) -> Path:
     path = out / f"{name}.parquet"
     if not path.exists():
@@ -165,14 +175,14 @@ def main(out: Path) -> None:
                   "--optimizer-state", str(c)) for c in adam_checkpoints(out, pool)]
     if not (out / "adam.parquet").exists():
         sum_over_checkpoints(adam, out / "adam.parquet")
-    attributions += [out / "adam.parquet", *(bergson(out, pool, target, p) for p in ("none", "kfac", "ekfac")),
+    attributions += [out / "adam.parquet", *(bergson(out, pool, target, p) for p in ("kfac", "ekfac")),
                      random_attribution(out, pool, target)]
-    per_sample = [f"{plain}:{column}" for column in PER_SAMPLE]
-    chosen = [f"{plain}:{column}" for column in ("nuclear_norm", "effective_rank", "ifd", "perplexity")]
+    per_sample = [f"{plain}:{column}" for column in PER_SAMPLE] + [f"{kind(out)}:gsm8k"]
+    chosen = [f"{plain}:{column}" for column in ("nuclear_norm", "effective_rank", "ifd")] + [f"{kind(out)}:gsm8k"]
     lds = validate(out, pool, target, "lds", "--subsets", SUBSETS, "--fraction", "0.5")
     selections = [*attributions[:4], out / "bergson_ekfac.parquet"]
     outcome = validate(out, pool, target, "outcome", "--subsets", "0", "--top", "0.25", "--seeds", SEEDS,
-                       "--length-buckets", "4", "--outcome", *(str(p) for p in selections), *chosen)
+                       "--length-buckets", "0", "--outcome", *(str(p) for p in selections), *chosen)
     run(GRADSPEC, "validate", "--runs", str(lds), "--scores", *(str(p) for p in attributions), *per_sample,
         "--report", str(out / "report_lds"), "--overwrite")
     run(GRADSPEC, "validate", "--runs", str(outcome), "--report", str(out / "report_outcome"), "--overwrite")
