@@ -175,16 +175,16 @@ def main(out: Path) -> None:
                   "--optimizer-state", str(c)) for c in adam_checkpoints(out, pool)]
     if not (out / "adam.parquet").exists():
         sum_over_checkpoints(adam, out / "adam.parquet")
+    lds = validate(out, pool, target, "lds", "--subsets", SUBSETS, "--fraction", "0.5")  # needs no score
     attributions += [out / "adam.parquet", *(bergson(out, pool, target, p) for p in ("kfac", "ekfac")),
                      random_attribution(out, pool, target)]
     per_sample = [f"{plain}:{column}" for column in PER_SAMPLE] + [f"{kind(out)}:gsm8k"]
     chosen = [f"{plain}:{column}" for column in ("nuclear_norm", "effective_rank", "ifd")] + [f"{kind(out)}:gsm8k"]
-    lds = validate(out, pool, target, "lds", "--subsets", SUBSETS, "--fraction", "0.5")
     selections = [*attributions[:4], out / "bergson_ekfac.parquet"]
-    outcome = validate(out, pool, target, "outcome", "--subsets", "0", "--top", "0.25", "--seeds", SEEDS,
-                       "--length-buckets", "0", "--outcome", *(str(p) for p in selections), *chosen)
     run(GRADSPEC, "validate", "--runs", str(lds), "--scores", *(str(p) for p in attributions), *per_sample,
         "--report", str(out / "report_lds"), "--overwrite")
+    outcome = validate(out, pool, target, "outcome", "--subsets", "0", "--top", "0.25", "--seeds", SEEDS,
+                       "--length-buckets", "0", "--outcome", *(str(p) for p in selections), *chosen)
     run(GRADSPEC, "validate", "--runs", str(outcome), "--report", str(out / "report_outcome"), "--overwrite")
     print(f"reports: {out / 'report_lds' / 'report.md'}, {out / 'report_outcome' / 'report.md'}")
 
