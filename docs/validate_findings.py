@@ -6,7 +6,7 @@ and loss), all through the same retrains of SmolLM2-135M-Instruct on the CPU.
 
 Pool: 64 instruction samples (WizardLM, OpenHermes, Magpie: the reward, IFD and difficulty subsets,
 high and low), 32 gsm8k R1 traces and 32 HumanEval problems, as Alpaca rows; target: 8 other gsm8k
-traces. max_length 256, plain template, q/k/v/o. Retrains: one epoch, batch 4, lr 1e-4. The LDS: 24
+traces. max_length 256, plain template, q/k/v/o. Retrains: one epoch, batch 4, lr 1e-4. The LDS: 16
 random halves of the pool, one set of retrains for every score. The outcome: the top quarter by
 alignment (plain, K-FAC, EK-FAC, Adam), bergson's EK-FAC, nuclear norm, effective rank, IFD and the
 pool's gsm8k rows (the filter by kind), beside random and length, over 3 seeds (no length buckets:
@@ -41,7 +41,7 @@ SMOKE = os.environ.get("FINDINGS_SMOKE") == "1"
 MAX_LENGTH = "128" if SMOKE else "256"
 SIZES = (6, 3, 3, 2) if SMOKE else (64, 32, 32, 8)  # instruction, gsm8k, HumanEval, target
 RECIPE = ["--max-length", MAX_LENGTH, "--batch-size", "4", "--learning-rate", "1e-4", "--epochs", "1"]
-SUBSETS, SEEDS = ("3", "1") if SMOKE else ("24", "3")
+SUBSETS, SEEDS = ("3", "1") if SMOKE else ("16", "3")
 GRADSPEC = str(Path(sys.executable).parent / "gradspec")
 PER_SAMPLE = ["align_mean", "nuclear_norm", "effective_rank", "spectral_norm", "stable_rank", "ifd", "perplexity",
               "response_chars"]
