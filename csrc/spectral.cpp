@@ -45,21 +45,21 @@ struct LapackError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-using set_threads_t = void(int);
-set_threads_t* omp_set_num_threads_ = nullptr;
+using set_local_threads_t = int(int);
+set_local_threads_t* mkl_set_num_threads_local_ = nullptr;
 
 // Addresses of the BLAS/LAPACK routines, resolved in Python (SciPy's capsules, or the MKL that
-// torch's CPU build exports). omp_set_num_threads is the OpenMP runtime that MKL threads with
+// torch's CPU build exports). mkl_set_num_threads_local is that MKL's per-thread thread count
 // (0 when MKL is not used).
 void bind_lapack(uintptr_t dsyevd, uintptr_t dpstrf, uintptr_t dpotrf, uintptr_t dgemm, uintptr_t dsyrk,
-                 uintptr_t dtrmm, uintptr_t omp_set_num_threads) {
+                 uintptr_t dtrmm, uintptr_t mkl_set_num_threads_local) {
   dsyevd_ = reinterpret_cast<dsyevd_t*>(dsyevd);
   dpstrf_ = reinterpret_cast<dpstrf_t*>(dpstrf);
   dpotrf_ = reinterpret_cast<dpotrf_t*>(dpotrf);
   dgemm_ = reinterpret_cast<dgemm_t*>(dgemm);
   dsyrk_ = reinterpret_cast<dsyrk_t*>(dsyrk);
   dtrmm_ = reinterpret_cast<dtrmm_t*>(dtrmm);
-  omp_set_num_threads_ = reinterpret_cast<set_threads_t*>(omp_set_num_threads);
+  mkl_set_num_threads_local_ = reinterpret_cast<set_local_threads_t*>(mkl_set_num_threads_local);
 }
 
 void require_bound() {
@@ -142,9 +142,12 @@ void parallel_for(int n, int threads, const std::function<void(int, SymmetricEig
     py::gil_scoped_release release;
 #pragma omp parallel num_threads(threads)
     {
-      // The region supplies the parallelism: OpenMP (hence MKL) stays single-threaded inside it.
-      // The setting belongs to this region's implicit task and ends with it.
-      if (omp_set_num_threads_) omp_set_num_threads_(1);
+      // The region supplies the parallelism: MKL runs one thread inside it, whatever the region's
+      // size and whatever mkl_set_num_threads or torch.set_num_threads last set. Its thread count
+      // changes its rounding, so a sample's spectra would otherwise depend on the batch beside it
+      // (a region of one thread is not nested) and on the caller's settings. MKL's per-thread
+      // setting outranks the global one; the thread's previous one is put back after.
+      const int previous = mkl_set_num_threads_local_ ? mkl_set_num_threads_local_(1) : 0;
       const int t = omp_get_thread_num();
       try {
         for (int i = next++; i < n; i = next++) task(i, thread_scratch());
@@ -152,6 +155,7 @@ void parallel_for(int n, int threads, const std::function<void(int, SymmetricEig
         errors[t] = std::current_exception();  // rethrown with its type (LapackError stays one)
         next = n;
       }
+      if (mkl_set_num_threads_local_) mkl_set_num_threads_local_(previous);
     }
   }
   for (const auto& e : errors)
@@ -499,7 +503,7 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<LapackError>(m, "LapackError", PyExc_RuntimeError);
   m.def("bind_lapack", &bind_lapack, py::arg("dsyevd"), py::arg("dpstrf"), py::arg("dpotrf"), py::arg("dgemm"),
         py::arg("dsyrk"), py::arg("dtrmm"),
-        py::arg("omp_set_num_threads") = 0,
+        py::arg("mkl_set_num_threads_local") = 0,
         "Bind LAPACK dsyevd, dpstrf, dpotrf and BLAS dgemm, dsyrk, dtrmm by address (Fortran calling convention, 32-bit\n"
         "ints).");
   m.def("segment_gram", &segment_gram<float>, py::arg("Y"), py::arg("lengths"), py::arg("other"), py::arg("threads"),

@@ -39,12 +39,13 @@ def lapack_addresses(prefer_mkl: bool = True) -> dict[str, int]:
     try:
         torch_lib = Path(torch.__file__).parent / "lib"
         mkl = ctypes.CDLL(str(torch_lib / "libtorch_cpu.so"))
-        omp = ctypes.CDLL(str(torch_lib / "libgomp.so.1"))
+        # MKL_Set_Num_Threads_Local is the C entry (its argument by value); the lower-case
+        # mkl_set_num_threads_local in this library is the Fortran one (by pointer).
         mkl_found = {
             "dsyevd": ctypes.cast(mkl.dsyevd_, ctypes.c_void_p).value,
             "dpotrf": ctypes.cast(mkl.dpotrf_, ctypes.c_void_p).value,
             "dgemm": ctypes.cast(mkl.dgemm_, ctypes.c_void_p).value,
-            "omp_set_num_threads": ctypes.cast(omp.omp_set_num_threads, ctypes.c_void_p).value,
+            "mkl_set_num_threads_local": ctypes.cast(mkl.MKL_Set_Num_Threads_Local, ctypes.c_void_p).value,
         }
     except (OSError, AttributeError):
         return found
@@ -60,8 +61,8 @@ def _load() -> tuple[object | None, str | None]:
         return None, None
     addresses = lapack_addresses()
     _C.bind_lapack(**addresses)
-    return _C, "MKL in torch (dsyevd, dpotrf, dgemm), SciPy's for the rest" if "omp_set_num_threads" in addresses \
-        else "SciPy's BLAS/LAPACK"
+    with_mkl = "mkl_set_num_threads_local" in addresses
+    return _C, "MKL in torch (dsyevd, dpotrf, dgemm), SciPy's for the rest" if with_mkl else "SciPy's BLAS/LAPACK"
 
 
 C, LAPACK = _load()

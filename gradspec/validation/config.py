@@ -123,8 +123,9 @@ def split_spec(spec: str) -> tuple[str, str | None]:
     return path, column or None
 
 
-def check(config: ValidateConfig, settings: ValidateSettings) -> None:
-    """Every option that can be checked before the model loads."""
+def check(config: ValidateConfig, settings: ValidateSettings) -> Callable[[Any, Any], float] | None:
+    """Every option that can be checked before the model loads. Returns the task metric's callable (None
+    without --metric), built once here: an lm-eval metric's task set up is the costly part."""
     if settings.resume and settings.overwrite:
         raise OptionError(("resume", "overwrite"), ": the first continues a run, the second starts it again; pass "
                           "one of them")
@@ -153,10 +154,10 @@ def check(config: ValidateConfig, settings: ValidateSettings) -> None:
                           f"or leave {mention('lora_rank')} out to train the full weights")
     if config.metric_limit is not None and not is_lm_eval(config.metric or ""):
         raise OptionError("metric_limit", f"applies to an lm-eval metric ({mention('metric')} lm-eval:TASK)")
-    if config.metric is not None:
-        metric_function(config.metric)
+    metric = metric_function(config.metric, config.metric_limit) if config.metric is not None else None
     check_device(settings.device)
     check_model(config.model)
+    return metric
 
 
 def metric_function(spec: str, limit: int | None = None) -> Callable[[Any, Any], float]:

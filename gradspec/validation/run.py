@@ -24,7 +24,7 @@ from gradspec.runs.distributed import Group, bind_device, torchrun_shard
 from gradspec.runs.numerics import numerics
 from gradspec.runs.run_folder import MODEL_IDENTITY, NUMERICS, RunFolder, Shard, model_identity
 from gradspec.runs.scoring import start_folder
-from gradspec.validation.config import ValidateConfig, ValidateSettings, check, metric_function
+from gradspec.validation.config import ValidateConfig, ValidateSettings, check
 from gradspec.validation.outcome import LENGTH, RANDOM
 from gradspec.validation.outcome import plan as outcome_plan
 from gradspec.validation.retrain import Recipe, Retrainer
@@ -137,7 +137,7 @@ def retrain(config: ValidateConfig, settings: ValidateSettings, shard: Shard | N
     """Runs this process's retrains into the run folder of settings.out, then merges them into out when this
     process is the whole run (or torchrun's rank 0) and merge is on. Returns the retrains this process ran
     (0: out was already complete)."""
-    check(config, settings)
+    metric = check(config, settings)
     ranks = torchrun_shard()
     if ranks is not None and shard is not None:
         raise OptionError("shard", "and torchrun both split the retrains; use one of them")
@@ -156,7 +156,6 @@ def retrain(config: ValidateConfig, settings: ValidateSettings, shard: Shard | N
     if settings.resume and ranks is None and mine.count == 1 and set(range(job_count(config))) <= folder.done():
         folder.merge(job_count(config), 1)  # every retrain done (by shards, say): only the merge is left
         return 0
-    metric = metric_function(config.metric, config.metric_limit) if config.metric else None
     samples, targets = read_rows(config)
     scores = outcome_scores(config, len(samples), len(targets))
     with Group() if ranks else nullcontext() as group:

@@ -175,6 +175,43 @@ def test_groups_solved_in_one_job_equal_each_group_alone():
 
 
 @pytest.mark.skipif(not extension.BUILT, reason="no _C")
+def test_spectra_do_not_depend_on_the_callers_thread_settings():
+    """MKL's thread count changes its rounding. Whatever torch.set_num_threads last set (it sets
+    MKL's global count, as a training script may), a sample solved alone (an OpenMP region of one
+    thread, not nested) and in a batch's region runs MKL on one thread: the same bits."""
+    X, D = _problem(N=2, M=2, T=24, seed=2)
+    B, A = X @ X.transpose(-1, -2), D @ D.transpose(-1, -2)
+    old = torch.get_num_threads()
+    solved = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            solved.append(eigen.core_spectra(B, A, LENGTHS[:2], "cpp")[0])
+            solved.extend(eigen.core_spectra(B[i:i + 1], A[i:i + 1], LENGTHS[i:i + 1], "cpp")[0][0] for i in range(2))
+    finally:
+        torch.set_num_threads(old)
+    want = solved[0]
+    for batch, first, second in zip(solved[0::3], solved[1::3], solved[2::3], strict=True):
+        assert torch.equal(batch, want) and torch.equal(first, want[0]) and torch.equal(second, want[1])
+
+
+@pytest.mark.skipif("mkl_set_num_threads_local" not in extension.lapack_addresses(), reason="no MKL in torch")
+def test_the_callers_own_mkl_thread_setting_is_put_back():
+    """The extension sets MKL to one thread on the threads it runs (the caller's among them) and puts
+    back what each had: a training script's per-thread MKL setting survives a scoring call."""
+    import ctypes
+
+    set_local = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(extension.lapack_addresses()["mkl_set_num_threads_local"])
+    X, D = _problem(N=1, M=1, T=24)
+    previous = set_local(3)
+    try:
+        eigen.core_spectra(X @ X.transpose(-1, -2), D @ D.transpose(-1, -2), LENGTHS[:1], "cpp")
+        assert set_local(3) == 3
+    finally:
+        set_local(previous)
+
+
+@pytest.mark.skipif(not extension.BUILT, reason="no _C")
 def test_materialised_parts_solved_in_one_job_equal_each_alone():
     g = torch.Generator().manual_seed(3)
     groups = []

@@ -54,7 +54,7 @@ def stand_in(monkeypatch):
         all_tasks = ["sum_task"]
 
         def __init__(self, include_path=None):
-            pass
+            calls.append("tasks set up")
 
     class HFLM:
         def __init__(self, pretrained, tokenizer, batch_size):
@@ -80,6 +80,7 @@ def stand_in(monkeypatch):
 
 def test_each_retrain_s_metric_is_the_task_s_and_the_random_state_is_put_back(stand_in, tiny_model_dir, inputs,
                                                                                tmp_path):
+    """Also: lm-eval's tasks are set up once per run (checked and used by the same callable)."""
     random.seed(7), np.random.seed(7)
     expected = random.random(), np.random.random()
     random.seed(7), np.random.seed(7)
@@ -87,7 +88,7 @@ def test_each_retrain_s_metric_is_the_task_s_and_the_random_state_is_put_back(st
                      "5") == 0
     assert (random.random(), np.random.random()) == expected
     table = pd.read_parquet(tmp_path / "v.parquet")
-    assert stand_in == [5, 5, 5] and table["metric"].notna().all() and table["metric"].nunique() >= 2
+    assert stand_in == ["tasks set up", 5, 5, 5] and table["metric"].notna().all() and table["metric"].nunique() >= 2
     # the metric is the weight sum of each retrained model: the same retrains with module:function agree
     (tmp_path / "weights.py").write_text("def weight_sum(model, tokenizer):\n"
                                          "    return float(sum(p.double().sum() for p in model.parameters()))\n")
