@@ -5,8 +5,8 @@ would oversubscribe the cores (measured 4x slower on 2 cores). OpenBLAS's thread
 process-wide, and both the hooks (main thread) and the eigen worker call the extension, so
 the limit is reference-counted: the first caller to enter sets it, the last to leave restores
 the count it found. Separate save/restore per call would interleave across the two threads and
-could leave the user's BLAS at the wrong count. (MKL threads through OpenMP, a per-thread
-setting, which the extension sets on its own threads.)
+could leave the user's BLAS at the wrong count. (MKL's count the extension sets per thread, on
+its own threads, and puts back: csrc/spectral.cpp, parallel_for.)
 """
 
 from __future__ import annotations

@@ -195,7 +195,8 @@ def test_spectra_do_not_depend_on_the_callers_thread_settings():
         assert torch.equal(batch, want) and torch.equal(first, want[0]) and torch.equal(second, want[1])
 
 
-@pytest.mark.skipif("mkl_set_num_threads_local" not in extension.lapack_addresses(), reason="no MKL in torch")
+@pytest.mark.skipif(not extension.BUILT or "mkl_set_num_threads_local" not in extension.lapack_addresses(),
+                    reason="no _C, or no MKL in torch")
 def test_the_callers_own_mkl_thread_setting_is_put_back():
     """The extension sets MKL to one thread on the threads it runs (the caller's among them) and puts
     back what each had: a training script's per-thread MKL setting survives a scoring call."""
