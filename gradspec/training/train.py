@@ -110,6 +110,7 @@ def train(config: TrainConfig) -> Path:
     from gradspec.training.dynamics import DynamicsCallback
     from gradspec.training.monitor_callback import SpectralMonitorCallback
     from gradspec.training.sftmix import SFTMixTrainer, confidence_halves
+    from gradspec.training.sample_index import SAMPLE_INDEX
     from gradspec.training.wit import WITCollator, WITLoss, use_wit_loss
 
     samples: list[Sample] = list(data_samples(config.data, config.fields, config.limit))
@@ -126,7 +127,7 @@ def train(config: TrainConfig) -> Path:
     max_length = fit_to_context(config.max_length, model)
     _check_labels(samples, tokenizer, config.template, max_length)
     select_targets(model, config.modules)  # the monitor's modules, named now if none matches: not at its first step
-    rows = [{"messages": s.messages} for s in samples]
+    rows = [{"messages": s.messages, SAMPLE_INDEX: s.index} for s in samples]  # monitor rows name their sample
     out = Path(config.out)
     args = TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=config.batch_size,

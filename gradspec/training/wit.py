@@ -26,6 +26,7 @@ from gradspec.data.batching import pad_batch, pad_id_of
 from gradspec.data.readers import Fields, to_sample
 from gradspec.data.templates import IGNORE_INDEX, tokenize
 from gradspec.engine.loss import next_token_nll, next_token_positions
+from gradspec.training.sample_index import SAMPLE_INDEX, sample_indices
 
 PROMPT_OFFSET = 101  # prompt token id t is stored as -(t + PROMPT_OFFSET)
 
@@ -151,7 +152,9 @@ class WITCollator:
     input_ids, attention_mask and WIT labels, with either template.
 
     A row with no response token (its response cannot be located, is empty, or lies beyond
-    max_length) gets no labels: it trains on nothing, not on its prompt alone.
+    max_length) gets no labels: it trains on nothing, not on its prompt alone. Rows that carry a
+    ``sample_index`` (gradspec.with_sample_index) give the batch that column, the spectral
+    monitor's map back to the data.
 
     Args:
         tokenizer: The model's tokenizer.
@@ -179,8 +182,10 @@ class WITCollator:
             rows: The batch's dataset rows.
 
         Returns:
-            "input_ids", "attention_mask" and "labels", each (N, T) int64, right-padded, on the CPU.
+            "input_ids", "attention_mask" and "labels", each (N, T) int64, right-padded, on the CPU;
+            "sample_index" (N,) int64 where the rows carry it.
         """
+        indices = sample_indices(rows)
         tokens = [tokenize(to_sample(i, f"batch row {i}", row, self.fields).messages, self.tokenizer,
                            self.template, self.max_length) for i, row in enumerate(rows)]
         pad_id = pad_id_of(self.tokenizer)
@@ -190,4 +195,5 @@ class WITCollator:
         # A row whose spans could not be located (label_span_mismatch) or that has nothing to learn
         # trains on nothing, not on its prompt alone
         labels[torch.tensor([not t.scorable for t in tokens])] = IGNORE_INDEX
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        return batch if indices is None else {**batch, SAMPLE_INDEX: indices}

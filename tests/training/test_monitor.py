@@ -10,6 +10,7 @@ from gradspec.layers import checkpointing
 from gradspec.linalg.metrics import METRICS, metrics_from_singular_values
 from gradspec.training.monitor import SpectralMonitor
 from gradspec.training.monitor_callback import SpectralMonitorCallback
+from gradspec.training.sample_index import with_sample_index
 from gradspec.training.wit import WITCollator, WITLoss, use_wit_loss, wit_loss
 
 ROWS = [
@@ -124,23 +125,31 @@ def test_monitor_rows_under_wit_are_each_samples_own_wit_gradient(tokenizer, tmp
     _assert_rows_equal(rows, batch, want, 1e-4)
 
 
-def test_trainer_rows_carry_the_dataset_index_a_collator_passes(tokenizer, tmp_path):
-    """A sample_index column through the collator: the monitored steps' rows carry it; on the
-    others the model takes it as an ignored keyword."""
-    rows = [{**r, "sample_index": 100 + i} for i, r in enumerate(ROWS)]
-
-    def collate(batch):
-        return {**WITCollator(tokenizer)(batch), "sample_index": torch.tensor([r["sample_index"] for r in batch])}
-
+@pytest.mark.parametrize("kind", ["list", "Dataset", "own"])
+def test_trainer_rows_carry_the_dataset_index_wit_collator_passes(tokenizer, tmp_path, kind):
+    """Rows given their index (with_sample_index, of a list or a datasets.Dataset; or their own): WITCollator
+    passes it, the monitored steps' rows carry it; on the others the model takes it as an ignored keyword."""
+    from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
+    rows = {"list": lambda: with_sample_index(ROWS), "Dataset": lambda: with_sample_index(Dataset.from_list(ROWS)),
+            "own": lambda: [{**r, "sample_index": 100 + i} for i, r in enumerate(ROWS)]}[kind]()
+    first = 100 if kind == "own" else 0
     args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=4,
                              learning_rate=0.0, remove_unused_columns=False, report_to=[], save_strategy="no",
                              use_cpu=True, logging_steps=2, train_sampling_strategy="sequential")
-    Trainer(model=tiny_model("llama"), args=args, train_dataset=rows, data_collator=collate,
+    Trainer(model=tiny_model("llama"), args=args, train_dataset=rows, data_collator=WITCollator(tokenizer),
             callbacks=[SpectralMonitorCallback(every=2, out=tmp_path / "m.parquet")]).train()
     got = pd.read_parquet(tmp_path / "m.parquet")
-    assert got[["step", "sample_index"]].values.tolist() == [[2, 102], [2, 103], [4, 102], [4, 103]]
+    assert got[["step", "sample_index"]].values.tolist() == [[2, first + 2], [2, first + 3], [4, first + 2],
+                                                             [4, first + 3]]
+
+
+def test_a_batch_of_rows_with_and_without_an_index_is_refused(tokenizer):
+    with pytest.raises(ValueError, match="batch row 1 has no sample_index"):
+        WITCollator(tokenizer)([{**ROWS[0], "sample_index": 0}, ROWS[1]])
+    with pytest.raises(ValueError, match="batch row 0: sample_index is 0.5"):
+        WITCollator(tokenizer)([{**ROWS[0], "sample_index": 0.5}])
 
 
 def test_monitor_every_n_steps_records_the_steps_trainer_logs(tokenizer, tmp_path):

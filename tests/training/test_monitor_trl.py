@@ -9,6 +9,8 @@ from conftest import tiny_model
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.linalg.metrics import metric_names
 from gradspec.training.monitor_callback import SpectralMonitorCallback
+from gradspec.training.sample_index import keep_sample_index, with_sample_index
+from gradspec.training.wit import WITCollator
 
 pytest.importorskip("trl")
 
@@ -50,3 +52,30 @@ def test_sft_trainer_rows_equal_gradspec_score_of_the_same_tokens(tokenizer, tmp
         for name, values in want.metrics.items():
             got = torch.tensor([row[f"{name}/{m}"] for m in metric_names()], dtype=torch.float64)
             torch.testing.assert_close(got, values[i], rtol=1e-4, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("collator", ["trl", "wit"])
+def test_sft_trainer_rows_name_their_sample(tokenizer, tmp_path, collator):
+    """Rows given their index (with_sample_index) reach the monitor's sample_index through TRL's own
+    collator (wrapped by keep_sample_index) or WITCollator: each row is its sample's, by its length."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    wit = collator == "wit"
+    rows = [{"instruction": r["prompt"], "output": r["completion"]} for r in ROWS] if wit else ROWS
+    config = SFTConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=2,
+                       learning_rate=0.0, report_to=[], save_strategy="no", use_cpu=True, logging_steps=1,
+                       bf16=False, remove_unused_columns=False,  # else Trainer drops the column
+                       dataset_kwargs={"skip_prepare_dataset": True} if wit else None)
+    out = tmp_path / "monitor.parquet"
+    trainer = SFTTrainer(model=tiny_model("llama"), args=config, train_dataset=with_sample_index(Dataset.from_list(rows)),
+                         processing_class=tokenizer, data_collator=WITCollator(tokenizer) if wit else None,
+                         callbacks=[SpectralMonitorCallback(every=1, out=out)])
+    if not wit:
+        trainer.data_collator = keep_sample_index(trainer.data_collator)
+    trainer.train()
+    got = pd.read_parquet(out)
+    assert sorted(got["sample_index"]) == [0, 1, 2, 3]
+    lengths = [int(trainer.data_collator([trainer.train_dataset[i]])["attention_mask"].sum()) for i in range(4)]
+    assert len(set(lengths)) == 4
+    assert got["num_tokens"].tolist() == [lengths[i] for i in got["sample_index"]]

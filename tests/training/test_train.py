@@ -10,10 +10,12 @@ import torch
 from safetensors import SafetensorError
 
 from gradspec.cli import main
+from gradspec.data.readers import Fields, read_samples
+from gradspec.data.templates import tokenize
 from gradspec.training.dynamics import read_dynamics
 
-ROWS = [{"instruction": f"Question {i}: what is {i} plus one?", "output": f"It is {i + 1}, of course."}
-        for i in range(8)]
+ROWS = [{"instruction": f"Question {i}: what is {i} plus one?", "output": f"It is {i + 1}" + ", of course" * i}
+        for i in range(8)]  # each its own length: a monitor row is mapped back to its row by it
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def data(tmp_path_factory):
 
 @pytest.mark.parametrize("loss", ["ntp", "wit", "sftmix"])
 def test_gradspec_train_end_to_end(loss, data, tiny_model_dir, tmp_path, capsys):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / loss
     args = ["train", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--loss", loss,
@@ -42,6 +44,11 @@ def test_gradspec_train_end_to_end(loss, data, tiny_model_dir, tmp_path, capsys)
     assert monitor["step"].unique().tolist() == [2, 4]  # steps 2 and 4 of 4, where Trainer logs
     assert monitor["scaled"].all() == (loss != "sftmix")
     assert monitor.filter(like="/effective_rank").notna().all().all()
+    # each monitor row names its sample: the row of that index has its length
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    lengths = [len(tokenize(s.messages, tokenizer, "plain", 512).input_ids) for s in read_samples(data, Fields())]
+    assert len(set(lengths)) == 8 and monitor["sample_index"].notna().all()
+    assert monitor["num_tokens"].tolist() == [lengths[i] for i in monitor["sample_index"]]
 
 
 def test_gradspec_dynamics_from_checkpoints(data, tiny_model_dir, tmp_path):
