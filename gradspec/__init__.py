@@ -20,7 +20,8 @@ _EXPORTS = {
     "align": "runs.api", "score": "runs.api", "read_metadata": "runs.score_files", "read_scores": "runs.score_files",
     "WITCollator": "training.wit", "WITLoss": "training.wit", "use_wit_loss": "training.wit",
     "wit_loss": "training.wit", "with_sample_index": "training.sample_index",
-    "keep_sample_index": "training.sample_index", "SFTMixTrainer": "training.sftmix", "DynamicsCallback": "training.dynamics",
+    "keep_sample_index": "training.sample_index", "SFTMixTrainer": "training.sftmix",
+    "DynamicsCallback": "training.dynamics",
     "SpectralMonitor": "training.monitor", "SpectralMonitorCallback": "training.monitor_callback",
 }
 _NAMES = {"register_layer_kind": "register"}  # exported under another name than its module's

@@ -109,8 +109,8 @@ def train(config: TrainConfig) -> Path:
     from gradspec.runs.distributed import bind_device
     from gradspec.training.dynamics import DynamicsCallback
     from gradspec.training.monitor_callback import SpectralMonitorCallback
-    from gradspec.training.sftmix import SFTMixTrainer, confidence_halves
     from gradspec.training.sample_index import SAMPLE_INDEX
+    from gradspec.training.sftmix import SFTMixTrainer, confidence_halves
     from gradspec.training.wit import WITCollator, WITLoss, use_wit_loss
 
     samples: list[Sample] = list(data_samples(config.data, config.fields, config.limit))

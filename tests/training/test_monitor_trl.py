@@ -68,8 +68,9 @@ def test_sft_trainer_rows_name_their_sample(tokenizer, tmp_path, collator):
                        bf16=False, remove_unused_columns=False,  # else Trainer drops the column
                        dataset_kwargs={"skip_prepare_dataset": True} if wit else None)
     out = tmp_path / "monitor.parquet"
-    trainer = SFTTrainer(model=tiny_model("llama"), args=config, train_dataset=with_sample_index(Dataset.from_list(rows)),
-                         processing_class=tokenizer, data_collator=WITCollator(tokenizer) if wit else None,
+    trainer = SFTTrainer(model=tiny_model("llama"), args=config,
+                         train_dataset=with_sample_index(Dataset.from_list(rows)), processing_class=tokenizer,
+                         data_collator=WITCollator(tokenizer) if wit else None,
                          callbacks=[SpectralMonitorCallback(every=1, out=out)])
     if not wit:
         trainer.data_collator = keep_sample_index(trainer.data_collator)
