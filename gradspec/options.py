@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import math
 import numbers
 import os
@@ -22,7 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 KIND_WORDS = {"int": "an int", "float": "a number", "bool": "a bool", "str": "a str",
-              "strs": "a str or a list of str", "path": "a str or a pathlib.Path", "device": "a str or a torch.device"}
+              "strs": "a str or a list of str", "path": "a str or a pathlib.Path", "device": "a str or a torch.device",
+              "pairs": "a dict of str keys, or a list of KEY=VALUE str"}
 
 
 class OptionError(ValueError):
@@ -155,8 +157,29 @@ def typed(name: str, value: Any, kind: str) -> Any:
         return ",".join(value)
     if kind == "device" and type(value).__name__ == "device":  # a torch.device, without importing torch here
         return str(value)
+    if kind == "pairs":
+        return pairs(name, value)
     raise TypeError(f"{name} must be {KIND_WORDS[kind]}{' or None' if optional else ''}, got "
                     f"{type(value).__name__} {reprlib.repr(value)}")
+
+
+def pairs(name: str, value: Any) -> dict[str, Any]:
+    """A "pairs" option's dict: as given (str keys), or from KEY=VALUE strings (as the command line gives
+    them), each VALUE read as JSON where it is (4, 1e-4, true, ["a"]) and as text where not (cosine)."""
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return dict(value)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        out: dict[str, Any] = {}
+        for item in value:
+            key, equals, text = item.partition("=")
+            if not equals or not key:
+                raise OptionError(name, f"{item!r}: expected KEY=VALUE")
+            try:
+                out[key] = json.loads(text)
+            except ValueError:
+                out[key] = text
+        return out
+    raise TypeError(f"{name} must be {KIND_WORDS['pairs']}, got {type(value).__name__} {reprlib.repr(value)}")
 
 
 def check_options(obj: Any) -> None:

@@ -70,7 +70,7 @@ CI_ITSELF = (["bash", ".ci/setup"], [".venv/bin/pytest", "-q"])  # the README's 
 INPUT_OPTIONS = ("--data", "--target")
 SCORING = {"score", "align", "project", "train", "dynamics", "diagnose"}
 INPUT_FILES = ("data.jsonl", "my.jsonl", "other.jsonl", "train.jsonl", "pool.jsonl", "big.jsonl", "high.jsonl",
-               "low.jsonl")
+               "low.jsonl", "held_out.jsonl")
 TASK_FILE = "task.jsonl"
 LIMIT = 4  # rows a HumanEval run scores here, and the most any --limit asks for
 

@@ -27,6 +27,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type, skip: Collection[str
             action: Any = ("store_true" if not default else "store_false" if d.option.flag
                            else argparse.BooleanOptionalAction)
             parser.add_argument(d.flag, dest=d.name, action=action, default=default, help=help_text)
+        elif kind == "pairs":
+            parser.add_argument(d.flag, dest=d.name, nargs="+", default=default, help=help_text, metavar="KEY=VALUE")
         else:
             parser.add_argument(d.flag, dest=d.name, type=_TYPES.get(kind), choices=d.option.choices,
                                 default=default, help=help_text, metavar=_key(d).upper() if d.option.flag else None)

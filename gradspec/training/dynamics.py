@@ -16,6 +16,7 @@ keeps its status and gets no statistics (NaN; no forgetting events), never a ver
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections import Counter
@@ -33,11 +34,12 @@ from gradspec.data.errors import InputError
 from gradspec.data.readers import Sample
 from gradspec.data.templates import check_response_tokens, tokenize
 from gradspec.engine.loss import item_losses
-from gradspec.runs.score_files import parquet_schema, schema_metadata, write_parquet
+from gradspec.runs.score_files import atomic_write, parquet_schema, schema_metadata, write_parquet
 
 log = logging.getLogger("gradspec")
 
 LEARNED_ACCURACY = 0.9
+SAVED = "gradspec_dynamics.json"  # the epochs measured so far, in each Trainer checkpoint (a resume takes them back)
 MEASURES = ("mean_token_prob", "perplexity", "token_accuracy")
 
 
@@ -149,8 +151,43 @@ class DynamicsCallback(TrainerCallback):
         self.checkpoints: dict[str, dict[int, dict[str, Any]]] = {}
         self.write_error: OSError | None = None  # why out could not be written at the end (the run goes on)
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        """A run resumed from a checkpoint (global_step > 0) takes back the epochs measured before it, which
+        on_save kept in that checkpoint's folder.
+
+        Args:
+            args: Trainer's TrainingArguments: its output_dir holds the checkpoints.
+            state: Trainer's TrainerState: a resumed run's global_step is its checkpoint's.
+            control: Trainer's TrainerControl (unused).
+        """
+        self.checkpoints = {}
+        if state.global_step:
+            kept = Path(args.output_dir) / f"checkpoint-{state.global_step}" / SAVED
+            if kept.is_file():
+                self.checkpoints = {name: {int(i): m for i, m in measured.items()}
+                                    for name, measured in json.loads(kept.read_text()).items()}
+            else:
+                log.warning("%s: not there; the dynamics cover the epochs from step %d on", kept, state.global_step)
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        """Keeps the epochs measured so far in the checkpoint Trainer has just saved, for a resume: an
+        epoch's last step is saved before its on_epoch_end, so that epoch is measured here, first.
+
+        Args:
+            args: Trainer's TrainingArguments: its output_dir holds the checkpoints.
+            state: Trainer's TrainerState: global_step names the checkpoint, epoch says whether one ends.
+            control: Trainer's TrainerControl (unused).
+            model: The model being trained.
+        """
+        if state.epoch and state.epoch == round(state.epoch):
+            self._measure(state.epoch, model)
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if folder.is_dir():
+            atomic_write(folder / SAVED, lambda f: f.write(json.dumps(self.checkpoints).encode()))
+
     def on_epoch_end(self, args, state, control, model=None, **kwargs):
-        """Measures every sample under the model as it is now, as checkpoint "epoch <n>".
+        """Measures every sample under the model as it is now, as checkpoint "epoch <n>" (where on_save
+        has not).
 
         Args:
             args: Trainer's TrainingArguments (unused).
@@ -158,8 +195,12 @@ class DynamicsCallback(TrainerCallback):
             control: Trainer's TrainerControl (unused).
             model: The model being trained.
         """
-        name = f"epoch {state.epoch:g}"
-        self.checkpoints[name] = measure(model, self.tokenizer, self.samples, self.template, self.max_length)
+        self._measure(state.epoch, model)
+
+    def _measure(self, epoch: float, model) -> None:
+        name = f"epoch {epoch:g}"
+        if name not in self.checkpoints:
+            self.checkpoints[name] = measure(model, self.tokenizer, self.samples, self.template, self.max_length)
 
     def on_train_end(self, args, state, control, **kwargs):
         """Writes the per-sample statistics across the measured epochs to ``out``.

@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
@@ -165,6 +166,7 @@ class SpectralMonitor:
         self._steps = 0  # steps seen by step() without a number
         self._table: pa.Table | None = None  # every row written so far
         self._started = False
+        self._resumed_at: int | None = None  # a resumed run's checkpoint step: the file's rows up to it are kept
         self._targets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its targets
         self._current: _Step | None = None
         self._stash: dict[str, Any] = {}  # what the model call passed, for its base model's forward
@@ -331,14 +333,22 @@ class SpectralMonitor:
             rank = f".rank{dist.get_rank()}"
             if not self.out.stem.endswith(rank):
                 self.out = self.out.with_name(f"{self.out.stem}{rank}{self.out.suffix}")
-        if self.out is not None and self.out.exists() and not self.overwrite:
-            raise ValueError(f"out {self.out}: exists (a previous run's rows); give another path or overwrite=True")
         self._table, self._started = None, True
+        if self.out is not None and self.out.exists() and self._resumed_at is not None:
+            table = pq.read_table(self.out)  # the rows up to the checkpoint go on; later ones are trained again
+            self._table = table.filter(pc.less_equal(table["step"], self._resumed_at))
+        elif self.out is not None and self.out.exists() and not self.overwrite:
+            raise ValueError(f"out {self.out}: exists (a previous run's rows); give another path or overwrite=True")
 
-    def restart(self) -> None:
-        """A new run: the next monitored step starts a new file (refusing an existing one)."""
+    def restart(self, resumed_at: int | None = None) -> None:
+        """A new run: the next monitored step starts a new file (refusing an existing one); a run resumed
+        from a checkpoint at step resumed_at keeps the file's rows up to that step instead.
+
+        Args:
+            resumed_at: The step of the checkpoint a resumed run continues from; None: a new run.
+        """
         self.abort()
-        self._started, self._table = False, None
+        self._started, self._table, self._resumed_at = False, None, resumed_at
 
     def _call_begins(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """The model call: its labels, denominator and dataset indices, for the base model's forward."""

@@ -50,16 +50,19 @@ class SpectralMonitorCallback(TrainerCallback):
         self.guarded = False  # whether the running Trainer's training_step puts the hooks on (_guard_training_step)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        """A new run: a new file; refuses DataParallel; reads the accumulation, processes and loss type;
+        """A new run: a new file (a resumed run: the rows up to its checkpoint kept); refuses DataParallel;
+        reads the accumulation, processes and loss type;
         wraps the running Trainer's training_step (_guard_training_step).
 
         Args:
             args: Trainer's TrainingArguments.
-            state: Trainer's TrainerState (unused).
+            state: Trainer's TrainerState: a resumed run's global_step is its checkpoint's.
             control: Trainer's TrainerControl (unused).
             model: The model Trainer trains, hooked on monitored steps.
         """
-        self.monitor.restart()  # a new run: hooks a raised run left are gone, a new file
+        # a new run: hooks a raised run left are gone, a new file; a run resumed from a checkpoint (Trainer has
+        # loaded its state: global_step > 0) keeps the file's rows up to that step
+        self.monitor.restart(resumed_at=state.global_step or None)
         refuse_unmonitorable(args)
         self.model = model
         self.accumulation = args.gradient_accumulation_steps

@@ -9,6 +9,7 @@ before the collator sees it.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -54,21 +55,23 @@ def sample_indices(rows: Sequence[Mapping[str, Any]]) -> torch.Tensor | None:
     return torch.tensor([operator.index(v) for v in values], dtype=torch.int64)
 
 
-class keep_sample_index:  # noqa: N801  (used as a function: keep_sample_index(collator))
+def keep_sample_index(collator: Callable[[list[dict]], Any]) -> Callable[[list[dict]], Any]:
     """A collator that passes the rows' ``sample_index`` on as a batch column around another collator
     (TRL's, transformers'), which gets the rows without it.
 
     Args:
         collator: The collator to wrap: rows -> a dict batch.
+
+    Returns:
+        The wrapping collator (picklable where ``collator`` is: DataLoader workers can take it).
     """
+    return functools.partial(_collate_keeping_index, collator)
 
-    def __init__(self, collator: Callable[[list[dict]], Any]) -> None:
-        self.collator = collator
 
-    def __call__(self, rows: list[dict]) -> Any:
-        indices = sample_indices(rows)
-        if indices is None:
-            return self.collator(rows)
-        batch = self.collator([{k: v for k, v in row.items() if k != SAMPLE_INDEX} for row in rows])
-        batch[SAMPLE_INDEX] = indices
-        return batch
+def _collate_keeping_index(collator: Callable[[list[dict]], Any], rows: list[dict]) -> Any:
+    indices = sample_indices(rows)
+    if indices is None:
+        return collator(rows)
+    batch = collator([{k: v for k, v in row.items() if k != SAMPLE_INDEX} for row in rows])
+    batch[SAMPLE_INDEX] = indices
+    return batch

@@ -21,12 +21,14 @@ from gradspec.options import OptionError, OptionExists, check_options, mention, 
 log = logging.getLogger("gradspec")
 
 LOSSES = ("ntp", "wit", "sftmix")
-OUTPUTS = ("model", "dynamics.parquet", "monitor.parquet")  # what a run writes into --out
+# what a run writes into --out: checkpoint-N stands for Trainer's checkpoints (--trainer-args save_steps=N)
+OUTPUTS = ("model", "dynamics.parquet", "monitor.parquet", "checkpoint-N")
 MODEL = OUTPUTS[0]
 # A partial output: the temporary it is written to beside it, <name>.tmp<pid> for a file (score_files.atomic_write),
 # model.tmp for the model folder (renamed into place once whole: _save_model); left where a run was killed writing it
 _PARTIAL = re.compile(r"\.tmp\d*$")
 _RANK = re.compile(r"\.rank\d+(?=\.parquet$)")  # under torchrun each rank's monitor file: monitor.rank<r>.parquet
+_STEP = re.compile(r"(?<=^checkpoint-)\d+$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +57,15 @@ class TrainConfig:
     max_steps: int = option(-1, "stop after this many steps (-1: run the epochs)", kind="int")
     batch_size: int = option(4, "samples per step", kind="int", at_least=1)
     learning_rate: float = option(2e-5, "AdamW's learning rate", kind="float")
-    monitor_every: int = option(5, "spectra of the training batch every N steps", kind="int", at_least=1)
+    monitor_every: int = option(5, "spectra of the training batch every N steps (Trainer logs at them)", kind="int",
+                                at_least=1)
+    eval_data: str | None = option(None, "held-out rows (as --data) whose loss Trainer evaluates: at each epoch's "
+                                   "end, or every eval_steps (--trainer-args eval_steps=N)", kind="path?")
+    resume: str | None = option(None, "continue the run in out from its checkpoint: 'last' or a checkpoint folder "
+                                "(checkpoints: --trainer-args save_steps=N)", kind="path?")
+    trainer_args: dict | None = option(None, "more of transformers' TrainingArguments, passed on as given: "
+                                       "gradient_accumulation_steps=4 bf16=true lr_scheduler_type=cosine "
+                                       "warmup_steps=10 save_steps=50 ...", kind="pairs?")
     modules: str = option("attn", "modules the monitor scores (as for score)", kind="strs")
     seed: int = option(0, "seed of the data order and the model's initialisation", kind="int")
     device: str = device_option()
@@ -86,8 +96,14 @@ def check(config: TrainConfig) -> None:
     out = Path(config.out)
     if out.exists() and not out.is_dir():
         raise OptionError("out", f"{config.out} is a file; train writes a folder")
+    if config.eval_data is not None and config.loss == "sftmix":
+        raise OptionError("eval_data", f": SFTMix's loss pairs training samples; {mention('eval_data')} is for "
+                          f"{mention('loss')} ntp and wit")
+    training_arguments(config)  # each of trainer_args named where it is wrong, before the model loads
+    if config.resume is not None:
+        resumed_checkpoint(config)
     earlier = run_files(out)
-    if earlier and not config.overwrite:
+    if earlier and not config.overwrite and config.resume is None:
         raise OptionExists("out", f"{config.out} holds {_earlier_run(out, earlier)}; pass {mention('overwrite')} "
                            f"to replace them or choose another {mention('out')}")
     check_writable(out, as_folder=True)
@@ -102,7 +118,7 @@ def check(config: TrainConfig) -> None:
 def train(config: TrainConfig) -> Path:
     """Runs the fine-tuning; returns the output folder (model, dynamics.parquet, monitor.parquet)."""
     check(config)  # before transformers' Trainer loads: a mistake is named at once
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     from gradspec.data.models import fit_to_context, load_model
     from gradspec.layers.targets import select_targets
@@ -129,12 +145,7 @@ def train(config: TrainConfig) -> Path:
     select_targets(model, config.modules)  # the monitor's modules, named now if none matches: not at its first step
     rows = [{"messages": s.messages, SAMPLE_INDEX: s.index} for s in samples]  # monitor rows name their sample
     out = Path(config.out)
-    args = TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=config.batch_size,
-        num_train_epochs=config.epochs, max_steps=config.max_steps, learning_rate=config.learning_rate,
-        remove_unused_columns=False, report_to=[], save_strategy="no", logging_steps=config.monitor_every,
-        seed=config.seed, use_cpu=config.device == "cpu",
-    )
+    args = training_arguments(config)
     prompt_weight = config.prompt_weight if config.loss == "wit" else 0.0
     collator = WITCollator(tokenizer, prompt_weight, config.template, max_length)
     callbacks = [
@@ -142,6 +153,8 @@ def train(config: TrainConfig) -> Path:
         DynamicsCallback(tokenizer, samples, out / "dynamics.parquet", config.template, max_length),
     ]
     common = {"model": model, "args": args, "train_dataset": rows, "data_collator": collator, "callbacks": callbacks}
+    if config.eval_data is not None:
+        common["eval_dataset"] = [{"messages": s.messages} for s in data_samples(config.eval_data, config.fields)]
     if config.loss == "sftmix":
         confident, unconfident = confidence_halves(_reference(config, model, tokenizer, samples, max_length),
                                                    [s.index for s in samples])  # positions in rows
@@ -151,18 +164,79 @@ def train(config: TrainConfig) -> Path:
         if config.loss == "wit":
             use_wit_loss(model, WITLoss(config.prompt_weight, config.response_weight))
         trainer = Trainer(**common)
-    if config.overwrite:  # an earlier run's files, partial ones too, gone before this run writes its own
+    if config.overwrite and config.resume is None:  # an earlier run's files, partial ones too, gone first
         for path in run_files(out):
             if path.is_dir() and not path.is_symlink():  # a link is removed, not what it points to
                 shutil.rmtree(path)
             else:
                 path.unlink(missing_ok=True)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=None if config.resume is None else str(resumed_checkpoint(config)))
     _save_model(trainer, tokenizer, out / MODEL)
     if callbacks[1].write_error is not None:  # the model is saved: now the file that was not is named
         raise OSError(f"{callbacks[1].out}: not written ({callbacks[1].write_error}); the model is saved in "
                       f"{out / MODEL}")
     return out
+
+
+# TrainingArguments that gradspec train's own options give (their option), or that it must hold (None)
+_OWNED = {"output_dir": "out", "per_device_train_batch_size": "batch_size", "num_train_epochs": "epochs",
+          "max_steps": "max_steps", "learning_rate": "learning_rate", "seed": "seed", "logging_steps": "monitor_every",
+          "use_cpu": "device", "resume_from_checkpoint": "resume", "remove_unused_columns": None}
+
+
+def training_arguments(config: TrainConfig):
+    """transformers' TrainingArguments of the run: its own options, then trainer_args as given (checked
+    against TrainingArguments' fields; one that an option gives is named by that option); save_steps
+    alone saves every save_steps, eval_data alone evaluates at each epoch's end (every eval_steps where
+    given)."""
+    import dataclasses
+
+    from rapidfuzz import process
+    from transformers import TrainingArguments
+
+    extra = dict(config.trainer_args or {})
+    fields = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
+    for key in extra:
+        if key in _OWNED:
+            raise OptionError("trainer_args", f": {key} is " + (f"{mention(_OWNED[key])}'s" if _OWNED[key] else
+                              "held False: the collator reads the rows' text") + " to give")
+        if key not in fields:
+            near = process.extractOne(key, fields, score_cutoff=80)
+            raise OptionError("trainer_args", f": {key} is none of TrainingArguments' fields"
+                              + (f" (did you mean {near[0]}?)" if near else ""))
+    if "save_steps" in extra:
+        extra.setdefault("save_strategy", "steps")
+    evaluated = {"eval_steps", "eval_strategy"} & set(extra)
+    if config.eval_data is None and evaluated and extra.get("eval_strategy", "steps") != "no":
+        raise OptionError("trainer_args", f": {sorted(evaluated)[0]} evaluates {mention('eval_data')}; give it")
+    if config.eval_data is not None:
+        extra.setdefault("eval_strategy", "steps" if "eval_steps" in extra else "epoch")
+    arguments = {"output_dir": str(config.out), "per_device_train_batch_size": config.batch_size,
+                 "num_train_epochs": config.epochs, "max_steps": config.max_steps,
+                 "learning_rate": config.learning_rate, "remove_unused_columns": False, "report_to": [],
+                 "save_strategy": "no", "logging_steps": config.monitor_every, "seed": config.seed,
+                 "use_cpu": config.device == "cpu", **extra}
+    try:
+        return TrainingArguments(**arguments)
+    except (ValueError, TypeError) as e:  # TrainingArguments' own checks of a value
+        raise OptionError("trainer_args", f": {' '.join(str(e).split())}") from None
+
+
+def resumed_checkpoint(config: TrainConfig) -> Path:
+    """The checkpoint folder a resumed run continues from: out's newest for 'last', else the one given."""
+    if config.resume == "last":
+        from transformers.trainer_utils import get_last_checkpoint
+
+        last = get_last_checkpoint(config.out) if Path(config.out).is_dir() else None
+        if last is None:
+            raise OptionError("resume", f"last: {config.out} holds no checkpoint-N folder; a run saves them with "
+                              f"{mention('trainer_args')} save_steps=N")
+        return Path(last)
+    path = Path(config.resume)
+    if not (path / "trainer_state.json").is_file():
+        raise OptionError("resume", f"{config.resume}: not a Trainer checkpoint (no trainer_state.json); give one "
+                          f"of {config.out}'s checkpoint-N folders or 'last'")
+    return path
 
 
 def _reference(config: TrainConfig, model, tokenizer, samples: list[Sample], max_length: int):
@@ -204,7 +278,7 @@ def run_files(out: str | Path) -> list[Path]:
 
 def _output_of(name: str) -> str:
     """The OUTPUTS name a file in out stands for (a rank's monitor file, a partial one: theirs)."""
-    return _RANK.sub("", _PARTIAL.sub("", name))
+    return _STEP.sub("N", _RANK.sub("", _PARTIAL.sub("", name)))
 
 
 def _earlier_run(out: Path, files: list[Path]) -> str:
@@ -227,6 +301,8 @@ def _save_model(trainer, tokenizer, path: Path) -> None:
         trainer.save_model(str(partial))  # on every rank: a model sharded at load is gathered across them
         if trainer.args.should_save:
             tokenizer.save_pretrained(str(partial))
+            if path.is_dir() and not path.is_symlink():  # a resumed run's: the stopped run's model, replaced now
+                shutil.rmtree(path)
             os.replace(partial, path)
     except BaseException as error:
         if trainer.args.should_save:

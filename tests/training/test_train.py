@@ -204,3 +204,73 @@ def test_dynamics_on_a_full_disk_lose_not_the_trained_model(data, tiny_model_dir
         f"gradspec: error: {out / 'dynamics.parquet'}: not written ([Errno 28] No space left on device); the model "
         f"is saved in {out / 'model'}")
     assert (out / "model" / "config.json").exists() and (out / "monitor.parquet").exists()
+
+
+def test_trainer_arguments_pass_through_to_the_run(data, tiny_model_dir, tmp_path):
+    """--trainer-args reach TrainingArguments as given: accumulation (two micro-batches a monitored step), the
+    schedule (constant, not the default linear decay), save and eval steps on --eval-data."""
+    out = tmp_path / "run"
+    args = ["train", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--batch-size", "2",
+            "--max-steps", "2", "--monitor-every", "1", "--learning-rate", "1e-2", "--eval-data", str(data),
+            "--trainer-args", "gradient_accumulation_steps=2", "lr_scheduler_type=constant", "save_steps=1",
+            "eval_steps=1"]
+    assert main(args) == 0
+    monitor = pd.read_parquet(out / "monitor.parquet")
+    assert monitor.groupby("step")["micro_batch"].apply(sorted).tolist() == [[0, 0, 1, 1]] * 2
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert [r["learning_rate"] for r in state["log_history"] if "loss" in r] == [1e-2, 1e-2]
+    assert [r["step"] for r in state["log_history"] if "eval_loss" in r] == [1, 2]
+    assert (out / "checkpoint-1").is_dir()
+
+
+@pytest.mark.parametrize(("given", "error"), [
+    (["--trainer-args", "learning_rate=1"], "--trainer-args: learning_rate is --learning-rate's to give"),
+    (["--trainer-args", "gradient_acumulation_steps=2"],
+     "gradient_acumulation_steps is none of TrainingArguments' fields (did you mean gradient_accumulation_steps?)"),
+    (["--trainer-args", "eval_steps=2"], "--trainer-args: eval_steps evaluates --eval-data; give it"),
+    (["--trainer-args", "lr_scheduler_type=bogus"], "--trainer-args: bogus is not a valid SchedulerType"),
+    (["--trainer-args", "bf16"], "--trainer-args 'bf16': expected KEY=VALUE"),
+    (["--resume", "last"], "holds no checkpoint-N folder; a run saves them with --trainer-args save_steps=N"),
+    (["--loss", "sftmix", "--eval-data", "x.jsonl"], "--eval-data is for --loss ntp and wit"),
+])
+def test_trainer_arguments_are_checked_before_the_model_loads(given, error, data, tmp_path, capsys):
+    assert main(["train", "--model", "no-such-model", "--data", str(data), "--out", str(tmp_path / "run"),
+                 *given]) == 2
+    assert error in capsys.readouterr().err
+
+
+def test_a_stopped_run_resumed_from_its_checkpoint_ends_as_the_run_never_stopped(data, tiny_model_dir, tmp_path,
+                                                                               monkeypatch):
+    """--resume last: the model, the monitor's rows (those before the checkpoint kept) and the dynamics (the
+    epoch measured before it, kept in the checkpoint) equal those of the run that never stopped."""
+    from transformers import AutoModelForCausalLM
+
+    from gradspec.training.monitor_callback import SpectralMonitorCallback
+
+    def run(out, *more):
+        return main(["train", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out),
+                     "--batch-size", "4", "--max-steps", "4", "--monitor-every", "1", "--learning-rate", "1e-2",
+                     "--trainer-args", "save_steps=2", "lr_scheduler_type=constant", *more])
+
+    assert run(tmp_path / "whole") == 0
+    begin = SpectralMonitorCallback.on_step_begin
+
+    def stop_at_step_3(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            raise KeyboardInterrupt
+        return begin(self, args, state, control, **kwargs)
+
+    monkeypatch.setattr(SpectralMonitorCallback, "on_step_begin", stop_at_step_3)
+    assert run(tmp_path / "resumed") == 130
+    assert not (tmp_path / "resumed" / "model").exists() and (tmp_path / "resumed" / "checkpoint-2").is_dir()
+    monkeypatch.setattr(SpectralMonitorCallback, "on_step_begin", begin)
+    assert run(tmp_path / "resumed", "--resume", "last") == 0
+    whole, resumed = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "model").state_dict()
+                      for d in ("whole", "resumed"))
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+    monitors = [pd.read_parquet(tmp_path / d / "monitor.parquet") for d in ("whole", "resumed")]
+    assert monitors[1]["step"].tolist() == [1] * 4 + [2] * 4 + [3] * 4 + [4] * 4
+    pd.testing.assert_frame_equal(*(m.drop(columns="seconds", errors="ignore") for m in monitors))
+    dynamics = [read_dynamics(tmp_path / d / "dynamics.parquet") for d in ("whole", "resumed")]
+    assert dynamics[1][1]["checkpoints"] == ["epoch 1", "epoch 2"]
+    pd.testing.assert_frame_equal(dynamics[0][0], dynamics[1][0])
