@@ -1,7 +1,10 @@
 """Comparing groups of scored data: per-layer curves, distributions, effect sizes, correlations.
 
 Each sample is summarised per module type (q, k, v, o, gate, up, down) by the mean of a metric over
-layers. Groups are compared with Cohen's d and a Mann-Whitney U test; metrics are correlated
+layers. Groups are compared with Cohen's d and a Mann-Whitney U test, beside each group's response
+length and truncated share and the d left once length is regressed out: where the groups' median
+lengths differ by more than LENGTH_RATIO, that length-adjusted d leads, because a spectral metric
+mostly follows the token count there. Metrics are correlated
 (Spearman) with every numeric column the score files carry, plain and with the response length
 partialled out, because effective rank is bounded by the token count and quality labels often
 track length.
@@ -27,6 +30,7 @@ from gradspec.runs.score_files import complete, read_metadata, read_scores  # no
 CURVE_METRICS = ("nuclear_norm", "effective_rank")
 ROLE_ORDER = ("q", "k", "v", "o", "gate", "up", "down")
 LENGTH = "num_response_tokens"
+LENGTH_RATIO = 1.5  # groups whose median response lengths differ by more: the length-adjusted d leads
 # Columns of a score file that are not sample properties to correlate with.
 _NOT_FEATURES = {"index", "status"}
 
@@ -67,21 +71,48 @@ def cohens_d(a: np.ndarray, b: np.ndarray) -> float:
     return float((a.mean() - b.mean()) / pooled) if pooled > 0 else float("nan")
 
 
-def summary_table(samples: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """Per metric and module type: each group's mean, and first group vs second (d, Mann-Whitney p)."""
+def group_lengths(wides: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Per group: scored rows, response tokens (median, mean) and the share of rows cut at max_length."""
+    return pd.DataFrame([{"group": g, "scored rows": len(w), "response tokens, median": w[LENGTH].median(),
+                          "response tokens, mean": w[LENGTH].mean(),
+                          "truncated": w["status"].str.contains("truncated").mean()} for g, w in wides.items()])
+
+
+def length_ratio(lengths: pd.DataFrame) -> float:
+    """The first two groups' median response lengths, the longer over the shorter (inf where one is 0)."""
+    a, b = lengths["response tokens, median"].iloc[:2]
+    return max(a, b) / min(a, b) if min(a, b) > 0 else float("inf")
+
+
+def summary_table(samples: dict[str, pd.DataFrame], wides: dict[str, pd.DataFrame] | None = None) -> pd.DataFrame:
+    """Per metric and module type: each group's mean, and first group vs second (d, Mann-Whitney p; with
+    wides, each group's scored rows, also the d of what length leaves: the residuals of the metric
+    regressed on log response tokens over both groups, then Cohen's d of those)."""
     labels = list(samples)
     rows = []
     for metric, module in samples[labels[0]].columns:
         row = {"metric": metric, "module": module}
-        values = [samples[g][(metric, module)].dropna().to_numpy() for g in labels]
+        values = [samples[g][(metric, module)].dropna() for g in labels]
         row.update({f"mean {g}": v.mean() for g, v in zip(labels, values, strict=True)})
         if len(labels) >= 2 and min(len(values[0]), len(values[1])) >= 2:
-            row[f"d ({labels[0]} - {labels[1]})"] = cohens_d(values[0], values[1])
+            row[f"d ({labels[0]} - {labels[1]})"] = cohens_d(values[0].to_numpy(), values[1].to_numpy())
+            if wides is not None:
+                row["d after length"] = cohens_d(*_length_residuals(values[:2], [wides[g] for g in labels[:2]]))
             row["Mann-Whitney p"] = stats.mannwhitneyu(values[0], values[1]).pvalue
         rows.append(row)
     order = {r: i for i, r in enumerate(ROLE_ORDER)}
     return pd.DataFrame(rows).sort_values(["metric", "module"], key=lambda c: c.map(order) if c.name == "module"
                                           else c, ignore_index=True)
+
+
+def _length_residuals(values: list[pd.Series], wides: list[pd.DataFrame]) -> list[np.ndarray]:
+    """Each group's values less what log response tokens predict, by one least-squares line over both."""
+    logs = [np.log(w.set_index("sample")[LENGTH].clip(lower=1)).loc[v.index].to_numpy() for v, w in
+            zip(values, wides, strict=True)]
+    x, y = np.concatenate(logs), np.concatenate([v.to_numpy() for v in values])
+    design = np.column_stack([np.ones_like(x), x])
+    beta, *_ = np.linalg.lstsq(design, y, rcond=None)
+    return [v.to_numpy() - np.column_stack([np.ones_like(lg), lg]) @ beta for v, lg in zip(values, logs, strict=True)]
 
 
 def _features(wide: pd.DataFrame, samples: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -202,8 +233,22 @@ def write_report(groups: dict[str, str | Path], out: str | Path, overwrite: bool
     _check_groups(groups, longs)
     out.mkdir(parents=True, exist_ok=True)
     samples = {label: per_sample(long) for label, long in longs.items()}
+    wides = {label: wide for label, (wide, _) in loaded.items()}
+    lengths = group_lengths(wides)
     lines = ["# gradspec report", "", "Groups: " + ", ".join(f"**{g}** ({len(loaded[g][0])} scored rows, `{p}`)"
-                                                         for g, p in groups.items()), ""]
+                                                         for g, p in groups.items()), "",
+             lengths.to_markdown(index=False, floatfmt=".3g"), ""]
+    ratio = length_ratio(lengths) if len(groups) > 1 else 1.0
+    table = summary_table(samples, wides)
+    first_d = next((c for c in table.columns if c.startswith("d (")), None)
+    if ratio > LENGTH_RATIO and first_d is not None:  # the raw d mostly measures length: the adjusted one leads
+        longer, shorter = lengths.sort_values("response tokens, median", ascending=False)["group"].iloc[:2]
+        lines += [f"**Length differs:** {longer}'s responses are {ratio:.3g}x as long as {shorter}'s (median "
+                  f"response tokens; above {LENGTH_RATIO}x), and a spectral metric follows the token count: "
+                  "`d after length` (the metric's residuals from a line on log response tokens, over both "
+                  f"groups) comes first, before the raw `{first_d}`.", ""]
+        table = table[["metric", "module", "d after length", *[c for c in table.columns if c not in
+                                                                ("metric", "module", "d after length")]]]
     few = [f"{g} ({len(loaded[g][0])})" for g in groups if len(loaded[g][0]) < FEW_ROWS]
     if few:
         lines += [f"**Few rows:** {', '.join(few)} scored rows; the tests and correlations below mean little "
@@ -213,11 +258,11 @@ def write_report(groups: dict[str, str | Path], out: str | Path, overwrite: bool
         _plot_distributions(samples, metric, out / f"distribution_{metric}.png")
         lines += [f"## {metric}", "", f"![per layer](layers_{metric}.png)", "",
                   f"![per sample](distribution_{metric}.png)", ""]
-    table = summary_table(samples)
     lines += ["## Summary per module type (mean over layers)", "",
-              "Cohen's d > 0 means the first group is higher. " * (len(groups) > 1) + "`effective_rank_fraction` "
-              "is the effective rank over its ceiling min(T, d_in, d_out), a length-normalised variant.", "",
-              table.to_markdown(index=False, floatfmt=".3g"), ""]
+              "Cohen's d > 0 means the first group is higher; `d after length` is Cohen's d of what is left of "
+              "the metric once a line on log response tokens (over both groups) is taken out. " * (len(groups) > 1)
+              + "`effective_rank_fraction` is the effective rank over its ceiling min(T, d_in, d_out), a "
+              "length-normalised variant.", "", table.to_markdown(index=False, floatfmt=".3g"), ""]
     wide_all = pd.concat([w for w, _ in loaded.values()], ignore_index=True)
     plain, partial = correlations(wide_all, pd.concat(samples.values()))
     _plot_heatmap(plain, "Spearman correlation, all groups pooled", out / "correlation.png")

@@ -61,6 +61,14 @@ def test_report_from_the_cli(tmp_path, tiny_model_dir):
     want = q.groupby("index")["value"].mean().mean()
     assert f"{want:.3g}" in text
     assert "ifd" in text and "reward" in text
+    # the groups differ in length: each group's length and truncated share up top, the length-adjusted d first
+    wide, _ = gradspec.read_scores(files["long"])
+    top = text.split("## ")[0]
+    assert "response tokens, median" in top and "truncated" in top
+    assert f" {wide['num_response_tokens'].median():.3g} " in top
+    assert "**Length differs:** long's responses are" in text
+    header = next(line for line in text.splitlines() if line.startswith("| metric"))
+    assert header.index("d after length") < header.index("d (long - short)")
     assert main(["report", "bad", "--out", str(out)]) == 2
 
 
@@ -69,3 +77,23 @@ def test_per_sample_means_over_layers():
                          "layer": [0, 1, 0, 1], "value": [1.0, 3.0, 5.0, 7.0]})
     s = per_sample(long)
     assert s.loc["a:0", ("m", "q")] == 2.0 and s.loc["a:0", ("m", "k")] == 6.0
+
+
+def test_the_length_adjusted_effect_takes_out_what_length_explains():
+    """A metric that follows log length alone: a large raw d between long and short groups, none after length;
+    a metric that differs at equal length keeps its effect."""
+    rng = np.random.default_rng(0)
+    n = 200
+    frames, wides = {}, {}
+    for label, (low, high), shift in (("long", (30, 300), 1.0), ("short", (10, 100), 0.0)):
+        length = rng.uniform(low, high, n)
+        index = pd.Index([f"{label}:{i}" for i in range(n)], name="sample")
+        columns = pd.MultiIndex.from_tuples([("effective_rank", "q"), ("nuclear_norm", "q")],
+                                            names=["metric", "module"])
+        frames[label] = pd.DataFrame({columns[0]: np.log(length) + rng.normal(0, 0.1, n),
+                                      columns[1]: shift + rng.normal(0, 0.5, n)}, index=index)
+        wides[label] = pd.DataFrame({"sample": index, "status": "ok", "num_response_tokens": length})
+    table = summary_table(frames, wides).set_index("metric")
+    assert table.loc["effective_rank", "d (long - short)"] > 1.5
+    assert abs(table.loc["effective_rank", "d after length"]) < 0.2
+    assert table.loc["nuclear_norm", "d after length"] > 0.7  # some of it goes with length: the groups overlap in part
