@@ -49,6 +49,7 @@ def environment() -> dict[str, Any]:
         "threads": {"cpus": os.cpu_count(), "usable_cpus": usable,
                     "torch_intra_op": torch.get_num_threads(), "torch_inter_op": torch.get_num_interop_threads(),
                     "extension": extension.default_threads(),
+                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY") or "unset (libgomp spins, then sleeps)",
                     "blas": [{"library": b["internal_api"], "version": b.get("version"),
                               "threads": b["num_threads"]} for b in threadpool_info()]},
         "cpu": cpu(),

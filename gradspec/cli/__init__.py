@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -115,7 +116,24 @@ def _terminated(signum: int, frame: object) -> NoReturn:
     raise KeyboardInterrupt("terminated")
 
 
+# Thread pools that sleep when idle rather than spin: on a shared machine a spinning OpenMP barrier waits out
+# whole time slices of a thread the kernel has descheduled (measured: up to 100x the quiet time beside a CPU hog on
+# 2 cores; benchmarks/bench_contention.py). NumPy's and SciPy's OpenBLAS (two pools of their own beside torch's
+# OpenMP) get one thread: their work here is small, and the extension holds them at one thread anyway.
+POLITE_THREADS = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_NUM_THREADS": "1"}
+
+
+def polite_threads() -> None:
+    """POLITE_THREADS where the user has not set them, read by the libraries when they load: only where
+    torch and NumPy are not loaded yet (the command line's own process, not a program that calls main)."""
+    if "torch" in sys.modules or "numpy" in sys.modules:
+        return
+    for name, value in POLITE_THREADS.items():
+        os.environ.setdefault(name, value)
+
+
 def main(argv: list[str] | None = None) -> int:
+    polite_threads()
     try:
         with _sigterm_as_interrupt():
             return _main(argv)

@@ -95,6 +95,17 @@ class _BatchPlan:
                      self.budget / 2**30, self.memory.per_token / 2**10, len(self.memory.inputs))
         return self.memory.fits(rows, longest, self.budget)
 
+    def refuses(self, item: Item) -> bool:
+        """Whether a sample alone cannot fit (said with its estimate): it is flagged, never run. On the
+        host a pass past the RAM is not an error to catch: the kernel kills the process."""
+        if self.fits(1, item.tokens.num_tokens):
+            return False
+        log.warning("sample %d (%d tokens) needs about %.1f GiB (its activations, Grams and eigen stage), beyond "
+                    "the %.1f GiB this run may use (%d%% of the memory available); flagged out_of_memory, not run",
+                    item.sample.index, item.tokens.num_tokens, self.memory.bytes(1, item.tokens.num_tokens) / 2**30,
+                    self.budget / 2**30, round(batch_memory.HEADROOM * 100))
+        return True
+
 
 def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, template: str, max_length: int,
                  batch_tokens: int, progress: _Progress, plan: _BatchPlan | None = None) -> list[dict[str, Any]]:
@@ -109,7 +120,8 @@ def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, templ
     # do (SpectralEngine.overlap); on the CPU submit has finished it.
     pending: list[tuple[Item, Future[BatchScores] | None, int]] = []
     for batch in token_batches(scorable, batch_tokens, fits=None if plan is None else plan.fits):
-        submitted = submit_with_split(engine, batch, pad_id)
+        too_big = plan is not None and len(batch) == 1 and plan.refuses(batch[0])
+        submitted = [(batch[0], None, 0)] if too_big else submit_with_split(engine, batch, pad_id)
         progress.advance(len(pending), collect(pending, rows, engine.metric_names))
         pending = submitted
     progress.advance(len(pending), collect(pending, rows, engine.metric_names))

@@ -197,3 +197,32 @@ def test_under_lockstep_an_out_of_memory_pass_is_not_retried_alone():
     items = [batching.Item(Sample(i, []), Tokenized([1] * 4, [1] * 4, "ok")) for i in range(2)]
     with pytest.raises(torch.OutOfMemoryError):
         submit_with_split(Engine(), items, pad_id=0)
+
+
+def test_a_sample_that_cannot_fit_the_memory_budget_is_flagged_before_it_runs(tmp_path, tiny_model_dir, monkeypatch,
+                                                                            caplog):
+    """On the host a pass past the RAM is no error to catch (the kernel kills the process): a sample whose own
+    estimate exceeds the budget (lowered here, between the short rows' and the long row's) is flagged
+    out_of_memory with its estimate and never run; the rest are scored as usual."""
+    from gradspec.data.batching import pad_id_of
+    from gradspec.data.models import load_model
+    from gradspec.engine import batch_memory
+
+    rows = [{"instruction": "Hi", "output": "Hello"}, {"instruction": "Yo", "output": "Hey there"},
+            {"instruction": "a long one " * 60, "output": "reply"}]
+    data = _write_jsonl(tmp_path / "d.jsonl", rows)
+    want = gradspec.score(data, str(tiny_model_dir), None, progress=False)
+    model, tokenizer = load_model(str(tiny_model_dir), progress=False)
+    memory = batch_memory.measure(gradspec.SpectralEngine(model, "attn"), pad_id_of(tokenizer))
+    short, long = sorted(want["num_tokens"])[1], want["num_tokens"].max()
+    monkeypatch.setattr(batch_memory, "budget", lambda device: (memory.bytes(1, short) + memory.bytes(1, long)) / 2)
+    lengths = []
+    real_submit = gradspec.SpectralEngine.submit
+    monkeypatch.setattr(gradspec.SpectralEngine, "submit", lambda self, ids, *a: lengths.append(ids.shape[1])
+                        or real_submit(self, ids, *a))
+    with caplog.at_level("WARNING", logger="gradspec"):
+        got = gradspec.score(data, str(tiny_model_dir), None, progress=False)
+    assert got["status"].tolist() == ["ok", "ok", "out_of_memory"] and max(lengths) < long
+    assert f"sample 2 ({long} tokens) needs about" in caplog.text and "flagged out_of_memory, not run" in caplog.text
+    cols = [c for c in got.columns if "/" in c]
+    pd.testing.assert_frame_equal(got.loc[:1, cols], want.loc[:1, cols], rtol=1e-5)
