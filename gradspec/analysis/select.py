@@ -9,6 +9,7 @@ or a weighted combination of these, each standardised first (``effective_rank:1,
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,20 @@ from gradspec.options import OptionError
 from gradspec.runs.score_files import atomic_write, complete, module_columns, module_mean, write_parquet
 
 ALIGNMENT_COLUMNS = ("align_mean", "align_mean_gradient", "align_max")  # what "alignment" means, by preference
+# Flags that one score of a row is undefined (its spectra are whole): they keep the row out of a selection only
+# where the criterion reads that score (a name starting so)
+UNDEFINED = {"ifd_undefined": ("ifd",), "alignment_undefined": ("alignment", "align_")}
+
+log = logging.getLogger("gradspec")
+
+
+def competing(scores: pd.DataFrame, by: str) -> pd.Series:
+    """The rows that compete under criterion by: complete ones (score_files.complete), flags of an undefined
+    score that by does not read (UNDEFINED) aside."""
+    names = [name for name, _ in criteria(by)]
+    unread = {flag for flag, starts in UNDEFINED.items() if not any(n.startswith(starts) for n in names)}
+    return complete(scores["status"].str.split(";").map(lambda flags: ";".join(f for f in flags if f not in unread)
+                                                      or "ok"))
 
 
 def criterion_values(scores: pd.DataFrame, name: str) -> pd.Series:
@@ -83,9 +98,9 @@ def choose(
     scores: pd.DataFrame, by: str, top: bool = True, fraction: float | None = None, count: int | None = None,
     length_buckets: int = 0,
 ) -> pd.DataFrame:
-    """The chosen rows of a score table (complete rows only: score_files.complete), with their selection score in
-    ``gradspec_score``: exactly count rows (or the fraction of the complete rows, rounded), or every complete
-    row where there are fewer.
+    """The chosen rows of a score table (the rows that compete: ``competing``), with their selection score in
+    ``gradspec_score``: exactly count rows (or the fraction of the competing rows, rounded), or every
+    competing row where there are fewer (said in the log).
 
     With length_buckets > 0 the rows are shared out over quantile buckets of num_tokens, so that a criterion
     correlated with length does not select by length alone (balanced_order).
@@ -97,13 +112,16 @@ def choose(
     check_at_least({"count": count})
     if length_buckets < 0:
         raise OptionError("length_buckets", f"must be 0 (none) or more, got {length_buckets}")
-    ok = scores[complete(scores["status"])].copy()
+    ok = scores[competing(scores, by)].copy()
     for name, _ in criteria(by):
         if name not in ok.columns:
             ok[name] = criterion_values(ok, name)
     ok["gradspec_score"] = combined_score(ok, by)
     ok = ok[np.isfinite(ok["gradspec_score"])]
     wanted = min(len(ok), count if count is not None else int(round(fraction * len(ok))))
+    if count is not None and count > len(ok) > 0:
+        log.warning("--count %d: only %d rows compete (complete, with a finite %s); all %d are chosen", count, len(ok),
+                    by, len(ok))
     if wanted == 0:
         size = f"--fraction {fraction}" if fraction is not None else f"--count {count}"
         raise ValueError(f"{size} of {len(ok)} complete rows selects none; ask for more")
@@ -135,6 +153,7 @@ def write_selection(data: str | Path, chosen: pd.DataFrame, out: str | Path, col
     if out.suffix not in OUTPUT_FORMATS:
         raise OptionError("out", f"{out}: write .jsonl, .json, .parquet, or a name without a suffix "
                           "for a datasets folder")
+    columns = list(dict.fromkeys(columns))  # a criterion may be one of the columns always written (loss)
     extra = chosen.set_index("index")[columns]
     records, seen = [], 0
     for index, (_, record) in enumerate(read_records(data, wanted=extra.index.__contains__, hub=hub)):
@@ -142,7 +161,7 @@ def write_selection(data: str | Path, chosen: pd.DataFrame, out: str | Path, col
         if isinstance(record, InputError):
             raise record
         if record is not None and index in extra.index:
-            record.update({c: plain_value(v) for c, v in extra.loc[index].items()})
+            record.update({c: plain_value(extra.at[index, c]) for c in columns})  # each column's own type
             records.append(record)
     if len(records) != len(extra):
         raise InputError(f"{data}: has {seen} records; the score file names rows beyond them (another input?)")

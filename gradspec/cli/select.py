@@ -26,12 +26,12 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradspec.analysis.select import choose, criteria, write_selection
+    from gradspec.analysis.select import choose, competing, criteria, write_selection
     from gradspec.data.errors import InputError, check_writable
     from gradspec.data.hub import is_dataset_name
     from gradspec.data.in_memory import is_label
     from gradspec.data.readers import Hub
-    from gradspec.runs.score_files import check_scored_input, complete, read_metadata, read_scores
+    from gradspec.runs.score_files import check_scored_input, read_metadata, read_scores
 
     meta = read_metadata(args.scores)
     data = args.data or meta.get("data")
@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
                     length_buckets=args.length_buckets)
     columns = ["gradspec_score", *dict.fromkeys(name for name, _ in criteria(args.by)), "loss", "num_tokens"]
     n = write_selection(data, chosen, args.out, columns, Hub(**meta.get("hub", {})))
-    left_out = scores.loc[~complete(scores["status"]), "status"].value_counts()
+    left_out = scores.loc[~competing(scores, args.by), "status"].value_counts()
     why = ", ".join(f"{count} {status}" for status, count in left_out.items()) or "none"
-    print(f"wrote {n} of {len(scores)} rows to {args.out} (only complete rows compete; left out: {why})")
+    short = f"; --count {args.count} asked for more" if args.count is not None and n < args.count else ""
+    print(f"wrote {n} of {len(scores)} rows to {args.out} (only complete rows compete; left out: {why}{short})")
     return 0

@@ -49,6 +49,21 @@ def test_only_complete_rows_compete():
     assert choose(s, "loss", top=True, fraction=1.0)["index"].tolist() == [0, 1, 2, 5]
 
 
+def test_a_flag_of_an_undefined_score_keeps_a_row_out_only_where_that_score_is_read(caplog):
+    """ifd_undefined (alignment_undefined) says one score is undefined, the spectra are whole: the row competes by
+    effective_rank, not by ifd (alignment); a --count beyond the competing rows is said, not silent."""
+    s = _scores().assign(status=["ok", "ifd_undefined", "ok", "ok", "boundary_merge;alignment_undefined", "ok"],
+                         ifd=[0.1, np.nan, 0.3, 0.4, 0.5, 0.6], align_mean=[0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    s.loc[3, "a.q/effective_rank"] = s.loc[3, "a.k/effective_rank"] = 1.0
+    assert choose(s, "effective_rank", fraction=1.0)["index"].tolist() == list(range(6))
+    assert choose(s, "ifd", fraction=1.0)["index"].tolist() == [0, 2, 3, 4, 5]
+    assert choose(s, "alignment", fraction=1.0)["index"].tolist() == [0, 1, 2, 3, 5]
+    assert choose(s, "effective_rank:1,ifd:1", fraction=1.0)["index"].tolist() == [0, 2, 3, 4, 5]
+    with caplog.at_level("WARNING", logger="gradspec"):
+        assert len(choose(s, "ifd", count=100)) == 5
+    assert "--count 100: only 5 rows compete" in caplog.text
+
+
 def test_length_buckets_choose_within_each_bucket():
     s = _scores()  # loss grows with length: unstratified top picks the longest
     assert choose(s, "loss", count=2)["index"].tolist() == [4, 5]
@@ -139,6 +154,7 @@ def test_select_writes_the_format_the_output_asks_for(tmp_path, tiny_model_dir, 
             original = ROWS[int(r["reward"])]
             assert {k: r[k] for k in original} == original
             assert r["effective_rank"] == pytest.approx(er[int(r["reward"])]) and "gradspec_score" in r
+            assert type(r["num_tokens"]) is int  # not the float a row of mixed columns made of it
 
 
 def test_select_errors_are_clear(tmp_path, tiny_model_dir, capsys):
