@@ -312,6 +312,11 @@ def to_sample(index: int, where: str, record: dict, fields: Fields = Fields()) -
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
         text_fields = {fields.instruction, fields.input, fields.output}
     else:
+        wrapped = next((k for k, v in record.items() if isinstance(v, list) and v and isinstance(v[0], dict)), None)
+        if wrapped is not None:  # {"data": [rows]}: the rows inside an object, not a field named wrongly
+            raise InputError(f"{where}: an object whose {wrapped!r} holds a list of {len(record[wrapped])} objects: "
+                             f"rows inside an object are not read; give the list itself (e.g. jq '.{wrapped}' "
+                             "file.json > rows.json)")
         raise InputError(
             f"{where}: expected Alpaca fields {fields.instruction!r}, {fields.output!r} "
             f"(optional {fields.input!r}), a chat field {fields.messages!r} or a ShareGPT field "

@@ -86,6 +86,15 @@ def test_missing_and_wrong_fields_say_what_was_expected(tmp_path):
         list(read_samples(path))
 
 
+def test_rows_wrapped_in_an_object_are_named_as_such(tmp_path):
+    """{"version": ..., "data": [rows]}: said to be rows inside an object, not a hint about field names."""
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"version": 1, "data": [{"instruction": "q", "output": "a"}] * 3}))
+    with pytest.raises(InputError, match=r"w.json element 0: an object whose 'data' holds a list of 3 objects: rows "
+                                         r"inside an object are not read; give the list itself \(e.g. jq '.data'"):
+        list(read_samples(path))
+
+
 def test_missing_file_and_unknown_format(tmp_path):
     with pytest.raises(InputError, match="no such file"):
         list(read_samples(tmp_path / "nope.jsonl"))
