@@ -232,8 +232,8 @@ def experts(model: nn.Module, name: str, module: nn.Module) -> ExpertsTarget | N
     for e in range(E):
         for role, cut in features.items():
             index = (e, slice(None), slice(*cut)) if transposed else (e, slice(*cut))
-            parts.append(Part(f"{name}.{e}.{role}", f"expert_{role}", hidden, inner, f"{name}.{_up_name(module)}",
+            parts.append(Part(f"{name}.{e}.{role}_proj", f"expert_{role}", hidden, inner, f"{name}.{_up_name(module)}",
                               index, transposed, cut, routed=True))
-        parts.append(Part(f"{name}.{e}.down", "expert_down", inner, hidden, f"{name}.down_proj", (e,), transposed,
+        parts.append(Part(f"{name}.{e}.down_proj", "expert_down", inner, hidden, f"{name}.down_proj", (e,), transposed,
                           routed=True))
     return ExpertsTarget(name, module, tuple(parts))

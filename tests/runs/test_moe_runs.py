@@ -24,14 +24,15 @@ def test_score_all_includes_experts_and_routers(tmp_path, tiny_moe_dir):
     df = pq.read_table(out).to_pandas()
     parts = {c.rsplit("/", 1)[0] for c in df.columns if c.endswith("/nuclear_norm")}
     assert len(parts) == 2 * (4 + 4 * 3 + 1)  # per layer: q, k, v, o; 4 experts x gate, up, down; the router
-    assert {f"{EXPERTS}.3.gate", f"{EXPERTS}.3.up", f"{EXPERTS}.3.down", "model.layers.1.mlp.gate"} <= parts
+    assert {f"{EXPERTS}.3.gate_proj", f"{EXPERTS}.3.up_proj", f"{EXPERTS}.3.down_proj",
+            "model.layers.1.mlp.gate"} <= parts
     assert df["status"].tolist() == ["ok", "ok", "empty_response"]
     routed = df[[f"{EXPERTS}.{e}/routed_tokens" for e in range(4)]]
     assert routed.loc[:1].sum(axis=1).tolist() == (2 * df.loc[:1, "num_tokens"]).tolist()  # top-2 of every token
     assert routed.loc[2].isna().all()  # not scored: nothing routed is recorded
     for e in range(4):  # an expert a sample never reached has no values, and the row is still ok
         unreached = df[f"{EXPERTS}.{e}/routed_tokens"] == 0
-        assert df.loc[unreached, f"{EXPERTS}.{e}.down/nuclear_norm"].isna().all()
+        assert df.loc[unreached, f"{EXPERTS}.{e}.down_proj/nuclear_norm"].isna().all()
     meta = read_metadata(out)
     assert meta["experts_implementation"] == {"captured_as": "gradspec", "model": "grouped_mm"}
     roles = {p["role"] for p in meta["parts"]}
@@ -44,4 +45,8 @@ def test_presets_experts_and_router(tiny_moe_dir):
     assert {p.role for p in experts} == {"expert_gate", "expert_up", "expert_down"} and len(experts) == 24
     assert [p.name for p in gradspec.SpectralEngine(model, "router").parts] == [
         "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
-    assert [p.name for p in gradspec.SpectralEngine(model, "*.1.*experts.2.down").parts] == [f"{EXPERTS}.2.down"]
+    assert [p.name for p in gradspec.SpectralEngine(model, "*.1.*experts.2.down_proj").parts] == [
+        f"{EXPERTS}.2.down_proj"]
+    # a glob of the router's name is the router's alone: an expert's gate half is its gate_proj, as a dense MLP's
+    assert [p.name for p in gradspec.SpectralEngine(model, "*.gate").parts] == [
+        "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
