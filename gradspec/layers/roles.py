@@ -20,6 +20,26 @@ _ROLES_BY_LEAF = {
 }
 
 
+def check_modules(name: str, value: object) -> str:
+    """A --modules value (a str or a list of str, kept joined by commas), refused before any model loads where
+    a spec is a near miss of a preset (atn, mpl): roles, globs and names are only known against a model."""
+    from rapidfuzz import process
+    from rapidfuzz.distance import Levenshtein
+
+    from gradspec.options import OptionError, typed
+
+    text = typed(name, value, "strs")
+    roles = {role for group in PRESETS.values() for role in group}
+    for spec in (s.strip() for s in text.split(",")):
+        if len(spec) < 3 or spec in PRESETS or spec in roles or any(c in spec for c in "*?[."):
+            continue
+        near = process.extractOne(spec, list(PRESETS), scorer=Levenshtein.distance, score_cutoff=1)
+        if near is not None:
+            raise OptionError(name, f"{spec!r}: no preset of that name; did you mean {near[0]!r}? (presets: "
+                              f"{', '.join(PRESETS)}; or roles such as q,k, or globs of part names)")
+    return text
+
+
 def roles_of(name: str) -> tuple[str, ...]:
     """The roles of a linear-like module's output features, in order, from its name (none: not scored)."""
     name, lora = adapted(name)

@@ -39,7 +39,7 @@ from gradspec.data.shared_options import (
     template_option,
 )
 from gradspec.engine.spectral_engine import METHODS
-from gradspec.layers.roles import PRESETS
+from gradspec.layers.roles import PRESETS, check_modules
 from gradspec.linalg.policy import BACKENDS, PRECISIONS
 from gradspec.options import OptionError, check_options, mention, option, typed
 from gradspec.runs.run_folder import CHUNK_ROWS
@@ -66,7 +66,7 @@ class ScoreConfig:
                                kind="path?")
     template: str = template_option()
     modules: str = option("attn", f"a preset ({', '.join(PRESETS)}; attn: q,k,v,o), role names (q,k) or name globs",
-                          kind="strs")
+                          kind="strs", convert=check_modules)
     max_length: int = max_length_option(2048)
     dtype: str = option("float32", "the model's weights and activations", choices=tuple(sorted(DTYPES)))
     method: str = option("exact", "lowrank: approximate top rank singular values (nuclear norm and effective rank "

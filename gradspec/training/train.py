@@ -16,6 +16,7 @@ from gradspec.data.models import check_device, check_model
 from gradspec.data.readers import Fields, Sample, data_samples
 from gradspec.data.shared_options import device_option, fields_option, limit_option, max_length_option, template_option
 from gradspec.data.templates import NO_RESPONSE, check_response_tokens, tokenize
+from gradspec.layers.roles import check_modules
 from gradspec.options import OptionError, OptionExists, check_options, mention, option
 
 log = logging.getLogger("gradspec")
@@ -66,7 +67,7 @@ class TrainConfig:
     trainer_args: dict | None = option(None, "more of transformers' TrainingArguments, passed on as given: "
                                        "gradient_accumulation_steps=4 bf16=true lr_scheduler_type=cosine "
                                        "warmup_steps=10 save_steps=50 ...", kind="pairs?")
-    modules: str = option("attn", "modules the monitor scores (as for score)", kind="strs")
+    modules: str = option("attn", "modules the monitor scores (as for score)", kind="strs", convert=check_modules)
     seed: int = option(0, "seed of the data order and the model's initialisation", kind="int")
     device: str = device_option()
     fields: Fields = fields_option()

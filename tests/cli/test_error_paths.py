@@ -408,3 +408,13 @@ def test_select_from_an_input_that_moved(capsys, tmp_path, tiny_model_dir):
     argv = ["select", "--scores", scores, "--out", tmp_path / "o.jsonl", "--by", "loss", "--count", "1"]
     assert _error(capsys, *argv) == f"{data}, the input {scores} scored, is gone; pass --data with where it is now"
     assert main([str(a) for a in argv] + ["--data", str(tmp_path / "moved.jsonl")]) == 0
+
+
+@pytest.mark.parametrize("command", ["score", "train"])
+def test_a_near_miss_of_a_preset_is_named_before_the_model_loads(capsys, tmp_path, command):
+    """--modules atn was reported once the model had loaded (22-30 s): now before (the model named here does not
+    exist, and it is not what the error is about)."""
+    out = tmp_path / ("s.parquet" if command == "score" else "run")
+    assert _error(capsys, command, "--model", tmp_path / "no-model", "--modules", "q,atn", "--out", out) == \
+        "--modules 'atn': no preset of that name; did you mean 'attn'? (presets: attn, mlp, experts, router, all, " \
+        "lora; or roles such as q,k, or globs of part names)"
