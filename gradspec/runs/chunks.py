@@ -8,6 +8,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from itertools import chain, groupby, islice
 from typing import Any
 
@@ -65,6 +66,17 @@ class _Progress:
         self.bar.set_postfix(tok_s=f"{self.tokens / (time.perf_counter() - self.start):.0f}", refresh=False)
 
 
+@dataclass(frozen=True)
+class Flush:
+    """Where the rows of an unfinished chunk go every so often, and come back from after a kill: a kill costs
+    at most ``seconds`` of scoring, not a chunk's. A resumed chunk scores only the rows it lacks, in the
+    same batches (its rows are batched by length, and those written were its first batches)."""
+
+    seconds: float
+    write: Callable[[int, list[dict[str, Any]]], None]  # (chunk, its rows scored so far)
+    rows: Callable[[int], list[dict[str, Any]]]  # chunk -> the rows a killed run wrote of it
+
+
 _MEASURED: weakref.WeakKeyDictionary[SpectralEngine, BatchMemory] = weakref.WeakKeyDictionary()
 
 
@@ -108,22 +120,36 @@ class _BatchPlan:
 
 
 def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, template: str, max_length: int,
-                 batch_tokens: int, progress: _Progress, plan: _BatchPlan | None = None) -> list[dict[str, Any]]:
+                 batch_tokens: int, progress: _Progress, plan: _BatchPlan | None = None,
+                 flush: Flush | None = None, chunk: int = 0) -> list[dict[str, Any]]:
     """Output rows of consecutive samples, in their order; batches within are sorted by length
-    (and sized to fit memory by plan)."""
+    (and sized to fit memory by plan); with flush, the rows scored so far written every flush.seconds
+    and those a killed run wrote taken back (its spectra: the classic scores are run on the whole chunk)."""
     pad_id = pad_id_of(tokenizer)
     items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples if s.error is None]
     rows = {item.sample.index: unscored_row(item) for item in items}
     rows.update({s.index: skipped_row(s) for s in samples if s.error is not None})
+    earlier = {row["index"]: row for row in ([] if flush is None else flush.rows(chunk)) if row["index"] in rows}
+    rows.update(earlier)
+    finished = list(earlier)  # the rows scored (their batches collected), in the order they were
+    if earlier:
+        log.info("chunk %d: %d rows scored before the run stopped, taken back", chunk, len(earlier))
+        progress.advance(len(earlier), sum(row["num_tokens"] for row in earlier.values()))
     scorable = [i for i in items if i.tokens.scorable]
     # One batch in flight: on a GPU its eigen stage runs while the next batch's forward and backward
     # do (SpectralEngine.overlap); on the CPU submit has finished it.
     pending: list[tuple[Item, Future[BatchScores] | None, int]] = []
-    for batch in token_batches(scorable, batch_tokens, fits=None if plan is None else plan.fits):
+    flushed = time.monotonic()
+    for batch in token_batches([i for i in scorable if i.sample.index not in earlier], batch_tokens,
+                               fits=None if plan is None else plan.fits):
         too_big = plan is not None and len(batch) == 1 and plan.refuses(batch[0])
         submitted = [(batch[0], None, 0)] if too_big else submit_with_split(engine, batch, pad_id)
         progress.advance(len(pending), collect(pending, rows, engine.metric_names))
+        finished += [item.sample.index for item, _, _ in pending]
         pending = submitted
+        if flush is not None and time.monotonic() - flushed >= flush.seconds and finished:
+            flush.write(chunk, [rows[i] for i in finished])
+            flushed = time.monotonic()
     progress.advance(len(pending), collect(pending, rows, engine.metric_names))
     if engine.token_stats:
         add_classic(engine, tokenizer, scorable, rows, max_length, batch_tokens)
@@ -134,10 +160,11 @@ def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, templ
 def score_samples(
     samples: Iterable[Sample], engine: SpectralEngine, tokenizer, write: Callable[[int, list[dict[str, Any]]], None],
     chunk_rows: int = CHUNK_ROWS, template: str = "plain", max_length: int = 2048,
-    batch_tokens: int = BATCH_TOKENS, progress: bool = True, total: int | None = None,
+    batch_tokens: int = BATCH_TOKENS, progress: bool = True, total: int | None = None, flush: Flush | None = None,
 ) -> Counter[str]:
     """Scores samples chunk by chunk (chunk = index // chunk_rows); write(chunk, rows) gets each
-    chunk's rows in input order. Returns how many rows got each status.
+    chunk's rows in input order (and flush, where given, an unfinished chunk's rows every so often).
+    Returns how many rows got each status.
 
     Before any chunk, stops (ValueError) if most of the input's first RESPONSE_CHECK_ROWS rows have no
     response tokens (templates.check_response_tokens): samples' head (a SampleStream: the input's,
@@ -163,7 +190,8 @@ def score_samples(
                 break  # the malformed row is in this chunk: it cannot be written whole
             text = mixed_columns(chunk_samples)  # none for a JSON or JSONL input: its types are the input's
             chunk_samples = [with_text_columns(s, text) for s in chunk_samples]
-            rows = _score_chunk(chunk_samples, engine, tokenizer, template, max_length, batch_tokens, bar, plan)
+            rows = _score_chunk(chunk_samples, engine, tokenizer, template, max_length, batch_tokens, bar, plan,
+                                flush, chunk)
             write(chunk, rows)
             statuses.update(row["status"] for row in rows)
     finally:

@@ -252,6 +252,8 @@ class RunSettings:
                            "without .parquet>.errors.jsonl (skip); numeric problems are always flagged, never fatal",
                            choices=ON_ERROR)
     resume: bool = option(False, "continue an interrupted run of the same config", kind="bool")
+    flush_minutes: float = option(10.0, "write the rows of an unfinished chunk this often, so that a stop costs at "
+                                  "most this much scoring (a resume takes them back)", kind="float", at_least=0.01)
     overwrite: bool = option(False, "replace the output file (and an unfinished run of it) if it exists", kind="bool",
                              from_file=False)
     trust_remote_code: bool = option(False, "run code shipped with the model", kind="bool", from_file=False)

@@ -73,7 +73,8 @@ _SHARDS = "shards"  # the manifest's record of how many --shard processes split 
 _WHOLE = "run.lock"
 _SHARD_LOCK = re.compile(r"shard-(\d+)-of-(\d+)\.lock")
 _DIGEST = ".sha256"  # beside each part (NNNNNNNN.parquet.sha256): the SHA-256 of its bytes, in hex
-_OURS = re.compile(r"(\d{8}\.parquet(\.sha256)?|manifest\.json|input_end\.json)")  # the files a run writes here
+# the files a run writes here (NNNNNNNN.partial.parquet: the rows of an unfinished chunk, written every --flush-minutes)
+_OURS = re.compile(r"(\d{8}\.(partial\.)?parquet(\.sha256)?|manifest\.json|input_end\.json)")
 _TEMPORARY = re.compile(rf"({_OURS.pattern}|.+\.lock)\.(tmp|stale)\d+")  # a killed write's leftovers
 _MODEL_SUFFIXES = {".json", ".safetensors", ".bin", ".pt", ".pth", ".model", ".txt", ".gguf", ".py", ".tiktoken"}
 _SAMPLE = 1 << 16  # bytes read at each of a model file's start, middle and end for its fingerprint
@@ -196,6 +197,38 @@ class RunFolder:
 
     def part(self, chunk: int) -> Path:
         return self.path / f"{chunk:08d}.parquet"
+
+    def partial(self, chunk: int) -> Path:
+        """The rows of a chunk not finished yet, written every --flush-minutes (removed with its part)."""
+        return self.path / f"{chunk:08d}.partial.parquet"
+
+    def write_partial(self, chunk: int, rows: list[dict[str, Any]]) -> None:
+        """The rows of an unfinished chunk scored so far, with the run's config fingerprint: what a kill
+        costs is then the time since this write, not the whole chunk's."""
+        if self._fingerprint is None:
+            self._fingerprint = config_fingerprint(self.manifest() or {})
+        keys = dict.fromkeys(k for row in rows for k in row)
+        write_parquet(pa.table({k: [row.get(k) for row in rows] for k in keys}), self.partial(chunk),
+                      {FINGERPRINT: self._fingerprint})
+
+    def partial_rows(self, chunk: int) -> list[dict[str, Any]]:
+        """The rows a killed run scored of a chunk before it could finish it (none where it left none, or
+        left them under another config, or damaged: those are removed)."""
+        path = self.partial(chunk)
+        try:
+            table = pq.read_table(path)
+            meta = json.loads((table.schema.metadata or {}).get(METADATA_KEY, b"{}"))
+        except FileNotFoundError:
+            return []
+        except (pa.ArrowException, OSError, ValueError) as e:
+            log.warning("%s: unreadable (%s); its rows are scored again", path, " ".join(str(e).split()))
+            meta = None
+        if self._fingerprint is None:
+            self._fingerprint = config_fingerprint(self.manifest() or {})
+        if not isinstance(meta, dict) or meta.get(FINGERPRINT) != self._fingerprint:
+            path.unlink(missing_ok=True)
+            return []
+        return table.to_pylist()
 
     def done(self) -> set[int]:
         if not self.path.is_dir():
@@ -466,6 +499,7 @@ class RunFolder:
         write_parquet(table, self.part(chunk), {**metadata, FINGERPRINT: self._fingerprint, PART: held})
         digest = _sha256(self.part(chunk))  # after the part: a part without one is a write cut short
         atomic_write(self._digest(chunk), lambda f: f.write(digest.encode()))
+        self.partial(chunk).unlink(missing_ok=True)  # its rows are in the part
 
     def _digest(self, chunk: int) -> Path:
         return self.path / f"{chunk:08d}.parquet{_DIGEST}"
@@ -559,7 +593,7 @@ class RunFolder:
         folder (and the folder, if that leaves it empty), so the corrected command starts afresh;
         kept if it holds a part or another process's lock. A user's own files there stay."""
         own = None if self._lock is None else self._lock.path
-        if self.done() or any(p != own for p in self._lock_files()):
+        if self.done() or any(self.path.glob("*.partial.parquet")) or any(p != own for p in self._lock_files()):
             return
         self._clear()
         self.release()

@@ -20,7 +20,7 @@ from gradspec.data.models import DEFAULT_MODEL, fit_to_context, input_device, lo
 from gradspec.data.readers import InputError, count_records, read_samples
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.options import OptionError, mention
-from gradspec.runs.chunks import score_samples
+from gradspec.runs.chunks import Flush, score_samples
 from gradspec.runs.config import ScoreConfig, check_settings
 from gradspec.runs.distributed import Group, bind_device, torchrun_shard
 from gradspec.runs.fsdp import load_sharded, lockstep_engine
@@ -67,7 +67,7 @@ def run(
     config: ScoreConfig, out: str | Path, *, device: str = "cpu", backend: str = "auto",
     batch_tokens: int | None = None, progress: bool = True, trust_remote_code: bool = False,
     resume: bool = False, overwrite: bool = False, shard: Shard | None = None, on_error: str = "fail",
-    merge: bool = True, fsdp: bool = False, device_map: str | None = None,
+    merge: bool = True, fsdp: bool = False, device_map: str | None = None, flush_minutes: float = 10.0,
 ) -> Counter[str]:
     """Scores this process's chunks into the run folder of out, then merges them into out when
     this process is the whole run (or rank 0 of torchrun's) and merge is on.
@@ -77,6 +77,7 @@ def run(
     fsdp: under torchrun, the model's parameters sharded across the ranks (gradspec.runs.fsdp).
     device_map: one process, the model dispatched over the visible devices (data.models.DEVICE_MAPS).
     batch_tokens: padded tokens per batch at most (None: data.batching.batch_tokens_for the device).
+    flush_minutes: how often an unfinished chunk's rows are written (what a stop costs at most).
     Returns how many rows of each status this process wrote.
     """
     ranks = torchrun_shard()
@@ -102,7 +103,7 @@ def run(
             metadata = _metadata(config, engine, info, sharding)
             shown = progress and (ranks is None or mine.index == 0)
             statuses = _score_into(folder, created, config, engine, tokenizer, metadata, wanted, on_error,
-                                   max_length, batch_tokens, shown, total)
+                                   max_length, batch_tokens, shown, total, flush_minutes)
             if group is not None:
                 group.wait()
             if merge and mine.index == 0 and (group is not None or mine.count == 1):
@@ -228,7 +229,7 @@ def _metadata(config: ScoreConfig, engine: SpectralEngine, info: dict[str, Any],
 
 def _score_into(folder: RunFolder, created: bool, config: ScoreConfig, engine: SpectralEngine, tokenizer,
                 metadata: dict[str, Any], wanted: Callable[[int], bool], on_error: str, max_length: int,
-                batch_tokens: int, progress: bool, total: int) -> Counter[str]:
+                batch_tokens: int, progress: bool, total: int, flush_minutes: float = 10.0) -> Counter[str]:
     """Scores the rows wanted into the folder's parts (score_samples), each cut to max_length tokens (load_engine's);
     the engine is closed however that ends. created: this process made the folder, which a run stopped before
     any part abandons."""
@@ -237,6 +238,7 @@ def _score_into(folder: RunFolder, created: bool, config: ScoreConfig, engine: S
             config.samples(wanted, on_error, folder.input_ended), engine, tokenizer,
             lambda chunk, rows: folder.write_part(chunk, rows, {**metadata, **engine.policy.describe()}),
             config.chunk_rows, config.template, max_length, batch_tokens, progress, total,
+            Flush(60 * flush_minutes, folder.write_partial, folder.partial_rows),
         )
     except BaseException as e:
         if created:  # stopped before any part: leave no run to --resume (abandon keeps one with parts)
