@@ -63,7 +63,8 @@ class _Progress:
     def advance(self, samples: int, tokens: int = 0) -> None:
         self.tokens += tokens
         self.bar.update(samples)
-        self.bar.set_postfix(tok_s=f"{self.tokens / (time.perf_counter() - self.start):.0f}", refresh=False)
+        if self.tokens:  # before the first batch is done there is no rate to show (not tok_s=0 for minutes)
+            self.bar.set_postfix(tok_s=f"{self.tokens / (time.perf_counter() - self.start):.0f}", refresh=False)
 
 
 @dataclass(frozen=True)

@@ -226,3 +226,15 @@ def test_a_sample_that_cannot_fit_the_memory_budget_is_flagged_before_it_runs(tm
     assert f"sample 2 ({long} tokens) needs about" in caplog.text and "flagged out_of_memory, not run" in caplog.text
     cols = [c for c in got.columns if "/" in c]
     pd.testing.assert_frame_equal(got.loc[:1, cols], want.loc[:1, cols], rtol=1e-5)
+
+
+def test_the_progress_bar_shows_no_rate_before_its_first_tokens():
+    """tok_s=0 stood there for minutes while the first CPU batch ran: no rate until there is one."""
+    from gradspec.runs.chunks import _Progress
+
+    progress = _Progress(10, enabled=True)
+    progress.advance(0, 0)
+    assert "tok_s" not in str(progress.bar.postfix or "")
+    progress.advance(2, 500)
+    assert "tok_s=" in progress.bar.postfix and "tok_s=0" not in progress.bar.postfix
+    progress.bar.close()
