@@ -29,6 +29,7 @@ from gradspec.data import hub as hub_datasets
 from gradspec.data import in_memory
 from gradspec.data.errors import InputError
 from gradspec.data.hub import Hub
+from gradspec.data.templates import JOINED
 from gradspec.options import check_options, option
 
 ON_ERROR = ("fail", "skip")  # what a malformed row does: stop the run, or skip and report the row
@@ -44,6 +45,8 @@ class Fields:
         output: the response.
         messages: chat messages (role/content), the last assistant turn the response.
         conversations: ShareGPT's from/value turns.
+        prompt: TRL's prompt-completion layout: the prompt (text, or a list of messages).
+        completion: the completion (text, joined to the prompt as TRL joins it, or a list of messages).
     """
 
     instruction: str = option("instruction", "the input's column of instructions", name="instruction_field")
@@ -52,6 +55,9 @@ class Fields:
     messages: str = option("messages", "its column of chat messages", name="messages_field")
     conversations: str = option("conversations", "its column of ShareGPT's from/value turns",
                                 name="conversations_field")
+    prompt: str = option("prompt", "its column of prompts (TRL's prompt-completion layout)", name="prompt_field")
+    completion: str = option("completion", "its column of completions (TRL's prompt-completion layout)",
+                             name="completion_field")
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -296,6 +302,18 @@ def _messages(record: dict, name: str, where: str) -> list[dict[str, str]]:
     return out
 
 
+def _prompt_completion(record: dict, fields: Fields, where: str) -> list[dict]:
+    """TRL's prompt-completion row as messages: lists of messages (its conversational form) one after the
+    other; texts as a user and an assistant turn marked JOINED, which the plain template joins as TRL
+    does (prompt + completion + EOS, no separator)."""
+    prompt, completion = record[fields.prompt], record[fields.completion]
+    if isinstance(prompt, list) and isinstance(completion, list):
+        name = f"{fields.prompt}+{fields.completion}"
+        return _messages({name: prompt + completion}, name, where)
+    return [{"role": "user", "content": _text(record, fields.prompt, where, required=True)},
+            {"role": "assistant", "content": _text(record, fields.completion, where, required=True), JOINED: True}]
+
+
 def to_sample(index: int, where: str, record: dict, fields: Fields = Fields()) -> Sample:
     """One record -> Sample; scalar columns other than the text fields are carried. Every row of every
     reader comes through here, so here each text it keeps (messages, carried values and their names) is
@@ -304,6 +322,9 @@ def to_sample(index: int, where: str, record: dict, fields: Fields = Fields()) -
     if chat is not None:
         messages = _messages(record, chat, where)
         text_fields = {chat}
+    elif fields.prompt in record and fields.completion in record:  # TRL's prompt-completion layout
+        messages = _prompt_completion(record, fields, where)
+        text_fields = {fields.prompt, fields.completion}
     elif fields.instruction in record or fields.output in record:
         instruction = _text(record, fields.instruction, where, required=True)
         extra = _text(record, fields.input, where, required=False)
@@ -319,9 +340,10 @@ def to_sample(index: int, where: str, record: dict, fields: Fields = Fields()) -
                              "file.json > rows.json)")
         raise InputError(
             f"{where}: expected Alpaca fields {fields.instruction!r}, {fields.output!r} "
-            f"(optional {fields.input!r}), a chat field {fields.messages!r} or a ShareGPT field "
-            f"{fields.conversations!r}; found {sorted(record)}: name yours with --instruction-field, "
-            "--output-field, --messages-field or --conversations-field"
+            f"(optional {fields.input!r}), a chat field {fields.messages!r}, a ShareGPT field "
+            f"{fields.conversations!r} or TRL's {fields.prompt!r} and {fields.completion!r}; found "
+            f"{sorted(record)}: name yours with --instruction-field, --output-field, --messages-field, "
+            "--conversations-field, --prompt-field or --completion-field"
         )
     carried = {k: v for k, v in record.items() if k not in text_fields and _is_scalar(v)}
     for name, value in carried.items():  # written to the output, which takes only UTF-8 text too

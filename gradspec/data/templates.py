@@ -58,6 +58,9 @@ NO_RESPONSE = {
 }
 
 Span = tuple[int, int]  # characters [start, end) of an assistant turn in the text
+# An assistant message of TRL's prompt-completion layout (texts): the plain template joins it to the prompt as TRL
+# does, prompt + completion + the tokenizer's EOS, without the "\n" between turns
+JOINED = "joined"
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -85,15 +88,18 @@ def _response_tokens(labels: list[int]) -> int:
     return sum(1 for label in labels[1:] if label != IGNORE_INDEX)
 
 
-def _plain_text(messages: list[dict[str, str]]) -> tuple[str, list[Span]]:
-    """The reference's text (contents joined by "\\n") and each assistant content's span."""
+def _plain_text(messages: list[dict[str, str]], eos: str = "") -> tuple[str, list[Span]]:
+    """The reference's text (contents joined by "\\n") and each assistant content's span; a JOINED turn
+    follows the one before it directly and ends in eos, as TRL joins a prompt and its completion."""
     text, spans = "", []
     for k, m in enumerate(messages):
-        if k:
+        joined = m.get(JOINED, False)
+        if k and not joined:
             text += "\n"
+        content = m["content"] + (eos if joined and eos and not m["content"].endswith(eos) else "")
         if m["role"] == "assistant":
-            spans.append((len(text), len(text) + len(m["content"])))
-        text += m["content"]
+            spans.append((len(text), len(text) + len(content)))
+        text += content
     return text, spans
 
 
@@ -200,7 +206,7 @@ def tokenize(messages: list[dict[str, str]], tokenizer, template: str = "plain",
         raise ValueError(f"template must be one of {TEMPLATES}, got {template!r}")
     refused = False
     if template == "plain":
-        text, spans = _plain_text(messages)
+        text, spans = _plain_text(messages, getattr(tokenizer, "eos_token", None) or "")
     else:
         from jinja2 import TemplateError
 

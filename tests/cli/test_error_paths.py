@@ -98,7 +98,7 @@ def test_score_out_resume_and_empty_input(run, capsys, tmp_path, tiny_model_dir)
     (tmp_path / "cols.jsonl").write_text(json.dumps({"prompt": "p", "answer": "a"}) + "\n")
     err = _error(capsys, "score", *model, "--data", tmp_path / "cols.jsonl", "--out", tmp_path / "c.parquet")
     assert err.endswith("found ['answer', 'prompt']: name yours with --instruction-field, --output-field, "
-                        "--messages-field or --conversations-field")
+                        "--messages-field, --conversations-field, --prompt-field or --completion-field")
     assert not (tmp_path / "c.parquet.parts").exists()  # stopped before any part: nothing left to --resume
     assert main(["score", *map(str, model), "--data", str(tmp_path / "cols.jsonl"), "--out",
                  str(tmp_path / "c.parquet"), "--instruction-field", "prompt", "--output-field", "answer"]) == 0
@@ -395,7 +395,8 @@ def test_every_command_that_reads_data_takes_the_field_names(capsys, tmp_path, t
             "diagnose": ["diagnose", "--base", tiny_model_dir, "--model", tiny_model_dir, "--out", tmp_path / "d",
                          "--repetitions", "1"]}[command] + ["--data", data]
     assert _error(capsys, *argv).endswith("found ['answer', 'prompt']: name yours with --instruction-field, "
-                                          "--output-field, --messages-field or --conversations-field")
+                                          "--output-field, --messages-field, --conversations-field, --prompt-field "
+                                          "or --completion-field")
     assert main([str(a) for a in argv] + ["--instruction-field", "prompt", "--output-field", "answer"]) == 0
 
 

@@ -1,6 +1,8 @@
 """SpectralMonitorCallback in TRL's SFTTrainer, as a new user runs it: a prompt-completion dataset
 (completion-only loss) and SFTConfig's defaults, gradient checkpointing on."""
 
+import json
+
 import pandas as pd
 import pytest
 import torch
@@ -80,3 +82,32 @@ def test_sft_trainer_rows_name_their_sample(tokenizer, tmp_path, collator):
     lengths = [int(trainer.data_collator([trainer.train_dataset[i]])["attention_mask"].sum()) for i in range(4)]
     assert len(set(lengths)) == 4
     assert got["num_tokens"].tolist() == [lengths[i] for i in got["sample_index"]]
+
+
+@pytest.mark.parametrize("layout", ["text", "conversational"])
+def test_trl_s_prompt_completion_rows_are_read_and_tokenized_as_trl_does(tokenizer, tmp_path, layout):
+    """TRL's prompt/completion columns are read without field flags, and gradspec scores the tokens and the
+    completion mask TRL trains on: texts joined as TRL joins them (prompt + completion + EOS, under the plain
+    template), lists of messages as one conversation (under the chat template)."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from gradspec.data.readers import read_samples
+    from gradspec.data.templates import IGNORE_INDEX, tokenize
+
+    rows = [{"prompt": "Name a colour.", "completion": " Blue."},
+            {"prompt": "What is 2+2?\n", "completion": "Four, of course."}]
+    if layout == "conversational":
+        rows = [{"prompt": [{"role": "user", "content": r["prompt"]}],
+                 "completion": [{"role": "assistant", "content": r["completion"].strip()}]} for r in rows]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = SFTConfig(output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True, bf16=False)
+    prepared = SFTTrainer(model=tiny_model("llama"), args=config, train_dataset=Dataset.from_list(rows),
+                          processing_class=tokenizer).train_dataset
+    template = "plain" if layout == "text" else "chat"
+    for sample, trl_row in zip(read_samples(path), prepared, strict=True):
+        got = tokenize(sample.messages, tokenizer, template, 512)
+        trained = trl_row.get("completion_mask") or [int(label != IGNORE_INDEX) for label in trl_row["labels"]]
+        assert got.status == "ok" and got.input_ids == trl_row["input_ids"]
+        assert [int(label != IGNORE_INDEX) for label in got.labels] == trained and any(trained)
