@@ -1,5 +1,5 @@
 import sys
 
-from gradspec.cli import main
+from gradspec.cli import console
 
-sys.exit(main())
+sys.exit(console())

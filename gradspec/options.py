@@ -149,6 +149,8 @@ def typed(name: str, value: Any, kind: str) -> Any:
         return float(value)
     if kind == "bool" and isinstance(value, bool):
         return value
+    if kind == "pairs":
+        return pairs(name, value)
     if kind not in ("int", "float", "bool") and isinstance(value, str):
         return value
     if kind == "path" and isinstance(value, os.PathLike) and isinstance(os.fspath(value), str):
@@ -157,17 +159,21 @@ def typed(name: str, value: Any, kind: str) -> Any:
         return ",".join(value)
     if kind == "device" and type(value).__name__ == "device":  # a torch.device, without importing torch here
         return str(value)
-    if kind == "pairs":
-        return pairs(name, value)
     raise TypeError(f"{name} must be {KIND_WORDS[kind]}{' or None' if optional else ''}, got "
                     f"{type(value).__name__} {reprlib.repr(value)}")
 
 
+_PYTHON_LITERALS = {"True": True, "False": False, "None": None}  # "False" kept as text would be true
+
+
 def pairs(name: str, value: Any) -> dict[str, Any]:
     """A "pairs" option's dict: as given (str keys), or from KEY=VALUE strings (as the command line gives
-    them), each VALUE read as JSON where it is (4, 1e-4, true, ["a"]) and as text where not (cosine)."""
+    them; one such str alone too), each VALUE read as JSON where it is (4, 1e-4, true, ["a"]), as Python's
+    True, False or None, and as text where not (cosine)."""
     if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
         return dict(value)
+    if isinstance(value, str):
+        value = [value]
     if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
         out: dict[str, Any] = {}
         for item in value:
@@ -175,7 +181,7 @@ def pairs(name: str, value: Any) -> dict[str, Any]:
             if not equals or not key:
                 raise OptionError(name, f"{item!r}: expected KEY=VALUE")
             try:
-                out[key] = json.loads(text)
+                out[key] = _PYTHON_LITERALS[text] if text in _PYTHON_LITERALS else json.loads(text)
             except ValueError:
                 out[key] = text
         return out

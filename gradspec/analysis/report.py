@@ -86,8 +86,8 @@ def length_ratio(lengths: pd.DataFrame) -> float:
 
 def summary_table(samples: dict[str, pd.DataFrame], wides: dict[str, pd.DataFrame] | None = None) -> pd.DataFrame:
     """Per metric and module type: each group's mean, and first group vs second (d, Mann-Whitney p; with
-    wides, each group's scored rows, also the d of what length leaves: the residuals of the metric
-    regressed on log response tokens over both groups, then Cohen's d of those)."""
+    wides, each group's scored rows, also the d of what length leaves: Cohen's d of the metric less its
+    slope on log response tokens within the groups, _length_residuals)."""
     labels = list(samples)
     rows = []
     for metric, module in samples[labels[0]].columns:
@@ -106,13 +106,19 @@ def summary_table(samples: dict[str, pd.DataFrame], wides: dict[str, pd.DataFram
 
 
 def _length_residuals(values: list[pd.Series], wides: list[pd.DataFrame]) -> list[np.ndarray]:
-    """Each group's values less what log response tokens predict, by one least-squares line over both."""
-    logs = [np.log(w.set_index("sample")[LENGTH].clip(lower=1)).loc[v.index].to_numpy() for v, w in
+    """Each group's values less what log response tokens explain, by the slope within the groups (ANCOVA:
+    metric ~ group + log length): a line pooled over both groups would take a group difference for
+    length wherever the groups differ in length. Rows without a length are left out; too few rows: NaN."""
+    logs = [np.log(w.set_index("sample")[LENGTH].clip(lower=1)).reindex(v.index).to_numpy() for v, w in
             zip(values, wides, strict=True)]
-    x, y = np.concatenate(logs), np.concatenate([v.to_numpy() for v in values])
-    design = np.column_stack([np.ones_like(x), x])
-    beta, *_ = np.linalg.lstsq(design, y, rcond=None)
-    return [v.to_numpy() - np.column_stack([np.ones_like(lg), lg]) @ beta for v, lg in zip(values, logs, strict=True)]
+    kept = [np.isfinite(lg) & np.isfinite(v.to_numpy()) for v, lg in zip(values, logs, strict=True)]
+    x = np.concatenate([lg[k] for lg, k in zip(logs, kept, strict=True)])
+    y = np.concatenate([v.to_numpy()[k] for v, k in zip(values, kept, strict=True)])
+    group = np.concatenate([np.full(int(k.sum()), g, dtype=float) for g, k in enumerate(kept)])
+    if min(int(k.sum()) for k in kept) < 2 or len(x) < 4:
+        return [np.full(2, np.nan), np.full(2, np.nan)]
+    beta, *_ = np.linalg.lstsq(np.column_stack([np.ones_like(x), group, x]), y, rcond=None)
+    return [v.to_numpy()[k] - beta[2] * lg[k] for v, lg, k in zip(values, logs, kept, strict=True)]
 
 
 def _features(wide: pd.DataFrame, samples: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -245,8 +251,8 @@ def write_report(groups: dict[str, str | Path], out: str | Path, overwrite: bool
         longer, shorter = lengths.sort_values("response tokens, median", ascending=False)["group"].iloc[:2]
         lines += [f"**Length differs:** {longer}'s responses are {ratio:.3g}x as long as {shorter}'s (median "
                   f"response tokens; above {LENGTH_RATIO}x), and a spectral metric follows the token count: "
-                  "`d after length` (the metric's residuals from a line on log response tokens, over both "
-                  f"groups) comes first, before the raw `{first_d}`.", ""]
+                  "`d after length` (the metric less its slope on log response tokens within the groups) "
+                  f"comes first, before the raw `{first_d}`.", ""]
         table = table[["metric", "module", "d after length", *[c for c in table.columns if c not in
                                                                 ("metric", "module", "d after length")]]]
     few = [f"{g} ({len(loaded[g][0])})" for g in groups if len(loaded[g][0]) < FEW_ROWS]
@@ -260,7 +266,8 @@ def write_report(groups: dict[str, str | Path], out: str | Path, overwrite: bool
                   f"![per sample](distribution_{metric}.png)", ""]
     lines += ["## Summary per module type (mean over layers)", "",
               "Cohen's d > 0 means the first group is higher; `d after length` is Cohen's d of what is left of "
-              "the metric once a line on log response tokens (over both groups) is taken out. " * (len(groups) > 1)
+              "the metric once its slope on log response tokens within the groups is taken out (ANCOVA). "
+              * (len(groups) > 1)
               + "`effective_rank_fraction` is the effective rank over its ceiling min(T, d_in, d_out), a "
               "length-normalised variant.", "", table.to_markdown(index=False, floatfmt=".3g"), ""]
     wide_all = pd.concat([w for w, _ in loaded.values()], ignore_index=True)

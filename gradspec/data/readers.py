@@ -287,7 +287,8 @@ def _messages(record: dict, name: str, where: str) -> list[dict[str, str]]:
     for k, m in enumerate(raw):
         if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str):
             out.append({"role": _unicode(m["role"], f"{name}[{k}].role", where),
-                        "content": _unicode(m["content"], f"{name}[{k}].content", where)})
+                        "content": _unicode(m["content"], f"{name}[{k}].content", where)}
+                       | ({JOINED: True} if m.get(JOINED) is True else {}))  # a TRL text row's, passed on as messages
         elif isinstance(m, dict) and isinstance(m.get("from"), str) and isinstance(m.get("value"), str):
             if m["from"] not in SHAREGPT_ROLES:
                 raise InputError(f"{where}: {name}[{k}] is from {m['from']!r}; ShareGPT speakers understood: "
@@ -322,9 +323,6 @@ def to_sample(index: int, where: str, record: dict, fields: Fields = Fields()) -
     if chat is not None:
         messages = _messages(record, chat, where)
         text_fields = {chat}
-    elif fields.prompt in record and fields.completion in record:  # TRL's prompt-completion layout
-        messages = _prompt_completion(record, fields, where)
-        text_fields = {fields.prompt, fields.completion}
     elif fields.instruction in record or fields.output in record:
         instruction = _text(record, fields.instruction, where, required=True)
         extra = _text(record, fields.input, where, required=False)
@@ -332,6 +330,9 @@ def to_sample(index: int, where: str, record: dict, fields: Fields = Fields()) -
         prompt = instruction + ("\n" + extra if extra else "")
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}]
         text_fields = {fields.instruction, fields.input, fields.output}
+    elif fields.prompt in record and fields.completion in record:  # TRL's prompt-completion layout
+        messages = _prompt_completion(record, fields, where)
+        text_fields = {fields.prompt, fields.completion}
     else:
         wrapped = next((k for k, v in record.items() if isinstance(v, list) and v and isinstance(v[0], dict)), None)
         if wrapped is not None:  # {"data": [rows]}: the rows inside an object, not a field named wrongly

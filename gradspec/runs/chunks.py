@@ -109,9 +109,10 @@ class _BatchPlan:
         return self.memory.fits(rows, longest, self.budget)
 
     def refuses(self, item: Item) -> bool:
-        """Whether a sample alone cannot fit (said with its estimate): it is flagged, never run. On the
-        host a pass past the RAM is not an error to catch: the kernel kills the process."""
-        if self.fits(1, item.tokens.num_tokens):
+        """Whether a sample alone cannot fit the host's RAM (said with its estimate): it is flagged, never
+        run, as a pass past the RAM is not an error to catch there (the kernel kills the process). On a GPU
+        it is tried: an out-of-memory error is caught and flagged (submit_with_split)."""
+        if self.fits(1, item.tokens.num_tokens) or input_device(self.engine.model).type != "cpu":
             return False
         log.warning("sample %d (%d tokens) needs about %.1f GiB (its activations, Grams and eigen stage), beyond "
                     "the %.1f GiB this run may use (%d%% of the memory available); flagged out_of_memory, not run",

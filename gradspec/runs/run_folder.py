@@ -151,9 +151,9 @@ def model_identity(model: str | None) -> dict[str, str] | None:
 
 
 def _model_folder(model: str | None) -> Path | None:
-    from gradspec.data.models import DEFAULT_MODEL, cache_dir
+    from gradspec.data.models import DEFAULT_MODEL, cache_dir, names_default
 
-    if model is None:
+    if names_default(model):  # None, or the default's name: the same weights, the same identity
         converted = cache_dir() / DEFAULT_MODEL
         return converted.resolve() if (converted / "config.json").is_file() else None
     path = Path(model).expanduser()
@@ -207,9 +207,7 @@ class RunFolder:
         costs is then the time since this write, not the whole chunk's."""
         if self._fingerprint is None:
             self._fingerprint = config_fingerprint(self.manifest() or {})
-        keys = dict.fromkeys(k for row in rows for k in row)
-        write_parquet(pa.table({k: [row.get(k) for row in rows] for k in keys}), self.partial(chunk),
-                      {FINGERPRINT: self._fingerprint})
+        write_parquet(_rows_table(rows), self.partial(chunk), {FINGERPRINT: self._fingerprint})
 
     def partial_rows(self, chunk: int) -> list[dict[str, Any]]:
         """The rows a killed run scored of a chunk before it could finish it (none where it left none, or
@@ -228,7 +226,13 @@ class RunFolder:
         if not isinstance(meta, dict) or meta.get(FINGERPRINT) != self._fingerprint:
             path.unlink(missing_ok=True)
             return []
-        return table.to_pylist()
+        rows = table.to_pylist()
+        for name in table.column_names:  # a list column as the arrays it was written from (their dtype kept)
+            if pa.types.is_list(table.schema.field(name).type):
+                for row, value in zip(rows, table.column(name).to_numpy(zero_copy_only=False), strict=True):
+                    row[name] = value
+        # a value left unset (None: a row not scored has no metrics yet) is set again as a fresh row's is
+        return [{k: v for k, v in row.items() if v is not None} for row in rows]
 
     def done(self) -> set[int]:
         if not self.path.is_dir():
@@ -487,12 +491,7 @@ class RunFolder:
 
     def write_part(self, chunk: int, rows: list[dict[str, Any]], metadata: dict[str, Any]) -> None:
         """A chunk's rows, with the run's config fingerprint and the rows it holds in its metadata."""
-        try:
-            keys = dict.fromkeys(k for row in rows for k in row)  # all rows' columns, not the first's
-            table = pa.table({k: [row.get(k) for row in rows] for k in keys})
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as e:
-            first, last = rows[0]["index"], rows[-1]["index"]
-            raise ValueError(f"rows {first}-{last}: a carried input column mixes types ({e})") from None
+        table = _rows_table(rows)
         if self._fingerprint is None:
             self._fingerprint = config_fingerprint(self.manifest() or {})
         held = {"chunk": chunk, "first_row": rows[0]["index"], "last_row": rows[-1]["index"]}
@@ -723,6 +722,17 @@ class RunFolder:
                 if re.fullmatch(re.escape(target.name) + r"\.tmp\d+", p.name) and p.is_file():
                     p.unlink(missing_ok=True)
                     log.warning("removed %s, left by a merge that was stopped while writing it", p)
+
+
+def _rows_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """Output rows as a table: every row's columns (not the first's alone), or a ValueError naming the rows
+    where a carried input column mixes types."""
+    try:
+        keys = dict.fromkeys(k for row in rows for k in row)
+        return pa.table({k: [row.get(k) for row in rows] for k in keys})
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as e:
+        first, last = rows[0]["index"], rows[-1]["index"]
+        raise ValueError(f"rows {first}-{last}: a carried input column mixes types ({e})") from None
 
 
 def _as_json(config: dict[str, Any]) -> dict[str, Any]:

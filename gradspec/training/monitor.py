@@ -336,6 +336,9 @@ class SpectralMonitor:
         self._table, self._started = None, True
         if self.out is not None and self.out.exists() and self._resumed_at is not None:
             table = pq.read_table(self.out)  # the rows up to the checkpoint go on; later ones are trained again
+            if "step" not in table.column_names:
+                raise ValueError(f"out {self.out}: not a monitor file (no step column); give the resumed run's own "
+                                 "monitor file, or another path")
             self._table = table.filter(pc.less_equal(table["step"], self._resumed_at))
         elif self.out is not None and self.out.exists() and not self.overwrite:
             raise ValueError(f"out {self.out}: exists (a previous run's rows); give another path or overwrite=True")
@@ -497,10 +500,11 @@ class SpectralMonitor:
 
     def _write(self, rows: list[dict[str, Any]]) -> None:
         """Every row so far, written aside and renamed over the file: whole at every step."""
-        schema = self._table.schema if self._table is not None else pa.schema(
-            [(name, COLUMN_TYPES.get(name, pa.float64())) for name in rows[0]])  # typed even where all null
+        schema = pa.schema([(name, COLUMN_TYPES.get(name, pa.float64())) for name in rows[0]])  # typed if all null
         table = pa.Table.from_pylist(rows, schema=schema)
-        self._table = table if self._table is None else pa.concat_tables([self._table, table])
+        # a resumed run's earlier rows may have other columns (other modules): the file has the union of both
+        self._table = table if self._table is None else pa.concat_tables([self._table, table],
+                                                                         promote_options="permissive")
         self.out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(self.out, lambda f: pq.write_table(self._table, f))
 

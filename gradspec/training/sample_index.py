@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -23,13 +23,17 @@ def with_sample_index(data: Any) -> Any:
     """The rows with each one's position in ``data`` as its ``sample_index`` (rows that have one keep theirs).
 
     Args:
-        data: A list of dict rows, or a ``datasets.Dataset``/``IterableDataset``.
+        data: A list of dict rows, or a ``datasets.Dataset`` (a stream, ``IterableDataset``, is refused: its
+            positions are not stable; give it an index column of its own).
 
     Returns:
         The same kind of rows (a new list or dataset; ``data`` is not changed).
     """
     if hasattr(data, "map") and hasattr(data, "column_names"):  # a datasets Dataset or IterableDataset
-        if data.column_names is not None and SAMPLE_INDEX in data.column_names:
+        if not hasattr(data, "__len__"):  # a stream's positions are not its rows' (shards, shuffles, workers)
+            raise TypeError(f"{type(data).__name__}: a stream has no stable row positions; give its rows a "
+                            f"{SAMPLE_INDEX} column of their own (an id from the data)")
+        if SAMPLE_INDEX in data.column_names:
             return data
         return data.map(lambda row, i: {SAMPLE_INDEX: i}, with_indices=True)
     return [row if SAMPLE_INDEX in row else {**row, SAMPLE_INDEX: i} for i, row in enumerate(data)]
@@ -73,5 +77,8 @@ def _collate_keeping_index(collator: Callable[[list[dict]], Any], rows: list[dic
     if indices is None:
         return collator(rows)
     batch = collator([{k: v for k, v in row.items() if k != SAMPLE_INDEX} for row in rows])
+    if not isinstance(batch, MutableMapping):
+        raise TypeError(f"keep_sample_index: the collator returned a {type(batch).__name__}; it takes a collator "
+                        "that returns a dict batch (the model's keyword arguments)")
     batch[SAMPLE_INDEX] = indices
     return batch

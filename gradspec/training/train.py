@@ -185,6 +185,11 @@ _OWNED = {"output_dir": "out", "per_device_train_batch_size": "batch_size", "num
           "use_cpu": "device", "resume_from_checkpoint": "resume", "remove_unused_columns": None}
 
 
+# TrainingArguments that would make the run another one than gradspec train's, and why
+_REFUSED = {"label_smoothing_factor": "Trainer's label smoother replaces the model's loss, which WIT, SFTMix and the "
+                                      "spectral monitor read (and clamps WIT's prompt labels to token 0)"}
+
+
 def training_arguments(config: TrainConfig):
     """transformers' TrainingArguments of the run: its own options, then trainer_args as given (checked
     against TrainingArguments' fields; one that an option gives is named by that option); save_steps
@@ -198,6 +203,8 @@ def training_arguments(config: TrainConfig):
     extra = dict(config.trainer_args or {})
     fields = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
     for key in extra:
+        if key in _REFUSED:
+            raise OptionError("trainer_args", f": {key}: {_REFUSED[key]}")
         if key in _OWNED:
             raise OptionError("trainer_args", f": {key} is " + (f"{mention(_OWNED[key])}'s" if _OWNED[key] else
                               "held False: the collator reads the rows' text") + " to give")
@@ -237,6 +244,9 @@ def resumed_checkpoint(config: TrainConfig) -> Path:
     if not (path / "trainer_state.json").is_file():
         raise OptionError("resume", f"{config.resume}: not a Trainer checkpoint (no trainer_state.json); give one "
                           f"of {config.out}'s checkpoint-N folders or 'last'")
+    if path.resolve().parent != Path(config.out).resolve():  # the monitor's rows and the dynamics are out's
+        raise OptionError("resume", f"{config.resume}: not one of {mention('out')} {config.out}'s checkpoints; a "
+                          "run continues in the folder it was stopped in")
     return path
 
 

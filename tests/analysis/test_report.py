@@ -81,11 +81,12 @@ def test_per_sample_means_over_layers():
 
 def test_the_length_adjusted_effect_takes_out_what_length_explains():
     """A metric that follows log length alone: a large raw d between long and short groups, none after length;
-    a metric that differs at equal length keeps its effect."""
+    a metric that differs between the groups but not with length within them keeps its effect (a line pooled
+    over both groups took that difference for length: the slope is fitted within the groups)."""
     rng = np.random.default_rng(0)
     n = 200
     frames, wides = {}, {}
-    for label, (low, high), shift in (("long", (30, 300), 1.0), ("short", (10, 100), 0.0)):
+    for label, (low, high), shift in (("long", (100, 400), 1.0), ("short", (20, 80), 0.0)):
         length = rng.uniform(low, high, n)
         index = pd.Index([f"{label}:{i}" for i in range(n)], name="sample")
         columns = pd.MultiIndex.from_tuples([("effective_rank", "q"), ("nuclear_norm", "q")],
@@ -94,6 +95,18 @@ def test_the_length_adjusted_effect_takes_out_what_length_explains():
                                       columns[1]: shift + rng.normal(0, 0.5, n)}, index=index)
         wides[label] = pd.DataFrame({"sample": index, "status": "ok", "num_response_tokens": length})
     table = summary_table(frames, wides).set_index("metric")
-    assert table.loc["effective_rank", "d (long - short)"] > 1.5
-    assert abs(table.loc["effective_rank", "d after length"]) < 0.2
-    assert table.loc["nuclear_norm", "d after length"] > 0.7  # some of it goes with length: the groups overlap in part
+    assert table.loc["effective_rank", "d (long - short)"] > 3
+    assert abs(table.loc["effective_rank", "d after length"]) < 0.3
+    raw, adjusted = table.loc["nuclear_norm", ["d (long - short)", "d after length"]]
+    assert raw > 1.5 and adjusted == pytest.approx(raw, rel=0.25)
+
+
+def test_the_length_adjusted_effect_of_rows_without_a_length_leaves_them_out():
+    idx = pd.MultiIndex.from_tuples([("effective_rank", "q")], names=["metric", "module"])
+    frames, wides = {}, {}
+    for label, lengths in (("a", [10.0, 20.0, np.nan, 40.0]), ("b", [5.0, 8.0, 9.0, 12.0])):
+        index = pd.Index([f"{label}:{i}" for i in range(4)], name="sample")
+        frames[label] = pd.DataFrame({idx[0]: np.log(np.nan_to_num(lengths, nan=30.0)) + [0.1, -0.1, 0.2, 0.0]},
+                                     index=index)
+        wides[label] = pd.DataFrame({"sample": index, "status": "ok", "num_response_tokens": lengths})
+    assert np.isfinite(summary_table(frames, wides).loc[0, "d after length"])

@@ -47,3 +47,27 @@ def test_the_hub_s_own_copy_is_the_hub_id_where_the_hub_gives_it(monkeypatch):
         assert not names_default(DEFAULT_HUB_ID) and names_default(DEFAULT_MODEL) and names_default(None)
     finally:
         models._hub_gives_default.cache_clear()
+
+
+def test_hub_offline_mode_lets_the_gguf_stand_in(monkeypatch):
+    """HF_HUB_OFFLINE: the Hub is not asked (hub_reachable says yes without a probe there), so the default's
+    Hub id is the GGUF's weights unless the Hub's copy is cached."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    models._hub_gives_default.cache_clear()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(models, "hub_reachable", lambda: True)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+    try:
+        assert names_default(DEFAULT_HUB_ID)
+    finally:
+        models._hub_gives_default.cache_clear()
+
+
+def test_a_run_of_the_default_by_its_name_has_the_default_s_identity(smol, offline):
+    """A run given --model SmolLM2-135M-Instruct resumes without --model, and the other way round."""
+    from gradspec.runs.run_folder import model_identity
+
+    assert model_identity(None) is not None
+    assert model_identity(DEFAULT_MODEL) == model_identity(DEFAULT_HUB_ID) == model_identity(None)

@@ -95,7 +95,7 @@ def test_python_api_keeps_chunks_before_a_malformed_row(tmp_path, tiny_model_dir
     ({"data": 7}, "data must be a str, a pathlib.Path, a list of dicts, a pandas DataFrame, a datasets.Dataset or "
                   "None, got int 7"),
     ({"fields": ["instruction"]}, "fields must be a Fields or a dict of its fields, got list"),
-    ({"fields": {"prompt": "q"}}, "fields has no field 'prompt': a dict's keys are Fields' fields (instruction, "),
+    ({"fields": {"question": "q"}}, "fields has no field 'question': a dict's keys are Fields' fields (instruction, "),
     ({"fields": {"output": 3}}, "fields.output must be a str, got int 3"),
     ({"fields": {"output": None}}, "fields.output must be a str, got NoneType None"),
     ({"progress": "no"}, "progress must be a bool, got str 'no'"),

@@ -574,3 +574,18 @@ def test_a_stopped_run_loses_at_most_its_flush_minutes_and_resumes_to_the_same_f
     assert sum(resumed) == ROWS - partial.num_rows
     assert pq.read_table(stopped).equals(pq.read_table(whole), check_metadata=True)
     assert not (tmp_path / "stopped.parquet.parts").exists()
+
+
+def test_rows_taken_back_from_a_partial_write_are_the_rows_that_were_written(tmp_path):
+    """Types as written (a float32 projection stays float32, not double), and a value a row did not have yet
+    (None) unset again, as in a fresh row, not kept as a null."""
+    import numpy as np
+
+    folder = run_folder.RunFolder(tmp_path / "s.parquet")
+    folder.path.mkdir()
+    rows = [{"index": 0, "status": "ok", "loss": 1.0, "a/m": 2.0, "projected_gradient": np.arange(3, dtype=np.float32)},
+            {"index": 1, "status": "out_of_memory", "loss": 3.0}]
+    folder.write_partial(0, rows)
+    back = folder.partial_rows(0)
+    assert back[0]["projected_gradient"].dtype == np.float32 and "a/m" not in back[1]
+    assert run_folder._rows_table(back).equals(run_folder._rows_table(rows))

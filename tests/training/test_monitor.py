@@ -145,6 +145,15 @@ def test_trainer_rows_carry_the_dataset_index_wit_collator_passes(tokenizer, tmp
                                                              [4, first + 3]]
 
 
+def test_a_stream_is_refused_an_index_of_positions():
+    """An IterableDataset's positions restart in each shard and move with every shuffle: not its rows' indices."""
+    from datasets import Dataset
+
+    stream = Dataset.from_list(ROWS).to_iterable_dataset(num_shards=2)
+    with pytest.raises(TypeError, match="a stream has no stable row positions"):
+        with_sample_index(stream)
+
+
 def test_a_batch_of_rows_with_and_without_an_index_is_refused(tokenizer):
     with pytest.raises(ValueError, match="batch row 1 has no sample_index"):
         WITCollator(tokenizer)([{**ROWS[0], "sample_index": 0}, ROWS[1]])

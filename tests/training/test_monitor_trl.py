@@ -111,3 +111,6 @@ def test_trl_s_prompt_completion_rows_are_read_and_tokenized_as_trl_does(tokeniz
         trained = trl_row.get("completion_mask") or [int(label != IGNORE_INDEX) for label in trl_row["labels"]]
         assert got.status == "ok" and got.input_ids == trl_row["input_ids"]
         assert [int(label != IGNORE_INDEX) for label in got.labels] == trained and any(trained)
+        # gradspec train's rows (the samples' messages) through WITCollator: the same tokens, joined as TRL's
+        batch = WITCollator(tokenizer, template=template)([{"messages": sample.messages}])
+        assert batch["input_ids"][0].tolist() == got.input_ids

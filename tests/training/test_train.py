@@ -232,6 +232,7 @@ def test_trainer_arguments_pass_through_to_the_run(data, tiny_model_dir, tmp_pat
     (["--trainer-args", "bf16"], "--trainer-args 'bf16': expected KEY=VALUE"),
     (["--resume", "last"], "holds no checkpoint-N folder; a run saves them with --trainer-args save_steps=N"),
     (["--loss", "sftmix", "--eval-data", "x.jsonl"], "--eval-data is for --loss ntp and wit"),
+    (["--trainer-args", "label_smoothing_factor=0.1"], "label_smoothing_factor: Trainer's label smoother replaces"),
 ])
 def test_trainer_arguments_are_checked_before_the_model_loads(given, error, data, tmp_path, capsys):
     assert main(["train", "--model", "no-such-model", "--data", str(data), "--out", str(tmp_path / "run"),
@@ -274,3 +275,12 @@ def test_a_stopped_run_resumed_from_its_checkpoint_ends_as_the_run_never_stopped
     dynamics = [read_dynamics(tmp_path / d / "dynamics.parquet") for d in ("whole", "resumed")]
     assert dynamics[1][1]["checkpoints"] == ["epoch 1", "epoch 2"]
     pd.testing.assert_frame_equal(dynamics[0][0], dynamics[1][0])
+
+
+def test_a_checkpoint_of_another_folder_is_refused_for_resume(data, tmp_path, capsys):
+    """The monitor's rows and the dynamics a resume keeps are out's: a checkpoint elsewhere is not this run's."""
+    other = tmp_path / "elsewhere" / "checkpoint-2"
+    other.mkdir(parents=True)
+    (other / "trainer_state.json").write_text("{}")
+    assert main(["train", "--data", str(data), "--out", str(tmp_path / "run"), "--resume", str(other)]) == 2
+    assert "not one of --out" in capsys.readouterr().err
