@@ -557,3 +557,22 @@ def test_packed_sequences_from_position_ids_or_cu_seq_lens():
     bounds = torch.tensor([0, 4, 6, 9], dtype=torch.int32)
     assert packed_sequences({"cu_seq_lens_q": bounds}, (1, 9)) == [(0, 0, 4), (0, 4, 2), (0, 6, 3)]
     assert packed_sequences({"position_ids": torch.arange(9)[None].expand(2, 9)}, (2, 9)) is None
+
+
+def test_a_resumed_run_with_other_modules_keeps_both_columns(tokenizer, tmp_path):
+    """A run resumed at step 1 with other modules: the earlier rows keep their columns, the later ones add
+    theirs (before, the file's first columns governed and the new metrics were dropped without a word)."""
+    model, batch = tiny_model("llama"), WITCollator(tokenizer)(ROWS[:2])
+    first = SpectralMonitor(every=1, modules="q", out=tmp_path / "m.parquet")
+    for step in (1, 2):
+        with first.step(model, step):
+            model(**batch).loss.backward()
+    resumed = SpectralMonitor(every=1, modules="k", out=tmp_path / "m.parquet")
+    resumed.restart(resumed_at=1)
+    with resumed.step(model, 2):
+        model(**batch).loss.backward()
+    rows = pd.read_parquet(tmp_path / "m.parquet")
+    q, k = "model.layers.0.self_attn.q_proj/nuclear_norm", "model.layers.0.self_attn.k_proj/nuclear_norm"
+    assert rows["step"].tolist() == [1, 1, 2, 2]
+    assert rows[q].notna().tolist() == [True, True, False, False] and rows[k].notna().tolist() == [False, False,
+                                                                                                   True, True]
