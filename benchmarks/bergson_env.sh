@@ -32,8 +32,8 @@ mkdir -p "$1"
 OUT_DIR=$(cd "$1" && pwd)
 PY=${PYTHON:-python3}
 VENV="$OUT_DIR/.venv-bergson"
-# Not from the repository's root: its top-level kernels/ would shadow Hugging Face's `kernels`, which
-# transformers >= 5.25 imports (ImportError: cannot import name 'CUDAProperties' from 'kernels').
+# Not from the repository's root: nothing of the checkout belongs on bergson's path (its top-level kernels/
+# is gradspec.kernels, which hands the name `kernels` over to Hugging Face's distribution where imported so).
 cd "$OUT_DIR"
 start=$(date +%s)
 

@@ -1,0 +1,41 @@
+"""The repository's kernels/ folder is gradspec.kernels; from the repository's root, `import kernels` must still
+be Hugging Face's `kernels` distribution (transformers 5.25 on imports it), or missing as it would be."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.skipif(not (ROOT / "kernels" / "__init__.py").is_file(), reason="not a checkout")
+
+
+def _import_kernels(extra_path: Path | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if extra_path is not None:
+        env["PYTHONPATH"] = str(extra_path)
+    return subprocess.run([sys.executable, "-c", "import kernels; print(kernels.__file__, kernels.MARK)"],
+                          cwd=ROOT, env=env, capture_output=True, text=True)
+
+
+def test_from_the_root_import_kernels_is_the_installed_distribution(tmp_path):
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / "__init__.py").write_text("MARK = 'hugging face'\n")
+    (tmp_path / "kernels" / "layer.py").write_text("")
+    done = _import_kernels(tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(tmp_path / "kernels" / "__init__.py"), "hugging", "face"]
+
+
+def test_from_the_root_import_kernels_without_the_distribution_is_a_missing_module():
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("kernels")
+        pytest.skip("Hugging Face's kernels is installed here: the test above covers it")
+    except PackageNotFoundError:
+        pass
+    done = _import_kernels(None)
+    assert done.returncode == 1 and "ModuleNotFoundError: No module named 'kernels'" in done.stderr
