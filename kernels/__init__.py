@@ -4,23 +4,26 @@ gradspec (linalg calls them: tests/test_imports.py), so each reference masks pad
 This folder is gradspec.kernels (setup.py's package_dir). Where the repository's root is on sys.path
 (`python -m` or a script started there), `import kernels` finds it first, before Hugging Face's
 `kernels` distribution that transformers (5.25 on) imports: imported under that name, it hands the
-name over to the installed distribution (or fails as a missing module would).
+name over to that distribution where one is installed, and is this folder where none is (as transformers
+before 5.25 found it).
 """
 
+import importlib.machinery
+import os
 import sys
 
-if __name__ == "kernels":
-    import importlib.machinery
-    import importlib.util
-    import os
 
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
-    _spec = importlib.machinery.PathFinder.find_spec("kernels", _elsewhere)
-    if _spec is None or _spec.loader is None:
-        del sys.modules["kernels"]
-        raise ModuleNotFoundError("No module named 'kernels' (the repository's kernels/ folder is gradspec.kernels)",
-                                  name="kernels")
+def _installed_elsewhere() -> importlib.machinery.ModuleSpec | None:
+    """Hugging Face's `kernels`: a top-level `kernels` anywhere on sys.path but the repository's root."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != root])
+    return spec if spec is not None and spec.loader is not None else None
+
+
+if __name__ == "kernels" and (_spec := _installed_elsewhere()) is not None:
+    import importlib.util
+
     _installed = importlib.util.module_from_spec(_spec)
     sys.modules["kernels"] = _installed  # what `import kernels` returns once this file has run
     _spec.loader.exec_module(_installed)
