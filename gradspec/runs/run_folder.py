@@ -198,6 +198,12 @@ class RunFolder:
     def part(self, chunk: int) -> Path:
         return self.path / f"{chunk:08d}.parquet"
 
+    def _run_fingerprint(self) -> str:
+        """The run's config fingerprint (from its manifest, once), which every part it writes records."""
+        if self._fingerprint is None:
+            self._fingerprint = config_fingerprint(self.manifest() or {})
+        return self._fingerprint
+
     def partial(self, chunk: int) -> Path:
         """The rows of a chunk not finished yet, written every --flush-minutes (removed with its part)."""
         return self.path / f"{chunk:08d}.partial.parquet"
@@ -205,9 +211,7 @@ class RunFolder:
     def write_partial(self, chunk: int, rows: list[dict[str, Any]]) -> None:
         """The rows of an unfinished chunk scored so far, with the run's config fingerprint: what a kill
         costs is then the time since this write, not the whole chunk's."""
-        if self._fingerprint is None:
-            self._fingerprint = config_fingerprint(self.manifest() or {})
-        write_parquet(_rows_table(rows), self.partial(chunk), {FINGERPRINT: self._fingerprint})
+        write_parquet(_rows_table(rows), self.partial(chunk), {FINGERPRINT: self._run_fingerprint()})
 
     def partial_rows(self, chunk: int) -> list[dict[str, Any]]:
         """The rows a killed run scored of a chunk before it could finish it (none where it left none, or
@@ -221,9 +225,7 @@ class RunFolder:
         except (pa.ArrowException, OSError, ValueError) as e:
             log.warning("%s: unreadable (%s); its rows are scored again", path, " ".join(str(e).split()))
             meta = None
-        if self._fingerprint is None:
-            self._fingerprint = config_fingerprint(self.manifest() or {})
-        if not isinstance(meta, dict) or meta.get(FINGERPRINT) != self._fingerprint:
+        if not isinstance(meta, dict) or meta.get(FINGERPRINT) != self._run_fingerprint():
             path.unlink(missing_ok=True)
             return []
         rows = table.to_pylist()
@@ -492,10 +494,8 @@ class RunFolder:
     def write_part(self, chunk: int, rows: list[dict[str, Any]], metadata: dict[str, Any]) -> None:
         """A chunk's rows, with the run's config fingerprint and the rows it holds in its metadata."""
         table = _rows_table(rows)
-        if self._fingerprint is None:
-            self._fingerprint = config_fingerprint(self.manifest() or {})
         held = {"chunk": chunk, "first_row": rows[0]["index"], "last_row": rows[-1]["index"]}
-        write_parquet(table, self.part(chunk), {**metadata, FINGERPRINT: self._fingerprint, PART: held})
+        write_parquet(table, self.part(chunk), {**metadata, FINGERPRINT: self._run_fingerprint(), PART: held})
         digest = _sha256(self.part(chunk))  # after the part: a part without one is a write cut short
         atomic_write(self._digest(chunk), lambda f: f.write(digest.encode()))
         self.partial(chunk).unlink(missing_ok=True)  # its rows are in the part

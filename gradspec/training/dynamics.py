@@ -28,6 +28,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import torch
 from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from gradspec.data.batching import BATCH_TOKENS, Item
 from gradspec.data.errors import InputError
@@ -131,6 +132,11 @@ def from_checkpoints(checkpoints: list[str], samples: list[Sample], template: st
     return out
 
 
+def _checkpoint(args, state) -> Path:
+    """The folder Trainer saves (or has saved) the checkpoint of state's step in."""
+    return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+
+
 class DynamicsCallback(TrainerCallback):
     """Measures every training sample at the end of each epoch; writes the dynamics at the end.
 
@@ -162,7 +168,7 @@ class DynamicsCallback(TrainerCallback):
         """
         self.checkpoints = {}
         if state.global_step:
-            kept = Path(args.output_dir) / f"checkpoint-{state.global_step}" / SAVED
+            kept = _checkpoint(args, state) / SAVED
             if kept.is_file():
                 self.checkpoints = {name: {int(i): m for i, m in measured.items()}
                                     for name, measured in json.loads(kept.read_text()).items()}
@@ -181,9 +187,8 @@ class DynamicsCallback(TrainerCallback):
         """
         if state.epoch and state.epoch == round(state.epoch):
             self._measure(state.epoch, model)
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if folder.is_dir():
-            atomic_write(folder / SAVED, lambda f: f.write(json.dumps(self.checkpoints).encode()))
+        if _checkpoint(args, state).is_dir():
+            atomic_write(_checkpoint(args, state) / SAVED, lambda f: f.write(json.dumps(self.checkpoints).encode()))
 
     def on_epoch_end(self, args, state, control, model=None, **kwargs):
         """Measures every sample under the model as it is now, as checkpoint "epoch <n>" (where on_save
