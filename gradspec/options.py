@@ -247,12 +247,20 @@ def split_options(options: Mapping[str, Any], *classes: type, caller: str) -> li
         parts.append(part)
     unknown = [k for k in options if k not in known]
     if unknown:
-        import difflib
-
-        near = difflib.get_close_matches(unknown[0], sorted(known), n=1)
+        near = nearest(unknown[0], sorted(known))
         raise TypeError(f"{caller}() got an unexpected keyword argument {unknown[0]!r}"
-                        + (f" (did you mean {near[0]!r}?)" if near else ""))
+                        + (f" (did you mean {near!r}?)" if near else ""))
     return parts
+
+
+def nearest(word: str, names: Sequence[str], edits: int = 2) -> str | None:
+    """The name a mistyped word most likely meant, at most edits away (a swap of neighbours is one
+    edit): every "did you mean" of the package, so that each suggests alike."""
+    from rapidfuzz import process
+    from rapidfuzz.distance import DamerauLevenshtein
+
+    near = process.extractOne(word, names, scorer=DamerauLevenshtein.distance, score_cutoff=edits)
+    return near[0] if near else None
 
 
 def expose(func: Callable, *classes: type) -> None:

@@ -24,11 +24,11 @@ import torch
 
 from gradspec.alignment.capture import KeptCapture
 from gradspec.alignment.directions import masked
+from gradspec.choices import DAMPING
 from gradspec.layers.hooks import BatchLayout, Captured
 from gradspec.layers.registry import Part, Target
 
 KINDS = ("kfac", "ekfac")
-DAMPING = 0.1
 _FORMAT = "gradspec-kfac-1"
 
 

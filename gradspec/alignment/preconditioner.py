@@ -8,12 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-PRECONDITIONERS = ("none", "kfac", "ekfac", "adam")
-
 
 @dataclass
 class Preconditioner:
-    """kind: one of PRECONDITIONERS; parts: part name -> its map; described: what the score file's
+    """kind: one of gradspec.choices.PRECONDITIONERS; parts: part name -> its map; described: what the score file's
     metadata records (how it was fitted or read)."""
 
     kind: str

@@ -30,14 +30,13 @@ from gradspec.alignment.directions import (
     route_for,
 )
 from gradspec.alignment.preconditioner import Preconditioner
+from gradspec.choices import AGGREGATES, DEFAULT_AGGREGATES
 from gradspec.layers.hooks import BatchLayout, Captured
 from gradspec.layers.registry import Part, Target
 from gradspec.linalg.host_copies import to_device
 from gradspec.options import OptionError
 
 log = logging.getLogger("gradspec")
-AGGREGATES = ("mean_gradient", "mean", "max")
-DEFAULT_AGGREGATES = ("mean_gradient", "mean")
 # A backward pass over one padded batch with these hooks: (captures, batch) -> (loss, count, finite, stats)
 Pass = Callable[[list[KeptCapture], tuple[torch.Tensor, torch.Tensor, torch.Tensor]], tuple]
 

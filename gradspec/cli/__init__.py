@@ -17,7 +17,7 @@ from gradspec.cli.config_file import config_values
 from gradspec.cli.given import given_options
 from gradspec.cli.options import flags_of
 from gradspec.data.readers import InputError
-from gradspec.options import OptionError, declared
+from gradspec.options import OptionError, declared, nearest
 
 _NAMES = ("score", "align", "project", "select", "report", "merge", "train", "dynamics", "diagnose", "validate",
           "env")
@@ -84,14 +84,10 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         if message.startswith("unrecognized arguments: "):
-            from rapidfuzz import process
-            from rapidfuzz.distance import DamerauLevenshtein
-
             options = [o for a in self._actions for o in a.option_strings]
             for arg in message.removeprefix("unrecognized arguments: ").split():
-                near = process.extractOne(arg.partition("=")[0], options, scorer=DamerauLevenshtein.distance,
-                                          score_cutoff=2) if arg.startswith("--") else None
-                message += f" ({arg}: did you mean {near[0]}?)" if near else ""
+                near = nearest(arg.partition("=")[0], options) if arg.startswith("--") else None
+                message += f" ({arg}: did you mean {near}?)" if near else ""
         self.exit(2, f"gradspec: error: {message}; see {self.prog} -h\n")
 
 
@@ -156,7 +152,11 @@ def _main(argv: list[str] | None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     argv = _joined(sys.argv[1:] if argv is None else list(argv))
     chosen = next((token for token in argv if not token.startswith("-")), None)
-    for name in [chosen] if chosen in COMMANDS else COMMANDS:  # all of them for `gradspec -h` or a typo
+    if chosen is not None and chosen not in COMMANDS:  # named at once, before any command's modules load
+        near = nearest(chosen, _NAMES)
+        parser.error(f"argument command: invalid choice: {chosen!r} ({f'did you mean {near}? ' if near else ''}"
+                     f"choose from {', '.join(_NAMES)})")
+    for name in [chosen] if chosen in COMMANDS else COMMANDS:  # all of them for `gradspec -h`
         COMMANDS[name].add_parser(sub)
     args = _parse(parser, sub, argv)
     try:

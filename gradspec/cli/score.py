@@ -5,17 +5,19 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradspec.cli.given import refuse_unused
 from gradspec.cli.options import add_options, options_from_args
 from gradspec.runs.config import ALIGN_ONLY, RunSettings, ScoreConfig
-from gradspec.runs.run_folder import INPUT_ERROR, RunFolder, Shard
-from gradspec.runs.scoring import run as run_scoring
-from gradspec.runs.summary import run_summary, written
+
+if TYPE_CHECKING:
+    from gradspec.runs.run_folder import Shard
 
 
 def _shard(text: str) -> Shard:
+    from gradspec.runs.run_folder import Shard
+
     try:
         return Shard.parse(text)
     except ValueError as e:
@@ -54,6 +56,10 @@ def refuse_unused_options(args: argparse.Namespace, spectra: bool, project: int)
 
 
 def run(args: argparse.Namespace) -> int:
+    from gradspec.runs.run_folder import INPUT_ERROR, RunFolder
+    from gradspec.runs.scoring import run as run_scoring
+    from gradspec.runs.summary import run_summary, written
+
     config = ScoreConfig(**options_from_args(ScoreConfig, args))
     refuse_unused_options(args, config.spectra, config.project)
     settings = RunSettings(**options_from_args(RunSettings, args))

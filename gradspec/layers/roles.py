@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from gradspec.choices import MODULE_PRESETS
 from gradspec.layers.lora import LORA_ROLES, adapted
 
 ATTENTION_ROLES = ("q", "k", "v", "o")
 MLP_ROLES = ("gate", "up", "down")
 EXPERT_ROLES = ("expert_gate", "expert_up", "expert_down")
 ROUTER_ROLES = ("router",)
-PRESETS = {"attn": ATTENTION_ROLES, "mlp": MLP_ROLES, "experts": EXPERT_ROLES, "router": ROUTER_ROLES,
-           "all": ATTENTION_ROLES + MLP_ROLES + EXPERT_ROLES + ROUTER_ROLES, "lora": LORA_ROLES}
+ALL_ROLES = ATTENTION_ROLES + MLP_ROLES + EXPERT_ROLES + ROUTER_ROLES
+PRESETS = dict(zip(MODULE_PRESETS, (ATTENTION_ROLES, MLP_ROLES, EXPERT_ROLES, ROUTER_ROLES, ALL_ROLES, LORA_ROLES),
+                   strict=True))
 
 # Leaf module name -> the roles of its output features, in order.
 _ROLES_BY_LEAF = {
@@ -23,19 +25,16 @@ _ROLES_BY_LEAF = {
 def check_modules(name: str, value: object) -> str:
     """A --modules value (a str or a list of str, kept joined by commas), refused before any model loads where
     a spec is a near miss of a preset (atn, mpl): roles, globs and names are only known against a model."""
-    from rapidfuzz import process
-    from rapidfuzz.distance import Levenshtein
-
-    from gradspec.options import OptionError, typed
+    from gradspec.options import OptionError, nearest, typed
 
     text = typed(name, value, "strs")
     roles = {role for group in PRESETS.values() for role in group}
     for spec in (s.strip() for s in text.split(",")):
         if len(spec) < 3 or spec in PRESETS or spec in roles or any(c in spec for c in "*?[."):
             continue
-        near = process.extractOne(spec, list(PRESETS), scorer=Levenshtein.distance, score_cutoff=1)
+        near = nearest(spec, list(PRESETS), edits=1)  # one edit: a longer miss may be a module's own name
         if near is not None:
-            raise OptionError(name, f"{spec!r}: no preset of that name; did you mean {near[0]!r}? (presets: "
+            raise OptionError(name, f"{spec!r}: no preset of that name; did you mean {near!r}? (presets: "
                               f"{', '.join(PRESETS)}; or roles such as q,k, or globs of part names)")
     return text
 

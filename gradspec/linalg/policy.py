@@ -19,8 +19,10 @@ from typing import Any
 
 import torch
 
-PRECISIONS: dict[str, torch.dtype] = {"fp64": torch.float64, "fp32": torch.float32}
-BACKENDS = ("auto", "cpp", "torch")
+from gradspec.choices import BACKENDS
+from gradspec.choices import PRECISIONS as PRECISION_NAMES
+
+PRECISIONS: dict[str, torch.dtype] = dict(zip(PRECISION_NAMES, (torch.float64, torch.float32), strict=True))
 STAGES = ("segment_gram", "segment_tdot", "core", "gram")
 
 

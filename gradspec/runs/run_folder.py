@@ -53,7 +53,6 @@ from gradspec.runs.score_files import METADATA_KEY, atomic_write, schema_metadat
 
 log = logging.getLogger("gradspec")
 
-CHUNK_ROWS = 1024  # input rows per part: the most a kill can cost per process
 INPUT_ERROR = "input_error"
 MODEL_IDENTITY = ("model_path", "model_fingerprint")  # the model a run's config names, as found on disk
 # The model's names, recorded and compared only where its fingerprint is not known: the same files under

