@@ -29,7 +29,7 @@ from gradspec.data import hub as hub_datasets
 from gradspec.data import in_memory
 from gradspec.data.errors import InputError
 from gradspec.data.hub import Hub
-from gradspec.data.templates import JOINED
+from gradspec.data.templates import CONTEXT, JOINED
 from gradspec.options import check_options, option
 
 ON_ERROR = ("fail", "skip")  # what a malformed row does: stop the run, or skip and report the row
@@ -288,7 +288,7 @@ def _messages(record: dict, name: str, where: str) -> list[dict[str, str]]:
         if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str):
             out.append({"role": _unicode(m["role"], f"{name}[{k}].role", where),
                         "content": _unicode(m["content"], f"{name}[{k}].content", where)}
-                       | ({JOINED: True} if m.get(JOINED) is True else {}))  # a TRL text row's, passed on as messages
+                       | {key: True for key in (JOINED, CONTEXT) if m.get(key) is True})  # a TRL row's, passed on
         elif isinstance(m, dict) and isinstance(m.get("from"), str) and isinstance(m.get("value"), str):
             if m["from"] not in SHAREGPT_ROLES:
                 raise InputError(f"{where}: {name}[{k}] is from {m['from']!r}; ShareGPT speakers understood: "
@@ -305,12 +305,17 @@ def _messages(record: dict, name: str, where: str) -> list[dict[str, str]]:
 
 def _prompt_completion(record: dict, fields: Fields, where: str) -> list[dict]:
     """TRL's prompt-completion row as messages: lists of messages (its conversational form) one after the
-    other; texts as a user and an assistant turn marked JOINED, which the plain template joins as TRL
-    does (prompt + completion + EOS, no separator)."""
+    other, the prompt's assistant turns marked CONTEXT (TRL's loss is on the completion alone); texts as
+    a user and an assistant turn marked JOINED, which the plain template joins as TRL does (prompt +
+    completion + EOS, no separator)."""
     prompt, completion = record[fields.prompt], record[fields.completion]
     if isinstance(prompt, list) and isinstance(completion, list):
         name = f"{fields.prompt}+{fields.completion}"
-        return _messages({name: prompt + completion}, name, where)
+        messages = _messages({name: prompt + completion}, name, where)
+        if not any(m["role"] == "assistant" for m in messages[len(prompt):]):
+            raise InputError(f"{where}: {fields.completion!r} has no assistant turn to score")
+        return [m | {CONTEXT: True} if k < len(prompt) and m["role"] == "assistant" else m
+                for k, m in enumerate(messages)]
     return [{"role": "user", "content": _text(record, fields.prompt, where, required=True)},
             {"role": "assistant", "content": _text(record, fields.completion, where, required=True), JOINED: True}]
 

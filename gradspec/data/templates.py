@@ -61,6 +61,9 @@ Span = tuple[int, int]  # characters [start, end) of an assistant turn in the te
 # An assistant message of TRL's prompt-completion layout (texts): the plain template joins it to the prompt as TRL
 # does, prompt + completion + the tokenizer's EOS, without the "\n" between turns
 JOINED = "joined"
+# An assistant message of TRL's conversational prompt (an earlier turn the prompt holds): context, not scored, as
+# TRL's completion-only loss masks the whole prompt
+CONTEXT = "context"
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -88,6 +91,11 @@ def _response_tokens(labels: list[int]) -> int:
     return sum(1 for label in labels[1:] if label != IGNORE_INDEX)
 
 
+def scored(message: dict[str, str]) -> bool:
+    """Whether a message is a response the loss is on: an assistant turn that is not context."""
+    return message["role"] == "assistant" and not message.get(CONTEXT, False)
+
+
 def _plain_text(messages: list[dict[str, str]], eos: str = "") -> tuple[str, list[Span]]:
     """The reference's text (contents joined by "\\n") and each assistant content's span; a JOINED turn
     follows the one before it directly and ends in eos, as TRL joins a prompt and its completion."""
@@ -97,7 +105,7 @@ def _plain_text(messages: list[dict[str, str]], eos: str = "") -> tuple[str, lis
         if k and not joined:
             text += "\n"
         content = m["content"] + (eos if joined and eos and not m["content"].endswith(eos) else "")
-        if m["role"] == "assistant":
+        if scored(m):
             spans.append((len(text), len(text) + len(content)))
         text += content
     return text, spans
@@ -115,7 +123,7 @@ def _chat_text(messages: list[dict[str, str]], tokenizer) -> tuple[str, list[Spa
         raise OptionError("template", "chat needs a tokenizer with a chat template; use plain")
     text, spans = _render(tokenizer, messages), []
     for k, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if not scored(m):
             continue
         if k == 0:
             return text, None  # no turn before it: no generation prompt to start from
@@ -184,7 +192,7 @@ def _counted_labels(tokenizer, text: str, spans: list[Span], cuts: set[int],
 
 def _status(messages: list[dict[str, str]], labels: list[int], kept: list[int], located: bool, holds: bool) -> str:
     """The row's status: first the reasons it has no response token, then the scored flags."""
-    if all(not m["content"].strip() for m in messages if m["role"] == "assistant"):
+    if all(not m["content"].strip() for m in messages if scored(m)):
         return "empty_response"
     if not located:
         return "label_span_mismatch"
@@ -194,7 +202,7 @@ def _status(messages: list[dict[str, str]], labels: list[int], kept: list[int], 
         return "prompt_too_long"
     if not holds:
         return "boundary_merge"
-    if all(not m["content"].strip() for m in messages if m["role"] != "assistant"):
+    if all(not m["content"].strip() for m in messages if not scored(m)):
         return "empty_prompt"
     return "ok"
 
@@ -219,7 +227,8 @@ def tokenize(messages: list[dict[str, str]], tokenizer, template: str = "plain",
     cuts = {x for span in spans for x in span}
     fast = getattr(tokenizer, "is_fast", False)
     if located and template == "chat" and fast and _GENERATION.search(str(tokenizer.chat_template)):
-        spans = _marked_spans(messages, tokenizer)
+        turns = spans  # the marked tokens of the scored turns (the template marks every assistant turn)
+        spans = [s for s in _marked_spans(messages, tokenizer) if any(a <= s[0] < b for a, b in turns)]
         cuts |= {x for span in spans for x in span}
     label = _offset_labels if fast else _counted_labels
     ids, labels, holds = label(tokenizer, text, spans, cuts, template == "plain")

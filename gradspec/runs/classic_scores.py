@@ -19,16 +19,18 @@ import torch
 
 from gradspec.data.batching import Item
 from gradspec.data.readers import Sample
-from gradspec.data.templates import Tokenized
+from gradspec.data.templates import JOINED, Tokenized, scored
 from gradspec.engine.loss import item_losses
 
 CLASSIC_COLUMNS = ("perplexity", "loss_response_alone", "ifd", "superfiltering_ifd", "mean_entropy",
                    "token_accuracy", "mean_token_prob", "response_chars")
 
 
-def response_text(sample: Sample) -> str:
-    """The text the model is scored on: the assistant turns, joined by newlines."""
-    return "\n".join(m["content"] for m in sample.messages if m["role"] == "assistant")
+def response_text(sample: Sample, eos: str = "") -> str:
+    """The text the model is scored on: the scored assistant turns, joined by newlines, a JOINED one
+    (TRL's text completion) ending in eos as the full text has it."""
+    return "\n".join(m["content"] + (eos if m.get(JOINED) and eos and not m["content"].endswith(eos) else "")
+                     for m in sample.messages if scored(m))
 
 
 def losses_alone(
@@ -37,7 +39,7 @@ def losses_alone(
     """Sample index -> mean next-token loss of its response tokenized alone (NaN if under 2 tokens)."""
     items = []
     for s in samples:
-        ids = tokenizer(response_text(s))["input_ids"][:max_length]
+        ids = tokenizer(response_text(s, getattr(tokenizer, "eos_token", None) or ""))["input_ids"][:max_length]
         items.append(Item(s, Tokenized(ids, list(ids), "ok")))
     return {item.sample.index: loss for item, loss, _ in item_losses(model, tokenizer, items, batch_tokens)}
 

@@ -16,16 +16,16 @@ ROWS = [
 ]
 
 
-def _by_hand(model, tok, prompt: str, output: str) -> dict[str, float]:
-    ids = tok(prompt + "\n" + output)["input_ids"]
-    start = len(tok(prompt + "\n")["input_ids"])
+def _by_hand(model, tok, prompt: str, output: str, sep: str = "\n", eos: str = "") -> dict[str, float]:
+    ids = tok(prompt + sep + output + eos)["input_ids"]
+    start = len(tok(prompt + sep)["input_ids"])
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([ids])).logits[0].double()
         cond = [-torch.log_softmax(logits[t - 1], -1)[ids[t]].item() for t in range(start, len(ids))]
         probs = [torch.softmax(logits[t - 1], -1) for t in range(start, len(ids))]
         entropy = [-(p * p.log()).sum().item() for p in probs]
         accuracy = [float(logits[t - 1].argmax().item() == ids[t]) for t in range(start, len(ids))]
-        alone_ids = tok(output)["input_ids"]
+        alone_ids = tok(output + eos)["input_ids"]
         alone_logits = model(input_ids=torch.tensor([alone_ids])).logits[0].double()
         alone = [-torch.log_softmax(alone_logits[t - 1], -1)[alone_ids[t]].item() for t in range(1, len(alone_ids))]
     c, a = sum(cond) / len(cond), sum(alone) / len(alone)
@@ -46,6 +46,20 @@ def test_classic_scores_match_a_hand_computation(tmp_path, tiny_model_dir):
         for name, value in want.items():
             assert df.loc[i, name] == pytest.approx(value, rel=1e-5), (i, name)
     assert (df["status"] == "ok").all()
+
+
+def test_a_trl_text_row_s_response_alone_ends_in_eos_as_its_full_text_does(tmp_path, tiny_model_dir):
+    """TRL's text completion is scored with the tokenizer's EOS after it (prompt + completion + EOS): IFD's
+    response alone ends in it too, or the ratio compares two different responses."""
+    row = {"prompt": "Name a prime number.", "completion": " Seven is a prime number."}
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    df = gradspec.score(data, str(tiny_model_dir), None, classic=True, progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    want = _by_hand(model, tok, row["prompt"], row["completion"], sep="", eos=tok.eos_token)
+    for name, value in want.items():
+        assert df.loc[0, name] == pytest.approx(value, rel=1e-5), name
 
 
 def test_classic_columns_absent_unless_asked(tmp_path, tiny_model_dir):

@@ -84,11 +84,12 @@ def test_sft_trainer_rows_name_their_sample(tokenizer, tmp_path, collator):
     assert got["num_tokens"].tolist() == [lengths[i] for i in got["sample_index"]]
 
 
-@pytest.mark.parametrize("layout", ["text", "conversational"])
+@pytest.mark.parametrize("layout", ["text", "conversational", "earlier turns"])
 def test_trl_s_prompt_completion_rows_are_read_and_tokenized_as_trl_does(tokenizer, tmp_path, layout):
     """TRL's prompt/completion columns are read without field flags, and gradspec scores the tokens and the
     completion mask TRL trains on: texts joined as TRL joins them (prompt + completion + EOS, under the plain
-    template), lists of messages as one conversation (under the chat template)."""
+    template), lists of messages as one conversation (under the chat template), the prompt's own assistant
+    turns context, not scored (TRL's loss is on the completion alone)."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -97,9 +98,13 @@ def test_trl_s_prompt_completion_rows_are_read_and_tokenized_as_trl_does(tokeniz
 
     rows = [{"prompt": "Name a colour.", "completion": " Blue."},
             {"prompt": "What is 2+2?\n", "completion": "Four, of course."}]
-    if layout == "conversational":
+    if layout != "text":
         rows = [{"prompt": [{"role": "user", "content": r["prompt"]}],
                  "completion": [{"role": "assistant", "content": r["completion"].strip()}]} for r in rows]
+    if layout == "earlier turns":
+        for r in rows:
+            r["prompt"] = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi! Ask away."},
+                           *r["prompt"]]
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = SFTConfig(output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True, bf16=False)
