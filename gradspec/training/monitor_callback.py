@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,8 +40,8 @@ class SpectralMonitorCallback(TrainerCallback):
         backend: "auto", "cpp" or "torch", as for SpectralEngine.
         overwrite: Overwrite an existing ``out`` (else a ValueError at the run's first monitored step).
         index_column: A batch column of dataset indices (remove_unused_columns=False, a collator
-            that passes it): taken out of monitored calls into sample_index; on other steps the
-            model gets it (transformers' models take **kwargs). None: none.
+            that passes it): taken out of monitored calls into sample_index, out of the others'
+            batches (the model never sees it). None: none.
     """
 
     def __init__(self, every: int = 50, modules: str | list[str] = "attn", out: str | Path | None = None,
@@ -139,7 +140,9 @@ def _guard_training_step(trainer: Trainer, monitor: SpectralMonitor) -> None:
     """The trainer's training_step (one micro-batch's forward and backward), wrapped on the instance so
     that the monitor's hooks are on the model inside it alone (SpectralMonitor.hooked): taken off
     however the step is left, which no callback can do (Trainer tells them of no exception). Once
-    per trainer and monitor (a later train() finds it wrapped); outside a monitored step it calls through.
+    per trainer and monitor (a later train() finds it wrapped); outside a monitored step it calls through,
+    the batch's index column taken out (on monitored steps the monitor's hooks take it), so that a model
+    whose forward takes no **kwargs trains as well.
 
     Args:
         trainer: The transformers Trainer (or subclass: TRL's SFTTrainer, ...) whose steps are monitored.
@@ -152,11 +155,20 @@ def _guard_training_step(trainer: Trainer, monitor: SpectralMonitor) -> None:
 
     @functools.wraps(step)
     def training_step(*args, **kwargs):
+        if not monitor.active and monitor.index_column:  # (model, inputs, num_items_in_batch)
+            if isinstance(kwargs.get("inputs"), Mapping):
+                kwargs["inputs"] = _without(kwargs["inputs"], monitor.index_column)
+            elif len(args) > 1 and isinstance(args[1], Mapping):
+                args = (args[0], _without(args[1], monitor.index_column), *args[2:])
         with monitor.hooked():
             return step(*args, **kwargs)
 
     training_step.gradspec_monitor = monitor
     trainer.training_step = training_step
+
+
+def _without(inputs: Mapping, column: str) -> Mapping:
+    return {k: v for k, v in inputs.items() if k != column} if column in inputs else inputs
 
 
 def _running_trainer(callback: TrainerCallback) -> Trainer | None:

@@ -125,20 +125,34 @@ def test_monitor_rows_under_wit_are_each_samples_own_wit_gradient(tokenizer, tmp
     _assert_rows_equal(rows, batch, want, 1e-4)
 
 
-@pytest.mark.parametrize("kind", ["list", "Dataset", "own"])
+class _NoKwargs(torch.nn.Module):
+    """A model whose forward names its arguments and takes no other (remote code often does)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.config = inner, inner.config
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+@pytest.mark.parametrize("kind", ["list", "Dataset", "own", "model without **kwargs"])
 def test_trainer_rows_carry_the_dataset_index_wit_collator_passes(tokenizer, tmp_path, kind):
     """Rows given their index (with_sample_index, of a list or a datasets.Dataset; or their own): WITCollator
-    passes it, the monitored steps' rows carry it; on the others the model takes it as an ignored keyword."""
+    passes it, the monitored steps' rows carry it; on the others it is taken out of the batch too, so that a
+    model whose forward takes no **kwargs trains as well."""
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
     rows = {"list": lambda: with_sample_index(ROWS), "Dataset": lambda: with_sample_index(Dataset.from_list(ROWS)),
-            "own": lambda: [{**r, "sample_index": 100 + i} for i, r in enumerate(ROWS)]}[kind]()
+            "own": lambda: [{**r, "sample_index": 100 + i} for i, r in enumerate(ROWS)],
+            "model without **kwargs": lambda: with_sample_index(ROWS)}[kind]()
+    model = _NoKwargs(tiny_model("llama")) if kind == "model without **kwargs" else tiny_model("llama")
     first = 100 if kind == "own" else 0
     args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=4,
                              learning_rate=0.0, remove_unused_columns=False, report_to=[], save_strategy="no",
                              use_cpu=True, logging_steps=2, train_sampling_strategy="sequential")
-    Trainer(model=tiny_model("llama"), args=args, train_dataset=rows, data_collator=WITCollator(tokenizer),
+    Trainer(model=model, args=args, train_dataset=rows, data_collator=WITCollator(tokenizer),
             callbacks=[SpectralMonitorCallback(every=2, out=tmp_path / "m.parquet")]).train()
     got = pd.read_parquet(tmp_path / "m.parquet")
     assert got[["step", "sample_index"]].values.tolist() == [[2, first + 2], [2, first + 3], [4, first + 2],
