@@ -10,6 +10,7 @@ import shutil
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gradspec.data.errors import InputError, check_at_least, check_covers, check_writable
 from gradspec.data.models import check_device, check_model
@@ -18,6 +19,9 @@ from gradspec.data.shared_options import device_option, fields_option, limit_opt
 from gradspec.data.templates import NO_RESPONSE, check_response_tokens, tokenize
 from gradspec.layers.roles import check_modules
 from gradspec.options import OptionError, OptionExists, check_options, mention, nearest, option
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
 
 log = logging.getLogger("gradspec")
 
@@ -76,9 +80,9 @@ class TrainConfig:
         check_options(self)
 
 
-def check(config: TrainConfig) -> None:
+def check(config: TrainConfig) -> TrainingArguments:
     """Every option that can be checked before the model loads (types, choices and bounds were
-    checked where the config was made)."""
+    checked where the config was made); the run's TrainingArguments, which check trainer_args."""
     if config.max_steps != -1:
         check_at_least({"max_steps": config.max_steps})
     elif config.epochs <= 0:
@@ -100,7 +104,7 @@ def check(config: TrainConfig) -> None:
     if config.eval_data is not None and config.loss == "sftmix":
         raise OptionError("eval_data", f": SFTMix's loss pairs training samples; {mention('eval_data')} is for "
                           f"{mention('loss')} ntp and wit")
-    training_arguments(config)  # each of trainer_args named where it is wrong, before the model loads
+    args = training_arguments(config)  # each of trainer_args named where it is wrong, before the model loads
     if config.resume is not None:
         resumed_checkpoint(config)
     earlier = run_files(out)
@@ -114,11 +118,12 @@ def check(config: TrainConfig) -> None:
         from gradspec.training.dynamics import read_dynamics
 
         read_dynamics(config.reference_dynamics)
+    return args
 
 
 def train(config: TrainConfig) -> Path:
     """Runs the fine-tuning; returns the output folder (model, dynamics.parquet, monitor.parquet)."""
-    check(config)  # before transformers' Trainer loads: a mistake is named at once
+    args = check(config)  # before transformers' Trainer loads: a mistake is named at once
     from transformers import Trainer
 
     from gradspec.data.models import fit_to_context, load_model
@@ -146,7 +151,6 @@ def train(config: TrainConfig) -> Path:
     select_targets(model, config.modules)  # the monitor's modules, named now if none matches: not at its first step
     rows = [{"messages": s.messages, SAMPLE_INDEX: s.index} for s in samples]  # monitor rows name their sample
     out = Path(config.out)
-    args = training_arguments(config)
     prompt_weight = config.prompt_weight if config.loss == "wit" else 0.0
     collator = WITCollator(tokenizer, prompt_weight, config.template, max_length)
     callbacks = [
@@ -190,7 +194,7 @@ _REFUSED = {"label_smoothing_factor": "Trainer's label smoother replaces the mod
                                       "spectral monitor read (and clamps WIT's prompt labels to token 0)"}
 
 
-def training_arguments(config: TrainConfig):
+def training_arguments(config: TrainConfig) -> TrainingArguments:
     """transformers' TrainingArguments of the run: its own options, then trainer_args as given (checked
     against TrainingArguments' fields; one that an option gives is named by that option); save_steps
     alone saves every save_steps, eval_data alone evaluates at each epoch's end (every eval_steps where
