@@ -79,7 +79,7 @@ from gradspec.layers.targets import select_targets
 from gradspec.linalg.metrics import metric_names
 from gradspec.linalg.policy import Policy
 from gradspec.runs.score_files import atomic_write, column, metric_columns
-from gradspec.training.wit import PROMPT_OFFSET, WITLoss
+from gradspec.training.wit import WITLoss, next_token_targets
 
 log = logging.getLogger("gradspec")
 COMPILED = "SpectralMonitor cannot hook a torch.compile'd model (its graph skips hooks added later)"
@@ -535,22 +535,25 @@ def model_loss(model: nn.Module) -> tuple[str, tuple[float, float] | None]:
 def loss_tokens(labels: torch.Tensor, prompt_weight: float, response_weight: float) -> torch.Tensor:
     """n_i, each sample's own denominator: its targets whose weight is not zero (WIT's
     1[lp != 0] |P_i| + 1[lr != 0] |R_i|; prompt targets are encoded as -(id + PROMPT_OFFSET))."""
-    target = labels[:, 1:]
-    weighted = ((target <= -PROMPT_OFFSET) & (prompt_weight != 0)) | ((target >= 0) & (response_weight != 0))
-    return weighted.sum(1)
+    return (next_token_targets(labels, prompt_weight, response_weight)[1] != 0).sum(1)
+
+
+LOSS_CHUNK_BYTES = 256 * 2**20  # the fp32 logits a loss computes at once
 
 
 def sample_losses(logits: torch.Tensor, labels: torch.Tensor, prompt_weight: float, response_weight: float,
                   owner: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """l_i / n_i per sample (NaN where n_i = 0), in fp32 at the weighted positions alone. owner
-    (rows, T): the sample each position belongs to (a row, or a packed sequence); tokens: n_i."""
-    target = labels[:, 1:]
-    weight = torch.where(target <= -PROMPT_OFFSET, prompt_weight, torch.where(target >= 0, response_weight, 0.0))
-    rows, cols = torch.nonzero(weight != 0, as_tuple=True)
-    ids = target[rows, cols]
-    ids = torch.where(ids < 0, -ids - PROMPT_OFFSET, ids)
-    nll = next_token_nll(logits[:, :-1][rows, cols], ids) * weight[rows, cols].float()
-    total = torch.zeros(len(tokens), device=logits.device).index_add_(0, owner[rows, cols + 1], nll)
+    """l_i / n_i per sample (NaN where n_i = 0), in fp32, a few rows at a time: no fp32 copy of the whole
+    batch's logits, and nothing read on the host. owner (rows, T): the sample each position belongs to
+    (a row, or a packed sequence); tokens: n_i."""
+    ids, weights = next_token_targets(labels, prompt_weight, response_weight)
+    owner = torch.nn.functional.pad(owner[:, 1:], (0, 1))  # each target's sample (the last position: no target)
+    total = torch.zeros(len(tokens), device=logits.device)
+    rows = max(1, LOSS_CHUNK_BYTES // (4 * logits.shape[1] * logits.shape[2]))
+    for start in range(0, len(logits), rows):
+        part = slice(start, start + rows)
+        nll = next_token_nll(logits[part].flatten(0, 1), ids[part].flatten()) * weights[part].flatten()
+        total.index_add_(0, owner[part].flatten(), nll)
     return total.double() / tokens.double()
 
 

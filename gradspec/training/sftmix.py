@@ -23,7 +23,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Sampler
 from transformers import Trainer
 
-from gradspec.engine.loss import next_token_nll, next_token_positions
+from gradspec.data.templates import IGNORE_INDEX
+from gradspec.engine.loss import next_token_nll
 from gradspec.training.sample_index import SAMPLE_INDEX
 
 ALPHA = 0.5
@@ -86,40 +87,42 @@ class PairedBatchSampler(Sampler[list[int]]):
             yield conf[b * self.pairs:(b + 1) * self.pairs] + unconf[b * self.pairs:(b + 1) * self.pairs]
 
 
-def _response_positions(labels: torch.Tensor) -> list[torch.Tensor]:
-    """Per row, the positions whose hidden state predicts a response token."""
-    rows, cols, _ = next_token_positions(labels)
-    return [cols[rows == r] for r in range(len(labels))]
+# Both losses keep every shape fixed by the batch's (no nonzero, no per-row indexing, no length read on the
+# host): a training step never waits for the device (tests/training/test_sftmix.py runs them on the meta device).
+
+def _response_ranks(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions (N, T - 1), counts (N,)): each row's positions whose hidden state predicts a response
+    token, in order, first (the k-th of them at column k; the columns past counts are padding)."""
+    labelled = labels[:, 1:] != IGNORE_INDEX
+    order = torch.argsort((~labelled).to(torch.int8), dim=1, stable=True)
+    return order, labelled.sum(1)
 
 
 def mixup_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module, lam: torch.Tensor) -> torch.Tensor:
     """The Mixup term for a batch whose first half is confident and second half unconfident;
-    lam holds one coefficient per pair. Mean over the mixed tokens."""
+    lam holds one coefficient per pair. Mean over the mixed tokens: the k-th response token of
+    each sample of a pair, k below the shorter response's length."""
     pairs = len(labels) // 2
-    positions = _response_positions(labels)
-    mixed, y_conf, y_unconf, weights = [], [], [], []
-    for j in range(pairs):
-        pc, pu = positions[j], positions[pairs + j]
-        n = min(len(pc), len(pu))
-        if n == 0:
-            continue
-        pc, pu = pc[:n], pu[:n]
-        mixed.append(lam[j] * hidden[j, pc] + (1 - lam[j]) * hidden[pairs + j, pu])
-        y_conf.append(labels[j, pc + 1])
-        y_unconf.append(labels[pairs + j, pu + 1])
-        weights.append(lam[j].expand(n))
-    if not mixed:
-        return hidden.sum() * 0
-    logits = head(torch.cat(mixed)).float()
-    w = torch.cat(weights).to(logits.dtype)
-    per_token = w * next_token_nll(logits, torch.cat(y_conf)) + (1 - w) * next_token_nll(logits, torch.cat(y_unconf))
-    return per_token.mean()
+    positions, counts = _response_ranks(labels)
+    pc, pu = positions[:pairs], positions[pairs:2 * pairs]
+    mixed_tokens = torch.arange(pc.shape[1], device=labels.device) < torch.minimum(counts[:pairs],
+                                                                                 counts[pairs:2 * pairs])[:, None]
+    at = lam.to(hidden.dtype)[:, None, None]
+    width = hidden.shape[-1]
+    mixed = at * hidden[:pairs].gather(1, pc[..., None].expand(-1, -1, width)) + \
+        (1 - at) * hidden[pairs:2 * pairs].gather(1, pu[..., None].expand(-1, -1, width))
+    logits = head(mixed).float().flatten(0, 1)
+    y_conf = torch.where(mixed_tokens, labels[:pairs, 1:].gather(1, pc), IGNORE_INDEX).flatten()
+    y_unconf = torch.where(mixed_tokens, labels[pairs:2 * pairs, 1:].gather(1, pu), IGNORE_INDEX).flatten()
+    w = lam.to(logits.dtype)[:, None].expand(mixed_tokens.shape).flatten()
+    per_token = w * next_token_nll(logits, y_conf) + (1 - w) * next_token_nll(logits, y_unconf)
+    return per_token.sum() / mixed_tokens.sum().clamp_min(1)  # no mixed token: 0, its gradient 0
 
 
 def ntp_loss(hidden: torch.Tensor, labels: torch.Tensor, head: nn.Module) -> torch.Tensor:
     """Next-token cross-entropy over all response tokens of the batch (token mean)."""
-    rows, cols, wanted = next_token_positions(labels)
-    return next_token_nll(head(hidden[rows, cols]), wanted, reduction="mean")
+    logits = head(hidden[:, :-1]).flatten(0, 1)
+    return next_token_nll(logits, labels[:, 1:].flatten(), reduction="mean")
 
 
 class SFTMixTrainer(Trainer):
@@ -143,9 +146,19 @@ class SFTMixTrainer(Trainer):
         if self.args.per_device_train_batch_size % 2:
             raise ValueError("SFTMix pairs samples: per_device_train_batch_size must be even")
         self.confident, self.unconfident = confident, unconfident
-        self.beta = torch.distributions.Beta(torch.tensor(float(alpha)), torch.tensor(float(alpha)))
-        self.mu = mu
+        if not alpha > 0:
+            raise ValueError(f"SFTMix: alpha must be above 0, got {alpha}")
+        self.alpha, self.mu = float(alpha), mu
+        self._beta: torch.distributions.Beta | None = None  # on the hidden states' device: lam drawn there
         self.model_accepts_loss_kwargs = False
+
+    def beta(self, device: torch.device) -> torch.distributions.Beta:
+        """Beta(alpha, alpha) on device: each step's lam drawn there (a draw on the host, copied, waits for
+        the device)."""
+        if self._beta is None or self._beta.concentration1.device != device:
+            alpha = torch.tensor(self.alpha, device=device)
+            self._beta = torch.distributions.Beta(alpha, alpha, validate_args=False)  # checked on the host
+        return self._beta
 
     def get_train_dataloader(self) -> DataLoader:
         """Trainer's hook: batches of paired samples.
@@ -181,6 +194,6 @@ class SFTMixTrainer(Trainer):
                     output_hidden_states=True, logits_to_keep=1, **index)
         hidden = out.hidden_states[-1]  # after the final norm: what the head reads
         head = self.accelerator.unwrap_model(model).get_output_embeddings()
-        lam = self.beta.sample((len(labels) // 2,)).to(hidden.device, hidden.dtype)
+        lam = self.beta(hidden.device).sample((len(labels) // 2,))
         loss = ntp_loss(hidden, labels, head) + self.mu * mixup_loss(hidden, labels, head, lam)
         return (loss, {"hidden": hidden}) if return_outputs else loss

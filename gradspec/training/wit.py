@@ -25,7 +25,7 @@ from torch import nn
 from gradspec.data.batching import pad_batch, pad_id_of
 from gradspec.data.readers import Fields, to_sample
 from gradspec.data.templates import IGNORE_INDEX, tokenize
-from gradspec.engine.loss import next_token_nll, next_token_positions
+from gradspec.engine.loss import next_token_nll
 from gradspec.training.sample_index import SAMPLE_INDEX, sample_indices
 
 PROMPT_OFFSET = 101  # prompt token id t is stored as -(t + PROMPT_OFFSET)
@@ -62,16 +62,32 @@ def wit_loss(logits: torch.Tensor, labels: torch.Tensor, prompt_weight: float, r
     Returns:
         A scalar: the weighted sum of the targets' cross-entropies over num_items.
     """
-    target = labels[:, 1:]
-    response, prompt = target >= 0, target <= -PROMPT_OFFSET
-    rows, cols, wanted = next_token_positions(labels, response | prompt)
-    is_prompt = wanted < 0
-    ids = torch.where(is_prompt, -wanted - PROMPT_OFFSET, wanted)
-    nll = next_token_nll(logits[:, :-1][rows, cols], ids)
-    weights = torch.where(is_prompt, prompt_weight, response_weight).to(nll.dtype)
+    ids, weights = next_token_targets(labels, prompt_weight, response_weight)
+    nll = next_token_nll(logits.flatten(0, 1), ids.flatten())
     if num_items is None:
-        num_items = (prompt.sum() if prompt_weight else 0) + (response.sum() if response_weight else 0)
-    return (weights * nll).sum() / num_items
+        num_items = (weights != 0).sum()
+    return (weights.flatten().to(nll.dtype) * nll).sum() / num_items
+
+
+def next_token_targets(labels: torch.Tensor, prompt_weight: float,
+                       response_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, weights), each (N, T): position t's next token (labels[:, t + 1] decoded; -100 where it
+    carries no weight, and at the last position) and its weight. Aligned with the logits (N, T, V),
+    so that a loss needs neither a slice of them (a copy) nor the positions read on the host.
+
+    Args:
+        labels: (N, T) WIT labels (encode_labels).
+        prompt_weight: lp.
+        response_weight: lr.
+
+    Returns:
+        ids (int64) and weights (fp32).
+    """
+    target = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    prompt, response = target <= -PROMPT_OFFSET, target >= 0
+    weights = torch.where(prompt, float(prompt_weight), torch.where(response, float(response_weight), 0.0))
+    ids = torch.where(prompt, -target - PROMPT_OFFSET, target)
+    return torch.where(weights != 0, ids, IGNORE_INDEX), weights
 
 
 def check_weights(prompt_weight: float, response_weight: float) -> None:

@@ -27,6 +27,61 @@ def test_mixup_at_lambda_1_is_the_confident_samples_ntp_loss(tokenizer):
     assert float(at_zero.detach()) != pytest.approx(float(want.detach()), rel=1e-3)
 
 
+def _mixup_by_rows(hidden, labels, head, lam):
+    """The Mixup term pair by pair, each pair's response positions read on the host: the reference."""
+    pairs, mixed, y_conf, y_unconf, weights = len(labels) // 2, [], [], [], []
+    positions = [torch.nonzero(row[1:] != -100).flatten() for row in labels]
+    for j in range(pairs):
+        n = min(len(positions[j]), len(positions[pairs + j]))
+        pc, pu = positions[j][:n], positions[pairs + j][:n]
+        mixed.append(lam[j] * hidden[j, pc] + (1 - lam[j]) * hidden[pairs + j, pu])
+        y_conf.append(labels[j, pc + 1])
+        y_unconf.append(labels[pairs + j, pu + 1])
+        weights.append(lam[j].expand(n))
+    logits, w = head(torch.cat(mixed)).double(), torch.cat(weights).double()
+    nll = torch.nn.functional.cross_entropy
+    return (w * nll(logits, torch.cat(y_conf), reduction="none")
+            + (1 - w) * nll(logits, torch.cat(y_unconf), reduction="none")).mean()
+
+
+def test_the_losses_equal_their_row_by_row_references():
+    """Fixed shapes (no nonzero, no per-row indexing) give the losses of the row-by-row computation: a
+    pair whose confident response is the longer, one whose responses differ most, one without a response."""
+    torch.manual_seed(0)
+    hidden = torch.randn(6, 9, 8, dtype=torch.float64, requires_grad=True)
+    head = torch.nn.Linear(8, 11, bias=False).double()
+    labels = torch.randint(0, 11, (6, 9))
+    for row, (start, stop) in enumerate([(2, 9), (5, 7), (1, 3), (3, 9), (9, 9), (4, 8)]):
+        labels[row, :start], labels[row, stop:] = -100, -100
+    lam = torch.tensor([0.3, 0.8, 0.5], dtype=torch.float64)
+    got, want = mixup_loss(hidden, labels, head, lam), _mixup_by_rows(hidden, labels, head, lam)
+    assert got.item() == pytest.approx(want.item(), rel=1e-6)  # the loss in fp32 (next_token_nll)
+    (g,), (w,) = torch.autograd.grad(got, hidden), torch.autograd.grad(want, hidden)
+    torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+    target = labels[:, 1:][labels[:, 1:] != -100]
+    ntp = torch.nn.functional.cross_entropy(head(hidden[:, :-1][labels[:, 1:] != -100]), target)
+    assert ntp_loss(hidden, labels, head).item() == pytest.approx(ntp.item(), rel=1e-6)
+    empty = labels.clone()
+    empty[:3] = -100
+    assert mixup_loss(hidden, empty, head, lam).item() == 0.0
+
+
+def test_the_losses_never_read_the_device():
+    """On the meta device any read of a device value (nonzero, .item(), a length, a host copy) raises: the
+    losses run there whole, and lam's distribution lives there (drawn there: no host copy), so a training step
+    never waits for the GPU."""
+    hidden = torch.randn(4, 7, 8, device="meta", requires_grad=True)
+    head = torch.nn.Linear(8, 11, bias=False, device="meta")
+    labels = torch.zeros(4, 7, dtype=torch.long, device="meta")
+    trainer = object.__new__(SFTMixTrainer)
+    trainer.alpha, trainer._beta = 0.5, None
+    assert trainer.beta(hidden.device).concentration1.device.type == "meta"  # meta has no Dirichlet sampler
+    lam = torch.full((2,), 0.5, device="meta")
+    loss = ntp_loss(hidden, labels, head) + 0.2 * mixup_loss(hidden, labels, head, lam)
+    loss.backward()
+    assert hidden.grad.device.type == "meta"
+
+
 def test_confidence_halves_split_at_the_median():
     dynamics = pd.DataFrame({"index": [0, 1, 2, 3, 4], "mean_perplexity": [3.0, 9.0, 1.5, 20.0, 5.0]})
     assert confidence_halves(dynamics) == ([0, 2], [1, 3, 4])

@@ -130,3 +130,35 @@ def test_a_row_whose_spans_cannot_be_located_trains_on_nothing(tokenizer):
     rows = [ROWS[0], {"instruction": "Say nothing.", "output": ""}]
     labels = WITCollator(tokenizer, prompt_weight=0.5)(rows)["labels"]
     assert (labels[0] != IGNORE_INDEX).any() and (labels[1] == IGNORE_INDEX).all()
+
+
+def test_the_losses_never_read_the_device():
+    """On the meta device any read of a device value (nonzero, .item(), a host copy) raises: WIT's loss and
+    the monitor's per-sample losses run there whole, so a training step never waits for the GPU."""
+    from gradspec.training.monitor import sample_losses
+
+    logits = torch.randn(3, 6, 11, device="meta", requires_grad=True)
+    labels = torch.zeros(3, 6, dtype=torch.long, device="meta")
+    wit_loss(logits, labels, 0.5, 1.0).backward()
+    assert logits.grad.device.type == "meta"
+    owner = torch.arange(3, device="meta")[:, None].expand(3, 6)
+    assert sample_losses(logits.detach(), labels, 0.5, 1.0, owner, torch.ones(3, device="meta")).shape == (3,)
+
+
+def test_the_monitor_s_losses_a_row_at_a_time_equal_the_whole_batch_s(monkeypatch):
+    """The per-sample losses in chunks of rows (no fp32 copy of all the logits) equal one chunk's, and the
+    weighted mean of each sample's own targets."""
+    from gradspec.training import monitor
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 7, 13, dtype=torch.bfloat16)
+    labels = encode_labels(torch.randint(0, 13, (4, 7)), torch.rand(4, 7) > 0.4, torch.ones(4, 7, dtype=torch.long),
+                           0.3, 1.0)
+    owner = torch.arange(4)[:, None].expand(4, 7)
+    tokens = monitor.loss_tokens(labels, 0.3, 1.0)
+    whole = monitor.sample_losses(logits, labels, 0.3, 1.0, owner, tokens)
+    monkeypatch.setattr(monitor, "LOSS_CHUNK_BYTES", 1)  # a row at a time
+    torch.testing.assert_close(monitor.sample_losses(logits, labels, 0.3, 1.0, owner, tokens), whole, rtol=0, atol=0)
+    for i in range(4):
+        want = wit_loss(logits[i : i + 1], labels[i : i + 1], 0.3, 1.0) if tokens[i] else torch.tensor(float("nan"))
+        torch.testing.assert_close(whole[i].float(), want, rtol=1e-6, atol=0, equal_nan=True)
