@@ -134,7 +134,8 @@ class BatchCapture(Capture):
         # per input: (bytes per token of its X, each part's smaller side): what batch_memory models
         self.inputs: dict = {}
         # eager: each input's eigen stage as soon as its tensor is gone, not after the backward (about
-        # one layer's Grams held instead of all of them; the host waits for the device there)
+        # one layer's Grams held instead of all of them; the host waits for the device there); also
+        # wherever the hooks find themselves in a checkpointed region (BatchLayout.checkpointed)
         self.eager = eager
         self.solved: list[_Solved] = []
 
@@ -162,7 +163,7 @@ class BatchCapture(Capture):
         X, D = captured.X, captured.D
         self.inputs.setdefault(captured.input_key, (X.shape[-1] * X.element_size(), []))[1].append(
             min(part.d_in, part.d_out))
-        if self.eager:
+        if self.eager or self.batch.checkpointed:
             self._solve_freed()
         if self.scale is not None:
             dtype = torch.promote_types(D.dtype, torch.float32)  # a bf16 product would round the scale
@@ -184,7 +185,7 @@ class BatchCapture(Capture):
             group.items.append((part, A, inner))
         if materialised.rows:
             gram = self._materialised_gram(part, captured, materialised, D)
-            if self.eager:
+            if self.eager or self.batch.checkpointed:
                 self.solved.extend(self._solve_gram(part, materialised.batch_rows, self._for_eigen(gram, "gram")))
             else:
                 self.materialised.append((part, materialised.batch_rows, gram))

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from gradspec.layers.checkpointing import FIRST, RECOMPUTE, Pairing, phase
+from gradspec.layers.checkpointing import FIRST, RECOMPUTE, Pairing
 from gradspec.layers.hooks import Captured
 from gradspec.layers.linear import start_graph
 from gradspec.layers.registry import Part, Target, register
@@ -100,7 +100,7 @@ class ExpertsTarget(Target):
         gate_up = _per_expert(m, _up_name(m), X, bounds)
         # Under non-reentrant checkpointing the first run holds no input: its output gradients meet the
         # recompute's inputs (layers/checkpointing.Pairing), the up projection's then the down's, by call.
-        now = phase()
+        now = batch.phase()
         gate_up = start_graph(gate_up)  # in the recompute too: it must save what the first run saved
         if now.kind == RECOMPUTE:
             pairing.recomputed(now.frame, X.detach(), _paired(deliver))

@@ -15,6 +15,7 @@ from functools import cached_property
 import torch
 from torch import nn
 
+from gradspec.layers.checkpointing import PLAIN, Phase, phase
 from gradspec.layers.registry import Part, Target
 from gradspec.linalg.host_copies import to_device
 
@@ -38,10 +39,21 @@ class BatchLayout:
         # Parts whose gradient came from more than one call or backward (a module used twice): a
         # capture sees one of them, so their rows are flagged, not summed silently.
         self.repeated: set[str] = set()
+        # Whether a hook ran inside a checkpointed region (any torch checkpoint, not only transformers'): the
+        # capture then solves each input's eigen stage once the input is gone, as memory is scarce there.
+        self.checkpointed = False
 
     @property
     def N(self) -> int:
         return len(self.lengths)
+
+    def phase(self) -> Phase:
+        """The current forward's run (gradspec.layers.checkpointing.phase), a checkpointed one noted."""
+        now = phase()
+        # a re-entrant checkpoint's recompute is a plain forward, but it runs within the backward
+        if now.kind != PLAIN or torch._C._current_graph_task_id() != -1:
+            self.checkpointed = True
+        return now
 
     def cached_on(self, what: str, device: torch.device, make) -> torch.Tensor:
         """make(device), once per batch and device."""

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gradspec.layers.checkpointing import FIRST, RECOMPUTE, Pairing, phase
+from gradspec.layers.checkpointing import FIRST, RECOMPUTE, Pairing
 from gradspec.layers.fused import split_sizes
 from gradspec.layers.lora import adapted
 from gradspec.layers.registry import Part, Target, register
@@ -43,7 +43,7 @@ class LinearTarget(Target):
         def before(module, args):
             if not (isinstance(args[0], torch.Tensor) and torch.is_grad_enabled()):
                 return None
-            now = phase()
+            now = batch.phase()
             if now.kind == RECOMPUTE:
                 pairing.recomputed(now.frame, args[0].detach(), arrived)
             if self.flat and not args[0].requires_grad:  # the recompute too: it must save what the first run saved
@@ -53,7 +53,7 @@ class LinearTarget(Target):
         def after(module, args, output):
             if not (isinstance(args[0], torch.Tensor) and torch.is_grad_enabled()):
                 return None
-            now = phase()
+            now = batch.phase()
             tensor = output[0] if isinstance(output, tuple) else output
             if not isinstance(output, tuple):  # the recompute too: it must save what the first run saved
                 tensor = output = start_graph(output)

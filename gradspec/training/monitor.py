@@ -407,8 +407,7 @@ class SpectralMonitor:
             sample_indices = (self._current.indices[done : done + len(lengths)] + sample_indices)[: len(lengths)]
         model = self._current.model
         capture = _MonitorCapture(self._targets[model], layout, self.backend, None,
-                                  metric_names(), self._scale(tokens, num_items) if scaled else None,
-                                  eager=_checkpointing(model))
+                                  metric_names(), self._scale(tokens, num_items) if scaled else None)
         self._layer_hooks.enter_context(attached(model, [capture]))
         self._micro.append(_MicroBatch(capture, kind if scaled else UNKNOWN, tokens,
                                        None if labels is None else (own_labels[:, 1:] >= 0).sum(1), scaled,
@@ -591,12 +590,6 @@ def _sequence_labels(labels: torch.Tensor, layout: PackedLayout) -> torch.Tensor
                              "the sequences' boundary; label each sequence's first token -100 (as "
                              "DataCollatorWithFlattening does)")
     return layout.gather(labels, IGNORE_INDEX)
-
-
-def _checkpointing(model: nn.Module) -> bool:
-    """Whether the model checkpoints its activations (transformers' flag): memory is then scarce, and
-    each input's eigen stage runs as soon as its Grams are complete rather than after the backward."""
-    return model.training and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def _restarts(positions: torch.Tensor, mask: torch.Tensor | None) -> bool:

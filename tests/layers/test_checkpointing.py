@@ -51,14 +51,15 @@ def test_checkpointed_rows_equal_plain_rows(family, reentrant):
 
 
 def test_eager_eigen_stage_frees_each_input_s_grams_during_the_backward():
-    """The monitor under checkpointing solves each input's parts once the input is gone: after the
-    backward only the first layer's groups (whose inputs live until the end) are left, same rows."""
+    """Under checkpointing each input's parts are solved once the input is gone, unasked: after the
+    backward only the first layer's groups (whose inputs live until the end) are left, same rows as
+    without checkpointing, where every group is held to the end."""
     model = tiny_model("llama", vocab=VOCAB).double().train()
     batch = padded_batch(random_sequences(LENGTHS, VOCAB, seed=6))
-    model.activation_checkpointing_enable({"use_reentrant": False})
     held_late, held_eager = [], []
     late = spectra(model, "all", batch, held=held_late)
-    eager = spectra(model, "all", batch, eager=True, held=held_eager)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    eager = spectra(model, "all", batch, held=held_eager)
     layers = model.config.num_hidden_layers
     assert held_eager[0] <= held_late[0] // layers < held_late[0]
     for name, value in late.items():
@@ -149,3 +150,32 @@ def test_a_module_whose_gradient_sums_several_calls_is_flagged_not_half_scored(b
     assert flags == [{"repeated_call"}] * 2 and metrics["q_proj"].isnan().all()
     if backwards == 1:
         assert metrics["o_proj"].isfinite().all()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_any_torch_checkpointing_frees_each_input_s_grams_during_the_backward(reentrant):
+    """torch's own checkpoint wrapper (what FSDP users apply; transformers' flag is not set): the hooks find
+    themselves in a checkpointed region and the eigen stage runs as each input goes, unasked; same rows."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    model = tiny_model("llama", vocab=VOCAB).double().train()
+    batch = padded_batch(random_sequences(LENGTHS, VOCAB, seed=6))
+    held_plain, held = [], []
+    plain = spectra(model, "all", batch, held=held_plain)
+    layer = type(model.model.layers[0])
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=impl),
+                                   check_fn=lambda m: isinstance(m, layer))
+    if reentrant:
+        model.enable_input_require_grads()
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    checkpointed = {name.replace("._checkpoint_wrapped_module", ""): value  # the wrapper's own level
+                    for name, value in spectra(model, "all", batch, held=held).items()}
+    assert held[0] <= held_plain[0] // model.config.num_hidden_layers < held_plain[0]
+    assert plain.keys() == checkpointed.keys()
+    for name, value in plain.items():
+        torch.testing.assert_close(checkpointed[name], value, rtol=1e-9, atol=0, equal_nan=True, msg=name)
