@@ -45,7 +45,7 @@ class LinearTarget(Target):
                 return None
             now = batch.phase()
             if now.kind == RECOMPUTE:
-                pairing.recomputed(now.frame, args[0].detach(), arrived)
+                pairing.recomputed(now.frame, as_multiplied(args[0].detach()), arrived)
             if self.flat and not args[0].requires_grad:  # the recompute too: it must save what the first run saved
                 return (start_graph(args[0]), *args[1:])
             return None
@@ -65,7 +65,7 @@ class LinearTarget(Target):
             if key is not None:  # X comes again from the recompute: not held until the backward
                 tensor.register_hook(lambda grad: pairing.gradient(key, grad.detach(), arrived))
             else:
-                X = [args[0].detach()]  # released once delivered
+                X = [as_multiplied(args[0].detach())]  # released once delivered
                 tensor.register_hook(lambda grad: arrived(X.pop(), grad.detach()) if X else self._again(batch))
             return output
 
@@ -85,6 +85,18 @@ class LinearTarget(Target):
         captured = batch.whole(X, D)
         for part in self.parts:
             deliver(part, captured.with_D(part.output_features(captured.D)))
+
+
+def as_multiplied(X: torch.Tensor) -> torch.Tensor:
+    """X as the layer multiplies it: under autocast, cast to autocast's dtype, as autograd saves it for the
+    weight's gradient (holding the fp32 input instead would keep a copy autograd had let go, and form
+    another gradient than the one trained on)."""
+    device = X.device.type
+    if X.is_floating_point() and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if X.dtype not in (dtype, torch.float64):  # autocast leaves fp64 be (its is_eligible)
+            return X.to(dtype)
+    return X
 
 
 def linear_target(model: nn.Module, name: str, module: nn.Module, weight: str = "weight",
