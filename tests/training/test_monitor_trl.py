@@ -119,3 +119,36 @@ def test_trl_s_prompt_completion_rows_are_read_and_tokenized_as_trl_does(tokeniz
         # gradspec train's rows (the samples' messages) through WITCollator: the same tokens, joined as TRL's
         batch = WITCollator(tokenizer, template=template)([{"messages": sample.messages}])
         assert batch["input_ids"][0].tolist() == got.input_ids
+
+
+@pytest.mark.parametrize("extra", ["compute_loss_func", "label_smoothing_factor", "a second forward with grad"])
+def test_a_step_with_extra_forwards_gives_rows_or_says_why_not(tokenizer, tmp_path, caplog, extra):
+    """TRL's extra forwards (a compute_loss_func's or label smoothing's forward for the logits, then the
+    fused head's without grad for its metrics) give rows; a loss that runs a second forward with grad
+    per micro-batch gives a warning that names the step, never silence."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    class TwoForwards(SFTTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, dict(inputs), return_outputs, num_items_in_batch)
+            return loss + 0 * model(input_ids=inputs["input_ids"]).logits.sum()
+
+    smoothing = {"label_smoothing_factor": 0.1} if extra == "label_smoothing_factor" else {}
+    config = SFTConfig(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=1,
+                       learning_rate=0.0, report_to=[], save_strategy="no", use_cpu=True, bf16=False, **smoothing)
+    loss_func = {"compute_loss_func": lambda outputs, labels, num_items_in_batch=None: outputs.logits.mean()} \
+        if extra == "compute_loss_func" else {}
+    out = tmp_path / "monitor.parquet"
+    trainer_class = TwoForwards if extra == "a second forward with grad" else SFTTrainer
+    trainer = trainer_class(model=tiny_model("llama"), args=config, train_dataset=Dataset.from_list(ROWS),
+                            processing_class=tokenizer, callbacks=[SpectralMonitorCallback(every=1, out=out)],
+                            **loss_func)
+    with caplog.at_level("WARNING", logger="gradspec"):
+        trainer.train()
+    warned = [r.getMessage() for r in caplog.records if r.name == "gradspec"]
+    if extra == "a second forward with grad":
+        assert not out.exists() and any("step 1 has more forwards than its 1 micro-batches" in w for w in warned)
+    else:
+        rows = pd.read_parquet(out)
+        assert len(rows) == 2 and (rows["status"] == "ok").all() and not warned
