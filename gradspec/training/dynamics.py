@@ -137,8 +137,25 @@ def _checkpoint(args, state) -> Path:
     return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
 
 
+def _processes(model: torch.nn.Module) -> tuple[int, int]:
+    """(rank, world size) among which to split the samples: under torch.distributed each process
+    measures its share; (0, 1) alone, or where the model is sharded (FSDP: every forward is collective,
+    so every process measures every sample, in step)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return 0, 1
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    if any(isinstance(m, FSDPModule | FullyShardedDataParallel) for m in model.modules()):
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
 class DynamicsCallback(TrainerCallback):
-    """Measures every training sample at the end of each epoch; writes the dynamics at the end.
+    """Measures every training sample at the end of each epoch; writes the dynamics at the end. Under
+    torchrun each process measures its share of the samples (the measures gathered on every process)
+    and the first process alone writes ``out`` and each checkpoint's record.
 
     Args:
         tokenizer: The model's tokenizer.
@@ -187,7 +204,7 @@ class DynamicsCallback(TrainerCallback):
         """
         if state.epoch and state.epoch == round(state.epoch):
             self._measure(state.epoch, model)
-        if _checkpoint(args, state).is_dir():
+        if _checkpoint(args, state).is_dir() and state.is_world_process_zero:
             atomic_write(_checkpoint(args, state) / SAVED, lambda f: f.write(json.dumps(self.checkpoints).encode()))
 
     def on_epoch_end(self, args, state, control, model=None, **kwargs):
@@ -204,8 +221,17 @@ class DynamicsCallback(TrainerCallback):
 
     def _measure(self, epoch: float, model) -> None:
         name = f"epoch {epoch:g}"
-        if name not in self.checkpoints:
-            self.checkpoints[name] = measure(model, self.tokenizer, self.samples, self.template, self.max_length)
+        if name in self.checkpoints:
+            return
+        rank, processes = _processes(model)
+        measured = measure(model, self.tokenizer, self.samples[rank::processes], self.template, self.max_length)
+        if processes > 1:
+            import torch.distributed as dist
+
+            shares: list[dict] = [{}] * processes
+            dist.all_gather_object(shares, measured)
+            measured = {i: share[i] for share in shares for i in share}
+        self.checkpoints[name] = {s.index: measured[s.index] for s in self.samples}  # in the samples' order
 
     def on_train_end(self, args, state, control, **kwargs):
         """Writes the per-sample statistics across the measured epochs to ``out``.
@@ -215,7 +241,7 @@ class DynamicsCallback(TrainerCallback):
             state: Trainer's TrainerState (unused).
             control: Trainer's TrainerControl (unused).
         """
-        if not self.checkpoints:
+        if not self.checkpoints or not state.is_world_process_zero:
             return
         try:
             write_dynamics(summarise(self.checkpoints, self.learned_accuracy), self.out, list(self.checkpoints),
