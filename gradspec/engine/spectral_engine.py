@@ -207,7 +207,7 @@ class SpectralEngine:
     @property
     def routed_names(self) -> list[str]:
         """"<experts module>.<e>" of every expert with a scored part: each row records its routed tokens."""
-        return [f"{t.name}.{e}" for t in self.targets if isinstance(t, ExpertsTarget) for e in t.experts_scored]
+        return [f"{t.scored_as}.{e}" for t in self.targets if isinstance(t, ExpertsTarget) for e in t.experts_scored]
 
     def describe(self) -> dict:
         """How the scored targets were captured, where a kind says (experts: the implementation run).

@@ -26,7 +26,8 @@ from torch.nn import functional as F
 from gradspec.layers.checkpointing import FIRST, RECOMPUTE, Pairing
 from gradspec.layers.hooks import Captured
 from gradspec.layers.linear import start_graph
-from gradspec.layers.registry import Part, Target, register
+from gradspec.layers.lora import adapted
+from gradspec.layers.registry import Part, Target, parameter_shape, register
 from gradspec.linalg.host_copies import to_device
 
 CAPTURED_AS = "gradspec"  # the implementation a scored pass runs, recorded in score files
@@ -35,9 +36,10 @@ CAPTURED_AS = "gradspec"  # the implementation a scored pass runs, recorded in s
 class ExpertsTarget(Target):
     """A fused experts module; parts named <module>.<e>.<gate|up|down>."""
 
-    def __init__(self, name: str, module: nn.Module, parts: tuple[Part, ...]) -> None:
+    def __init__(self, name: str, module: nn.Module, parts: tuple[Part, ...], num_experts: int) -> None:
         super().__init__(name, module, parts)
-        self.num_experts = int(getattr(module, _up_name(module)).shape[0])
+        self.num_experts = num_experts
+        self.scored_as = adapted(name)[0]  # the model's own name: its parts' and routed-token columns' prefix
 
     @staticmethod
     def expert_of(part: Part) -> int:
@@ -107,7 +109,7 @@ class ExpertsTarget(Target):
         else:
             layout = _Layout(self, batch, total, routed, S, hidden.device)
             for e in layout.parts:
-                batch.routed_tokens[f"{self.name}.{e}"] = routed[e].clone()
+                batch.routed_tokens[f"{self.scored_as}.{e}"] = routed[e].clone()
             self._on_gradient(gate_up, layout, deliver, "up", X, pairing, now)
         h = m._apply_gate(gate_up) if _up_name(m) == "gate_up_proj" else m.act_fn(gate_up)
         out = _per_expert(m, "down_proj", h, bounds)
@@ -216,10 +218,13 @@ class _Forward:
 @register
 def experts(model: nn.Module, name: str, module: nn.Module) -> ExpertsTarget | None:
     up, down = getattr(module, _up_name(module), None), getattr(module, "down_proj", None)
-    if not (isinstance(up, nn.Parameter) and isinstance(down, nn.Parameter) and up.dim() == down.dim() == 3):
+    if not (isinstance(up, nn.Parameter) and isinstance(down, nn.Parameter)):
+        return None
+    shape = parameter_shape(model, module, _up_name(module))  # FSDP1 keeps a flat shard on the module
+    if len(shape) != 3 or len(parameter_shape(model, module, "down_proj")) != 3:
         return None
     transposed = bool(getattr(module, "is_transposed", False))
-    E, width, hidden = (up.shape[0], up.shape[2], up.shape[1]) if transposed else up.shape
+    E, width, hidden = (shape[0], shape[2], shape[1]) if transposed else shape
     gated = _up_name(module) == "gate_up_proj"
     inner = width // 2 if gated else width
     if gated:
@@ -228,12 +233,12 @@ def experts(model: nn.Module, name: str, module: nn.Module) -> ExpertsTarget | N
                     "up": (inner, width, 1) if concatenated else (1, width, 2)}
     else:
         features = {"up": (0, width, 1)}
-    parts = []
+    parts, scored_as = [], adapted(name)[0]  # (ExpertsTarget.scored_as)
     for e in range(E):
         for role, cut in features.items():
             index = (e, slice(None), slice(*cut)) if transposed else (e, slice(*cut))
-            parts.append(Part(f"{name}.{e}.{role}_proj", f"expert_{role}", hidden, inner, f"{name}.{_up_name(module)}",
-                              index, transposed, cut, routed=True))
-        parts.append(Part(f"{name}.{e}.down_proj", "expert_down", inner, hidden, f"{name}.down_proj", (e,), transposed,
-                          routed=True))
-    return ExpertsTarget(name, module, tuple(parts))
+            parts.append(Part(f"{scored_as}.{e}.{role}_proj", f"expert_{role}", hidden, inner,
+                              f"{name}.{_up_name(module)}", index, transposed, cut, routed=True))
+        parts.append(Part(f"{scored_as}.{e}.down_proj", "expert_down", inner, hidden, f"{name}.down_proj", (e,),
+                          transposed, routed=True))
+    return ExpertsTarget(name, module, tuple(parts), E)

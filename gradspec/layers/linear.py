@@ -12,7 +12,7 @@ from torch import nn
 from gradspec.layers.checkpointing import FIRST, RECOMPUTE, Pairing
 from gradspec.layers.fused import split_sizes
 from gradspec.layers.lora import adapted
-from gradspec.layers.registry import Part, Target, register
+from gradspec.layers.registry import Part, Target, parameter_shape, register
 from gradspec.layers.roles import roles_of
 
 
@@ -92,7 +92,7 @@ def as_multiplied(X: torch.Tensor) -> torch.Tensor:
     weight's gradient (holding the fp32 input instead would keep a copy autograd had let go, and form
     another gradient than the one trained on)."""
     device = X.device.type
-    if X.is_floating_point() and torch.is_autocast_enabled(device):
+    if X.is_floating_point() and torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         if X.dtype not in (dtype, torch.float64):  # autocast leaves fp64 be (its is_eligible)
             return X.to(dtype)
@@ -123,7 +123,8 @@ def linear_target(model: nn.Module, name: str, module: nn.Module, weight: str = 
     roles = roles_of(name) if roles is None else tuple(roles)
     if not roles:
         return None
-    d_out, d_in = getattr(module, weight).shape[::-1] if transposed else getattr(module, weight).shape
+    shape = parameter_shape(model, module, weight)
+    d_out, d_in = shape[::-1] if transposed else shape
     sizes = split_sizes(model, roles, d_out) if len(roles) > 1 else (d_out,)
     scored_as = adapted(name)[0]
     parts, start = [], 0

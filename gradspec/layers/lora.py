@@ -17,9 +17,16 @@ def unwrap(model: nn.Module) -> nn.Module:
     return get_base_model() if callable(get_base_model) and hasattr(model, "peft_config") else model
 
 
+# The levels a wrapper adds to module names (FSDP1, torch's checkpoint wrapper, torch.compile): not the model's own
+WRAPPER_LEVELS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
 def adapted(name: str) -> tuple[str, str | None]:
-    """(the name a module is scored under, its LoRA role or None): a base layer is scored as the
-    module it sits in (``q_proj.base_layer`` -> ``q_proj``); ``q_proj.lora_A.<adapter>`` is lora_A."""
+    """(the name a module is scored under, its LoRA role or None): the model's own name, without the
+    levels wrappers add; a base layer is scored as the module it sits in (``q_proj.base_layer`` ->
+    ``q_proj``); ``q_proj.lora_A.<adapter>`` is lora_A."""
+    for level in WRAPPER_LEVELS:
+        name = name.replace(level, "")
     parent, _, leaf = name.rpartition(".")
     if leaf == "base_layer":
         return parent, None

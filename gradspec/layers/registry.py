@@ -9,6 +9,7 @@ nothing downstream needs to know it: supporting a new layer type is one register
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -90,6 +91,26 @@ def register(kind: LayerKind) -> LayerKind:
     """
     LAYER_KINDS.insert(0, kind)
     return kind
+
+
+_FSDP1_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(module id, name): shape}
+
+
+def parameter_shape(model: nn.Module, module: nn.Module, name: str) -> torch.Size:
+    """The full shape of a module's parameter, whatever shards it: FSDP2's DTensor has it; FSDP1 with
+    use_orig_params leaves a flat shard of it on the module outside the forward, the shape kept by its
+    flat parameter."""
+    if model not in _FSDP1_SHAPES:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        shapes = {}
+        for wrapper in model.modules():
+            flat = getattr(getattr(wrapper, "_handle", None), "flat_param", None)
+            if isinstance(wrapper, FullyShardedDataParallel) and flat is not None:
+                shapes |= {(id(info.module), info.param_name): shape
+                           for info, shape in zip(flat._param_infos, flat._shapes, strict=True)}
+        _FSDP1_SHAPES[model] = shapes
+    return _FSDP1_SHAPES[model].get((id(module), name)) or getattr(module, name).shape
 
 
 def target_of(model: nn.Module, name: str, module: nn.Module) -> Target | None:

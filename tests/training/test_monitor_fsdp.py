@@ -1,6 +1,8 @@
-"""SpectralMonitor in an FSDP2 training loop: two gloo processes on the CPU (torchrun), the model's
-weights sharded (fully_shard per decoder layer, then the root), each rank's rows equal to one
-process's rows for the same micro-batch. Run as a script, this file is the worker of one process.
+"""SpectralMonitor in an FSDP training loop: two gloo processes on the CPU (torchrun), the model's
+weights sharded per decoder layer, then the root (FSDP2's fully_shard; FSDP1 with use_orig_params false
+and true, which leaves a flat shard of each weight on its module outside the forward), each rank's rows
+equal to one process's rows for the same micro-batch. Run as a script, this file is the worker of one
+process, for every kind of sharding in turn.
 """
 
 import os
@@ -19,9 +21,10 @@ ROWS = [
     {"instruction": "Hi", "output": "Hello there, how can I help?"},
 ]
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+SHARDINGS = ("fsdp2", "fsdp1", "fsdp1_orig_params")
 
 
-def step(model_dir: str, out: str, rank: int, world: int, sharded: bool) -> None:
+def step(model_dir: str, out: str, rank: int, world: int, sharded: str | None) -> None:
     """One monitored step of a plain loop over this rank's 2 rows (all 4 in one process)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -30,12 +33,18 @@ def step(model_dir: str, out: str, rank: int, world: int, sharded: bool) -> None
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).train()
-    if sharded:
+    if sharded == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
+    elif sharded is not None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({type(model.model.layers[0])}),
+                                         use_orig_params=sharded == "fsdp1_orig_params", device_id=torch.device("cpu"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     monitor = SpectralMonitor(every=1, modules="all", out=Path(out) / "m.parquet")  # m.rank<r>.parquet per rank
     mine = ROWS[rank * len(ROWS) // world : (rank + 1) * len(ROWS) // world]
@@ -46,11 +55,11 @@ def step(model_dir: str, out: str, rank: int, world: int, sharded: bool) -> None
         optimizer.step()
 
 
-def test_fsdp2_rows_equal_single_process_rows(tiny_model_dir, tmp_path):
+def test_fsdp_rows_equal_single_process_rows(tiny_model_dir, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        step(str(tiny_model_dir), str(tmp_path / "single"), 0, 1, sharded=False)
+        step(str(tiny_model_dir), str(tmp_path / "single"), 0, 1, sharded=None)
     finally:
         torch.set_num_threads(threads)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -58,8 +67,9 @@ def test_fsdp2_rows_equal_single_process_rows(tiny_model_dir, tmp_path):
                           env=ONE_THREAD, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     single = pd.read_parquet(tmp_path / "single" / "m.parquet")
-    ranks = [pd.read_parquet(tmp_path / "fsdp" / f"m.rank{r}.parquet") for r in range(2)]
-    for rank, rows in enumerate(ranks):  # rank r's micro-batch is the single process's step r + 1
+    ranks = [(sharding, rank, pd.read_parquet(tmp_path / "fsdp" / sharding / f"m.rank{rank}.parquet"))
+             for sharding in SHARDINGS for rank in range(2)]
+    for sharding, rank, rows in ranks:  # rank r's micro-batch is the single process's step r + 1
         want = single[single["step"] == rank + 1].reset_index(drop=True)
         assert len(rows) == 2 and (rows["status"] == "ok").all() and rows["num_tokens"].tolist() == \
             want["num_tokens"].tolist()
@@ -67,7 +77,7 @@ def test_fsdp2_rows_equal_single_process_rows(tiny_model_dir, tmp_path):
         metrics = [c for c in want.columns if "/" in c]
         assert len(metrics) > 0
         for column in metrics:
-            assert rows[column].tolist() == pytest.approx(want[column].tolist(), rel=1e-6), column
+            assert rows[column].tolist() == pytest.approx(want[column].tolist(), rel=1e-6), (sharding, column)
 
 
 if __name__ == "__main__":
@@ -75,6 +85,7 @@ if __name__ == "__main__":
 
     dist.init_process_group("gloo")
     try:
-        step(sys.argv[1], sys.argv[2], dist.get_rank(), dist.get_world_size(), sharded=True)
+        for sharding in SHARDINGS:
+            step(sys.argv[1], str(Path(sys.argv[2]) / sharding), dist.get_rank(), dist.get_world_size(), sharding)
     finally:
         dist.destroy_process_group()
