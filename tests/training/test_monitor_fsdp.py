@@ -55,6 +55,62 @@ def step(model_dir: str, out: str, rank: int, world: int, sharded: str | None) -
         optimizer.step()
 
 
+# FSDP through transformers' Trainer (accelerate's plugin); FSDP1 on the CPU cannot sync module states at wrap time
+TRAINER_FSDP = {"fsdp2": {"version": 2},
+                "fsdp1": {"version": 1, "use_orig_params": False, "sync_module_states": False},
+                "fsdp1_orig_params": {"version": 1, "use_orig_params": True, "sync_module_states": False}}
+
+
+def trainer_step(model_dir: str, out: str, fsdp: dict | None, accumulation: int) -> None:
+    """One monitored optimizer step of Trainer over the 4 rows in micro-batches of 2, in order."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+
+    from gradspec.training.monitor_callback import SpectralMonitorCallback
+    from gradspec.training.wit import WITCollator
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    sharding = {} if fsdp is None else {"fsdp": "full_shard auto_wrap", "fsdp_config": {
+        "transformer_layer_cls_to_wrap": [type(model.model.layers[0]).__name__], **fsdp}}
+    args = TrainingArguments(output_dir=str(Path(out) / "run"), per_device_train_batch_size=2, max_steps=1,
+                             gradient_accumulation_steps=accumulation, learning_rate=0.0, remove_unused_columns=False,
+                             report_to=[], save_strategy="no", use_cpu=True, logging_strategy="no",
+                             train_sampling_strategy="sequential", **sharding)
+    monitor = SpectralMonitorCallback(every=1, modules="all", out=Path(out) / "m.parquet")
+    Trainer(model=model, args=args, train_dataset=ROWS, data_collator=WITCollator(AutoTokenizer.from_pretrained(
+        model_dir)), callbacks=[monitor]).train()
+
+
+def _assert_rows_equal(rows: pd.DataFrame, want: pd.DataFrame, what: str) -> None:
+    assert len(rows) == 2 and (rows["status"] == "ok").all(), what
+    assert rows["num_tokens"].tolist() == want["num_tokens"].tolist(), what
+    assert rows["loss"].tolist() == pytest.approx(want["loss"].tolist(), rel=1e-6), what
+    metrics = [c for c in want.columns if "/" in c]
+    assert len(metrics) > 0
+    for column in metrics:
+        assert rows[column].tolist() == pytest.approx(want[column].tolist(), rel=1e-6), (what, column)
+
+
+def test_fsdp_through_trainer_rows_equal_single_process_rows(tiny_model_dir, tmp_path):
+    """accelerate's FSDP2, FSDP1 and FSDP1 with use_orig_params under Trainer: rank r's micro-batch is the
+    single process's r-th accumulated one, and its rows that micro-batch's rows."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        trainer_step(str(tiny_model_dir), str(tmp_path / "single"), None, accumulation=2)
+    finally:
+        torch.set_num_threads(threads)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(Path(__file__).resolve()), str(tiny_model_dir), str(tmp_path / "fsdp"), "trainer"],
+                          env=ONE_THREAD, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = pd.read_parquet(tmp_path / "single" / "m.parquet")
+    for sharding in TRAINER_FSDP:
+        for rank in range(2):
+            rows = pd.read_parquet(tmp_path / "fsdp" / sharding / f"m.rank{rank}.parquet")
+            want = single[single["micro_batch"] == rank].reset_index(drop=True)
+            _assert_rows_equal(rows, want, f"{sharding} rank {rank}")
+
+
 def test_fsdp_rows_equal_single_process_rows(tiny_model_dir, tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -70,17 +126,16 @@ def test_fsdp_rows_equal_single_process_rows(tiny_model_dir, tmp_path):
     ranks = [(sharding, rank, pd.read_parquet(tmp_path / "fsdp" / sharding / f"m.rank{rank}.parquet"))
              for sharding in SHARDINGS for rank in range(2)]
     for sharding, rank, rows in ranks:  # rank r's micro-batch is the single process's step r + 1
-        want = single[single["step"] == rank + 1].reset_index(drop=True)
-        assert len(rows) == 2 and (rows["status"] == "ok").all() and rows["num_tokens"].tolist() == \
-            want["num_tokens"].tolist()
-        assert rows["loss"].tolist() == pytest.approx(want["loss"].tolist(), rel=1e-6)
-        metrics = [c for c in want.columns if "/" in c]
-        assert len(metrics) > 0
-        for column in metrics:
-            assert rows[column].tolist() == pytest.approx(want[column].tolist(), rel=1e-6), (sharding, column)
+        _assert_rows_equal(rows, single[single["step"] == rank + 1].reset_index(drop=True), f"{sharding} rank {rank}")
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[3:] == ["trainer"]:
+    from accelerate.state import AcceleratorState
+
+    for sharding, fsdp in TRAINER_FSDP.items():
+        AcceleratorState._reset_state(False)  # each Trainer's own FSDP plugin
+        trainer_step(sys.argv[1], str(Path(sys.argv[2]) / sharding), fsdp, accumulation=1)
+elif __name__ == "__main__":
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
