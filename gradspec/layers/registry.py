@@ -99,7 +99,7 @@ _FSDP1_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model 
 def parameter_shape(model: nn.Module, module: nn.Module, name: str) -> torch.Size:
     """The full shape of a module's parameter, whatever shards it: FSDP2's DTensor has it; FSDP1 with
     use_orig_params leaves a flat shard of it on the module outside the forward, the shape kept by its
-    flat parameter."""
+    flat parameter; DeepSpeed ZeRO-3 an empty tensor, the shape kept as its ds_shape."""
     if model not in _FSDP1_SHAPES:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -110,7 +110,8 @@ def parameter_shape(model: nn.Module, module: nn.Module, name: str) -> torch.Siz
                 shapes |= {(id(info.module), info.param_name): shape
                            for info, shape in zip(flat._param_infos, flat._shapes, strict=True)}
         _FSDP1_SHAPES[model] = shapes
-    return _FSDP1_SHAPES[model].get((id(module), name)) or getattr(module, name).shape
+    tensor = getattr(module, name)
+    return _FSDP1_SHAPES[model].get((id(module), name)) or getattr(tensor, "ds_shape", None) or tensor.shape
 
 
 def target_of(model: nn.Module, name: str, module: nn.Module) -> Target | None:
