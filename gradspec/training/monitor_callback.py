@@ -74,6 +74,7 @@ class SpectralMonitorCallback(TrainerCallback):
         self.guarded = trainer is not None
         if trainer is not None:
             _guard_training_step(trainer, self.monitor)
+            _log_summaries(trainer, self)
 
     def on_step_begin(self, args, state, control, **kwargs):
         """A monitored step begins: its hooks go on in each guarded training_step (else now).
@@ -111,7 +112,8 @@ class SpectralMonitorCallback(TrainerCallback):
             self.pending_logs = dict(self.monitor.summary)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        """Adds the latest summaries to the log record (callbacks after this one see them too).
+        """Adds the latest summaries to the log record, where no Trainer's log carried them already
+        (_log_summaries): callbacks after this one see them.
 
         Args:
             args: Trainer's TrainingArguments (unused).
@@ -165,6 +167,27 @@ def _guard_training_step(trainer: Trainer, monitor: SpectralMonitor) -> None:
 
     training_step.gradspec_monitor = monitor
     trainer.training_step = training_step
+
+
+def _log_summaries(trainer: Trainer, callback: SpectralMonitorCallback) -> None:
+    """The trainer's log, wrapped on the instance so that the monitor's latest per-role means join the
+    record before any callback sees it: report_to's trackers (TensorBoard, W&B, trackio) are Trainer's
+    callbacks, called before a user's, so a record extended in on_log would reach none of them. Once
+    per trainer and callback."""
+    log = trainer.log
+    if getattr(inspect.unwrap(log, stop=lambda f: getattr(f, "gradspec_monitor", None) is callback),
+               "gradspec_monitor", None) is callback:
+        return
+
+    @functools.wraps(log)
+    def logged(logs, *args, **kwargs):
+        if callback.pending_logs and not any(key.startswith("eval_") for key in logs):
+            logs = {**logs, **callback.pending_logs}
+            callback.pending_logs = {}
+        return log(logs, *args, **kwargs)
+
+    logged.gradspec_monitor = callback
+    trainer.log = logged
 
 
 def _without(inputs: Mapping, column: str) -> Mapping:
