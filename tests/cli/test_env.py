@@ -1,4 +1,7 @@
 import json
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import torch
@@ -51,3 +54,21 @@ def test_env_finds_cupy_by_any_cuda_major_versions_wheel(monkeypatch, capsys):
     monkeypatch.setattr(module, "_version", lambda package: found.get(package))
     assert module.environment()["cupy"] == "14.2.0"
     assert module.environment()["versions"] == found
+
+
+def _thread_policy(env: dict[str, str], code: str) -> str:
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OPENBLAS_NUM_THREADS")}
+    done = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                          check=True)
+    return done.stdout.strip()
+
+
+def test_the_gradspec_command_s_thread_pools_sleep_when_idle_unless_the_user_said_otherwise():
+    """The console entry sets OpenMP's wait policy passive and OpenBLAS to one thread before torch and NumPy
+    load (spinning pools made a shared machine 100x slower: benchmarks/bench_contention.py); a value the
+    user set is kept, and a program that imported torch first is left as it is."""
+    show = ("import os\nfrom gradspec.cli import polite_threads\n{before}polite_threads()\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('OPENBLAS_NUM_THREADS'))")
+    assert _thread_policy({}, show.format(before="")) == "PASSIVE 1"
+    assert _thread_policy({"OMP_WAIT_POLICY": "ACTIVE"}, show.format(before="")) == "ACTIVE 1"
+    assert _thread_policy({}, show.format(before="import torch\n")) == "None None"
