@@ -65,7 +65,7 @@ def part_role(name: str, roles: dict[str, str]) -> str:
     return found[0] if len(found) == 1 else "other"
 
 
-def read_monitor(path: str | Path, metrics: tuple[str, ...] = METRICS) -> tuple[pd.DataFrame, pd.DataFrame]:
+def read_drawn(path: str | Path, metrics: tuple[str, ...] = METRICS) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(rows, parts): each monitored row's step, sample_index and status with its metrics' columns (only
     these read), and one row per part (name, role, layer). path: a monitor file or a folder of them."""
     files = _files(Path(path))
@@ -196,7 +196,7 @@ def _plot_moved(rows: pd.DataFrame, parts: pd.DataFrame, moved: pd.DataFrame, me
 def write_monitor_report(path: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """Figures and report.md for a spectral monitor's output (a file, or a folder of parts or rank files)."""
     out = report_folder(out, "out", overwrite)
-    rows, parts = read_monitor(path)  # the input checked before anything is written
+    rows, parts = read_drawn(path)  # the input checked before anything is written
     if rows.empty:
         raise InputError(f"{path}: no monitored row has spectra (every row is flagged)")
     out.mkdir(parents=True, exist_ok=True)

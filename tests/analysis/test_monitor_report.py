@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from gradspec.analysis.monitor_report import moved_samples, part_role, read_monitor, write_monitor_report
+from gradspec.analysis.monitor_report import moved_samples, part_role, read_drawn, write_monitor_report
 from gradspec.cli import main
 from gradspec.training.monitor import SpectralMonitor
 from gradspec.training.sample_index import with_sample_index
@@ -43,7 +43,7 @@ def test_the_pictures_hold_the_rows_means(monitored, tmp_path):
     assert sorted(p.name for p in report.iterdir()) == [
         "heatmap_effective_rank.png", "heatmap_nuclear_norm.png", "moved.png", "report.md", "roles_effective_rank.png",
         "roles_nuclear_norm.png"]
-    rows, parts = read_monitor(monitored)
+    rows, parts = read_drawn(monitored)
     every = pd.read_parquet(monitored)
     assert len(rows) == 12 and set(parts["role"]) == {"q", "k", "v", "o", "gate", "up", "down"}
     assert not any(c.endswith(("/spectral_norm", "/stable_rank")) for c in rows.columns)  # only what is drawn
