@@ -44,6 +44,7 @@ def step(model_dir: str, out: str, rank: int, world: int, sharded: bool) -> None
         with monitor.step(model, step=1 + i // 2):
             model(**batch).loss.backward()
         optimizer.step()
+    monitor.close()  # the parts into m.parquet (m.rank<r>.parquet)
 
 
 def test_fsdp2_rows_equal_single_process_rows(tiny_model_dir, tmp_path):
