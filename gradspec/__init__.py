@@ -23,6 +23,7 @@ _EXPORTS = {
     "keep_sample_index": "training.sample_index", "SFTMixTrainer": "training.sftmix",
     "DynamicsCallback": "training.dynamics",
     "SpectralMonitor": "training.monitor", "SpectralMonitorCallback": "training.monitor_callback",
+    "read_monitor": "training.monitor_parts",
 }
 _NAMES = {"register_layer_kind": "register"}  # exported under another name than its module's
 

@@ -104,7 +104,10 @@ def parquet_schema(path: str | Path, what: str) -> pa.Schema:
     and what to pass (what)."""
     path = Path(path)
     if path.is_dir():
-        hint = " (an unfinished run? gradspec merge --out the run's --out)" if path.name.endswith(".parts") else ""
+        hint = ""
+        if path.name.endswith(".parts"):  # a scoring run's folder has its manifest; a training monitor's, parts alone
+            hint = " (an unfinished run? gradspec merge --out the run's --out)" if (path / "manifest.json").exists() \
+                else " (a training monitor's parts? gradspec.read_monitor reads them)"
         raise InputError(f"{path}: a folder, not a Parquet file{hint}; {what}")
     if not path.exists():
         raise InputError(f"{path}: no such file; {what}")
@@ -139,7 +142,9 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
         raise InputError(f"{path}: no 'status' column, so not a gradspec score file; {what}")
     meta = schema_metadata(schema)
     if "parts" not in meta:  # every scoring run records its modules
-        kind = "a dynamics file" if "checkpoints" in meta else "a Parquet file of another kind (a training monitor?)"
+        kind = "a dynamics file" if "checkpoints" in meta else \
+            "a training monitor's file (gradspec.read_monitor reads it)" if "micro_batch" in schema.names else \
+            "a Parquet file of another kind"
         raise InputError(f"{path}: {kind}, not a score file; {what}")
     return meta
 

@@ -39,9 +39,14 @@ gone, so the fp64 Grams of about one layer are held, not the whole step's (``eag
 what checkpointing buys; without it each micro-batch's eigen stage runs when the next forward begins,
 or at the step's end, so one micro-batch's Grams are held at a time). Each grad-enabled
 forward is one micro-batch; its backward
-must run before the next forward under checkpointing. The file is rewritten whole at each step
-(written aside, then renamed): readable whatever stops the run. An exception inside ``step``
-removes every hook and drops that step's rows.
+must run before the next forward under checkpointing. An exception inside ``step`` removes every
+hook and drops that step's rows.
+
+Output. Each monitored step's rows go out at its end as one Parquet part of ``<out>.parts/``
+(``gradspec.training.monitor_parts``), written aside and renamed: a run killed at any moment keeps
+every step before the one it cut, readable with ``read_monitor``, and each step costs one small write
+however long the run, with no earlier row held in memory. ``close`` (Trainer: the callback at the
+training's end) compacts the parts into ``out``, one file, as before.
 
 Packed and padding-free batches (sequences delimited by position ids that restart within a row, or
 by flash attention's ``cu_seq_lens``): one row per packed sequence, its tokens gathered from the
@@ -63,7 +68,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
@@ -79,6 +83,7 @@ from gradspec.layers.targets import select_targets
 from gradspec.linalg.metrics import metric_names
 from gradspec.linalg.policy import Policy
 from gradspec.runs.score_files import atomic_write, column, metric_columns
+from gradspec.training.monitor_parts import compact, keep_steps, part_files, part_path, parts_folder, remove_parts
 from gradspec.training.wit import WITLoss, next_token_targets
 
 log = logging.getLogger("gradspec")
@@ -144,11 +149,12 @@ class SpectralMonitor:
     Args:
         every: Monitor the optimizer steps whose number (1, 2, ...) is a multiple of this.
         modules: What to score, as for SpectralEngine: a preset, role names or part-name globs.
-        out: The Parquet file, rewritten whole at each monitored step (under torch.distributed, one per
-            rank: out's name with .rank<r> before its suffix); None: rows are only returned by end()
-            (and summarised).
+        out: The Parquet file: each monitored step's rows go to a part of ``<out>.parts/`` at its end,
+            compacted into out by ``close`` (under torch.distributed, one per rank: out's name with
+            .rank<r> before its suffix); None: rows are only returned by end() (and summarised).
         backend: "auto", "cpp" or "torch", as for SpectralEngine.
-        overwrite: Overwrite an existing ``out`` (else a ValueError at a run's first monitored step).
+        overwrite: Overwrite an existing ``out`` or its parts (else a ValueError at a run's first monitored
+            step).
         index_column: A keyword of the model call holding each row's dataset index: popped from
             monitored calls (the model never sees it there) into the sample_index column; None: none.
     """
@@ -164,9 +170,10 @@ class SpectralMonitor:
         self.out, self.overwrite, self.index_column = None if out is None else Path(out), overwrite, index_column
         self.summary: dict[str, float] = {}  # per-role means of the last step's rows
         self._steps = 0  # steps seen by step() without a number
-        self._table: pa.Table | None = None  # every row written so far
+        self._next = 0  # the number of the next part of <out>.parts/
         self._started = False
-        self._resumed_at: int | None = None  # a resumed run's checkpoint step: the file's rows up to it are kept
+        # a resumed run's checkpoint step: the rows up to it are kept (inf: all, steps after a close go on)
+        self._resumed_at: float | None = None
         self._targets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its targets
         self._current: _Step | None = None
         self._stash: dict[str, Any] = {}  # what the model call passed, for its base model's forward
@@ -312,8 +319,8 @@ class SpectralMonitor:
                 try:
                     self._write(rows)
                 except OSError as error:  # a full disk must not end the training: the rows are still returned
-                    log.error("SpectralMonitor: step %s's rows not written to %s (%s)", rows[0]["step"], self.out,
-                              error)
+                    log.error("SpectralMonitor: step %s's rows not written to %s (%s)", rows[0]["step"],
+                              parts_folder(self.out), error)
             return rows
         finally:
             self._current, self._micro = None, []
@@ -323,35 +330,55 @@ class SpectralMonitor:
         self.detach()
         self._current, self._micro = None, []
 
-    close = abort
+    def close(self) -> None:
+        """The run's end: hooks off, an unfinished step's captures dropped, and the parts written so far
+        compacted into ``out``, one file (a resumed run that monitored no step since: its rows up to the
+        checkpoint). Steps after it continue that file. A compaction that fails (a full disk) is logged,
+        and the parts stay, readable with read_monitor."""
+        self.abort()
+        if self.out is None:
+            return
+        if not self._started:
+            if self._resumed_at is None or math.isinf(self._resumed_at):  # no step of this run: nothing of its own
+                return
+            self._start()
+        try:
+            compact(self.out)
+        except OSError as error:  # the training is done: its rows stay in the parts
+            log.error("SpectralMonitor: the parts in %s not compacted into %s (%s); read them with read_monitor",
+                      parts_folder(self.out), self.out, error)
+        self._started, self._resumed_at = False, math.inf
 
     def _start(self) -> None:
-        """A run's first monitored step: a new file, or an existing one refused unless overwrite. Under
-        torch.distributed with several processes each rank writes its own file (out's name with
-        .rank<r> before its suffix): every rank sees its own micro-batches."""
+        """A run's first monitored step: new parts, an existing file or parts refused unless overwrite (then
+        removed); a resumed run's rows up to its checkpoint kept. Under torch.distributed with several
+        processes each rank writes its own file and parts (out's name with .rank<r> before its suffix):
+        every rank sees its own micro-batches."""
         if self.out is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             rank = f".rank{dist.get_rank()}"
             if not self.out.stem.endswith(rank):
                 self.out = self.out.with_name(f"{self.out.stem}{rank}{self.out.suffix}")
-        self._table, self._started = None, True
-        if self.out is not None and self.out.exists() and self._resumed_at is not None:
-            table = pq.read_table(self.out)  # the rows up to the checkpoint go on; later ones are trained again
-            if "step" not in table.column_names:
-                raise ValueError(f"out {self.out}: not a monitor file (no step column); give the resumed run's own "
-                                 "monitor file, or another path")
-            self._table = table.filter(pc.less_equal(table["step"], self._resumed_at))
-        elif self.out is not None and self.out.exists() and not self.overwrite:
-            raise ValueError(f"out {self.out}: exists (a previous run's rows); give another path or overwrite=True")
+        self._next = 0
+        if self.out is not None and self._resumed_at is not None:  # the rows up to the checkpoint go on; later
+            self._next = keep_steps(self.out, self._resumed_at)       # ones are trained again
+        elif self.out is not None and (self.out.exists() or part_files(parts_folder(self.out))):
+            if not self.overwrite:  # and the run stays unstarted: the next step is refused too, nothing overwritten
+                what = "exists (a previous run's rows)" if self.out.exists() else \
+                    f"has parts in {parts_folder(self.out)} (an unfinished run's rows)"
+                raise ValueError(f"out {self.out}: {what}; give another path or overwrite=True")
+            self.out.unlink(missing_ok=True)
+            remove_parts(parts_folder(self.out))
+        self._started = True
 
     def restart(self, resumed_at: int | None = None) -> None:
-        """A new run: the next monitored step starts a new file (refusing an existing one); a run resumed
-        from a checkpoint at step resumed_at keeps the file's rows up to that step instead.
+        """A new run: the next monitored step starts new parts (refusing an existing file or parts); a run
+        resumed from a checkpoint at step resumed_at keeps the rows up to that step instead.
 
         Args:
             resumed_at: The step of the checkpoint a resumed run continues from; None: a new run.
         """
         self.abort()
-        self._started, self._table, self._resumed_at = False, None, resumed_at
+        self._started, self._resumed_at = False, resumed_at
 
     def _call_begins(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """The model call: its labels, denominator and dataset indices, for the base model's forward."""
@@ -498,14 +525,15 @@ class SpectralMonitor:
         return rows
 
     def _write(self, rows: list[dict[str, Any]]) -> None:
-        """Every row so far, written aside and renamed over the file: whole at every step."""
+        """This step's rows as the next part (written aside, then renamed): a kill loses at most this step,
+        and the cost stays one step's whatever the run's length. Parts of other columns (a resumed run's
+        other modules) are joined by whoever reads them."""
         schema = pa.schema([(name, COLUMN_TYPES.get(name, pa.float64())) for name in rows[0]])  # typed if all null
         table = pa.Table.from_pylist(rows, schema=schema)
-        # a resumed run's earlier rows may have other columns (other modules): the file has the union of both
-        self._table = table if self._table is None else pa.concat_tables([self._table, table],
-                                                                         promote_options="permissive")
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(self.out, lambda f: pq.write_table(self._table, f))
+        folder = parts_folder(self.out)
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(part_path(folder, self._next), lambda f: pq.write_table(table, f))
+        self._next += 1
 
 
 def monitored_model(model: nn.Module) -> nn.Module:

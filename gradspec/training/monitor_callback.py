@@ -8,8 +8,9 @@ steps Trainer logs at with ``logging_steps = every``. Trainer reports no excepti
 that runs it: however the step is left (its loss or backward raising, KeyboardInterrupt), the model
 is left as it was found. Where no Trainer runs the callback (a loop calling its events), hooks go on
 at the step's start and off before the optimizer step, and a step left by an exception keeps them
-until the next grad-enabled forward, which removes them. A step's rows are written at its end and
-their per-role means added to the log record of that step. DataParallel is refused at
+until the next grad-enabled forward, which removes them. A step's rows are written at its end (a part
+of ``<out>.parts/``, compacted into out at the training's end) and their per-role means added to the
+log record of that step. DataParallel is refused at
 ``on_train_begin``. Packed and padding-free batches (TRL's ``packing``, ``padding_free``;
 DataCollatorWithFlattening) give one row per packed sequence.
 """
@@ -36,7 +37,8 @@ class SpectralMonitorCallback(TrainerCallback):
     Args:
         every: Monitor every N-th optimizer step (set ``logging_steps`` to it, so rows land on logged steps).
         modules: What to score, as for SpectralEngine.
-        out: The Parquet file, rewritten whole at each monitored step; None: logs only.
+        out: The Parquet file: a part per monitored step in ``<out>.parts/``, compacted into out at the
+            training's end (SpectralMonitor); None: logs only.
         backend: "auto", "cpp" or "torch", as for SpectralEngine.
         overwrite: Overwrite an existing ``out`` (else a ValueError at the run's first monitored step).
         index_column: A batch column of dataset indices (remove_unused_columns=False, a collator
@@ -128,7 +130,7 @@ class SpectralMonitorCallback(TrainerCallback):
             self.pending_logs = {}
 
     def on_train_end(self, args, state, control, **kwargs):
-        """Hooks off; an unfinished step's captures are dropped.
+        """Hooks off, an unfinished step's captures dropped, the run's parts compacted into out (close).
 
         Args:
             args: Trainer's TrainingArguments (unused).

@@ -30,8 +30,9 @@ LOSSES = ("ntp", "wit", "sftmix")
 OUTPUTS = ("model", "dynamics.parquet", "monitor.parquet", "checkpoint-N")
 MODEL = OUTPUTS[0]
 # A partial output: the temporary it is written to beside it, <name>.tmp<pid> for a file (score_files.atomic_write),
-# model.tmp for the model folder (renamed into place once whole: _save_model); left where a run was killed writing it
-_PARTIAL = re.compile(r"\.tmp\d*$")
+# model.tmp for the model folder (renamed into place once whole: _save_model); left where a run was killed writing it;
+# and the monitor's parts, <name>.parts/ (compacted into its file at the training's end), left by a run killed before
+_PARTIAL = re.compile(r"\.tmp\d*$|\.parts$")
 _RANK = re.compile(r"\.rank\d+(?=\.parquet$)")  # under torchrun each rank's monitor file: monitor.rank<r>.parquet
 _STEP = re.compile(r"(?<=^checkpoint-)\d+$")
 

@@ -1,6 +1,8 @@
 import re
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import tiny_model
@@ -8,8 +10,9 @@ from conftest import tiny_model
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.layers import checkpointing
 from gradspec.linalg.metrics import METRICS, metrics_from_singular_values
-from gradspec.training.monitor import SpectralMonitor
+from gradspec.training.monitor import COLUMN_TYPES, SpectralMonitor
 from gradspec.training.monitor_callback import SpectralMonitorCallback
+from gradspec.training.monitor_parts import read_monitor
 from gradspec.training.sample_index import with_sample_index
 from gradspec.training.wit import WITCollator, WITLoss, use_wit_loss, wit_loss
 
@@ -303,8 +306,8 @@ def test_a_run_that_raises_leaves_no_hooks_and_a_readable_file(tokenizer, tmp_pa
     with pytest.raises(RuntimeError, match="raised at step 3"):
         trainer.train()
     assert _hooks(model) == 0
-    assert pd.read_parquet(out)["step"].unique().tolist() == [1, 2, 3]
-    with pytest.raises(ValueError, match="exists \\(a previous run's rows\\)"):
+    assert read_monitor(out)["step"].unique().tolist() == [1, 2, 3]  # the parts of the run's finished steps
+    with pytest.raises(ValueError, match="has parts in .* \\(an unfinished run's rows\\)"):
         Trainer(model=model, args=args, train_dataset=ROWS * 2, data_collator=WITCollator(tokenizer),
                 callbacks=[monitor]).train()
     assert _hooks(model) == 0
@@ -371,7 +374,7 @@ def test_a_trainer_step_that_raises_leaves_the_model_as_it_was_found(tokenizer, 
     assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # no saved-tensor hooks left active
     batch = WITCollator(tokenizer)(ROWS[:2])
     assert _gradspec_calls(lambda: model(**batch).loss.backward()) == set()
-    assert pd.read_parquet(tmp_path / "m.parquet")["step"].unique().tolist() == [1]
+    assert read_monitor(tmp_path / "m.parquet")["step"].unique().tolist() == [1]
 
 
 def test_without_a_trainer_a_step_an_exception_left_loses_its_hooks_at_the_next_forward(tokenizer, tmp_path):
@@ -408,7 +411,7 @@ def test_a_forward_that_raises_in_a_monitored_step_leaves_no_hooks(tmp_path):
     assert _hooks(model) == 0 and not (tmp_path / "m.parquet").exists()
     with monitor.step(model):
         model(input_ids=ids, labels=ids).loss.backward()
-    rows = pd.read_parquet(tmp_path / "m.parquet")
+    rows = read_monitor(tmp_path / "m.parquet")
     assert rows["step"].tolist() == [2, 2] and (rows["status"] == "ok").all() and _hooks(model) == 0
 
 
@@ -422,7 +425,7 @@ def test_a_low_precision_model_s_rows_equal_gradspec_score_of_the_same_model(tok
     batch = WITCollator(tokenizer)(ROWS)
     with monitor.step(model):
         model(**batch).loss.backward()
-    rows = pd.read_parquet(tmp_path / "m.parquet")
+    rows = read_monitor(tmp_path / "m.parquet")
     assert (rows["status"] == "ok").all()
     want = SpectralEngine(tiny_model("llama").to(dtype), "all").score(batch["input_ids"], batch["attention_mask"],
                                                                        batch["labels"])
@@ -444,7 +447,7 @@ def test_a_plain_loop_s_rows_equal_gradspec_score(tokenizer, tmp_path):
             micro = {k: v[:, :width] for k, v in micro.items()}
             (model(**micro, sample_index=torch.arange(4)[half] + 10).loss / 2).backward()
     optimizer.step()
-    rows = pd.read_parquet(tmp_path / "m.parquet")
+    rows = read_monitor(tmp_path / "m.parquet")
     assert sorted(rows["sample_index"]) == [10, 11, 12, 13] and rows["micro_batch"].tolist() == [0, 0, 1, 1]
     want = SpectralEngine(tiny_model("llama"), "all").score(batch["input_ids"], batch["attention_mask"],
                                                              batch["labels"])
@@ -465,7 +468,7 @@ def test_an_accumulated_micro_batch_s_grams_are_freed_when_the_next_forward_begi
             (model(**{k: v[half] for k, v in batch.items()}).loss / 2).backward()
             held.append([bool(m.capture.core or m.capture.materialised) for m in monitor._micro])
     assert held == [[True], [False, True]]
-    rows = pd.read_parquet(tmp_path / "m.parquet")
+    rows = read_monitor(tmp_path / "m.parquet")
     assert len(rows) == 4 and (rows["status"] == "ok").all()
 
 
@@ -484,7 +487,7 @@ def test_a_ddp_wrapped_model_in_a_plain_loop_gives_the_unwrapped_models_rows(tok
             batch = WITCollator(tokenizer)(ROWS[:2])
             with monitor.step(looped):
                 looped(**batch).loss.backward()
-            rows[wrap] = pd.read_parquet(monitor.out)
+            rows[wrap] = read_monitor(monitor.out)
         assert rows[True]["loss_kind"].tolist() == rows[False]["loss_kind"].tolist() == ["ntp", "ntp"]
         pd.testing.assert_frame_equal(rows[True], rows[False])
     finally:
@@ -528,7 +531,7 @@ def test_a_fault_in_the_monitor_does_not_end_the_training_step(tokenizer, tmp_pa
         assert _hooks(model) == 0
     assert grads[True].keys() == grads[False].keys()
     assert all(torch.equal(grads[True][n], grads[False][n]) for n in grads[False])
-    rows = pd.read_parquet(tmp_path / "m.parquet")
+    rows = read_monitor(tmp_path / "m.parquet")
     assert rows["status"].str.contains("monitor_failed").all()
 
 
@@ -585,8 +588,193 @@ def test_a_resumed_run_with_other_modules_keeps_both_columns(tokenizer, tmp_path
     resumed.restart(resumed_at=1)
     with resumed.step(model, 2):
         model(**batch).loss.backward()
-    rows = pd.read_parquet(tmp_path / "m.parquet")
     q, k = "model.layers.0.self_attn.q_proj/nuclear_norm", "model.layers.0.self_attn.k_proj/nuclear_norm"
-    assert rows["step"].tolist() == [1, 1, 2, 2]
-    assert rows[q].notna().tolist() == [True, True, False, False] and rows[k].notna().tolist() == [False, False,
-                                                                                                   True, True]
+    unfinished = read_monitor(tmp_path / "m.parquet")  # the parts, joined by whoever reads them
+    resumed.close()  # and the file they are compacted into
+    for rows in (unfinished, pd.read_parquet(tmp_path / "m.parquet")):
+        assert rows["step"].tolist() == [1, 1, 2, 2]
+        assert rows[q].notna().tolist() == [True, True, False, False] and rows[k].notna().tolist() == [False, False,
+                                                                                                       True, True]
+
+
+
+# Output: a part per monitored step in <out>.parts/, compacted into out at the run's end.
+
+def _steps(monitor: SpectralMonitor, model, tokenizer, steps: list[int]) -> list[list[dict]]:
+    """Monitored steps of a plain loop (no optimizer: the weights stay), each on other rows; each step's rows."""
+    written = []
+    for step in steps:
+        batch = WITCollator(tokenizer)(ROWS[step % 3 : step % 3 + 2])
+        monitor.begin(model, step)
+        model(**batch).loss.backward()
+        written.append(monitor.end())
+    return written
+
+
+class _WholeFile(SpectralMonitor):
+    """The writer the parts replaced, the reference: every row so far rewritten whole at each step."""
+
+    table = None
+
+    def _write(self, rows):
+        schema = pa.schema([(name, COLUMN_TYPES.get(name, pa.float64())) for name in rows[0]])
+        table = pa.Table.from_pylist(rows, schema=schema)
+        self.table = table if self.table is None else pa.concat_tables([self.table, table],
+                                                                       promote_options="permissive")
+        pq.write_table(self.table, self.out)
+
+
+def test_a_multi_step_run_s_file_has_the_rows_the_whole_file_rewrite_wrote(tokenizer, tmp_path):
+    """Same columns, types and values as the file rewritten whole at each step; it appears at close,
+    compacted from the run's parts, which are then gone. Score readers name read_monitor for it."""
+    from gradspec import read_scores
+    from gradspec.data.errors import InputError
+
+    model, out = tiny_model("llama"), tmp_path / "m.parquet"
+    _steps(_WholeFile(every=1, modules="all", out=tmp_path / "whole.parquet"), model, tokenizer, [1, 2, 3])
+    monitor = SpectralMonitor(every=1, modules="all", out=out)
+    _steps(monitor, model, tokenizer, [1, 2, 3])
+    assert not out.exists() and len(list((tmp_path / "m.parquet.parts").iterdir())) == 3
+    monitor.close()
+    assert not (tmp_path / "m.parquet.parts").exists()
+    got, want = pq.read_table(out), pq.read_table(tmp_path / "whole.parquet")
+    assert got.schema == want.schema and got.num_rows == 6 and got.column("step").to_pylist() == [1, 1, 2, 2, 3, 3]
+    pd.testing.assert_frame_equal(got.to_pandas(), want.to_pandas())
+    with pytest.raises(InputError, match="a training monitor's file \\(gradspec.read_monitor reads it\\)"):
+        read_scores(out)
+
+
+def test_each_step_writes_a_part_of_its_own_rows_alone(tokenizer, tmp_path, monkeypatch):
+    """A monitored step's cost stays one step's: each write gets that step's rows alone, as a new part, and
+    no earlier row is held (the file was rewritten whole at each step: I/O quadratic in the run's length,
+    every row held in memory)."""
+    from gradspec.training import monitor as monitor_module
+
+    written, write = [], monitor_module.atomic_write
+
+    def spy(path, rows):
+        write(path, rows)
+        written.append((path.relative_to(tmp_path).as_posix(), pq.read_table(path)["step"].to_pylist()))
+
+    monkeypatch.setattr(monitor_module, "atomic_write", spy)
+    monitor = SpectralMonitor(every=1, modules="q", out=tmp_path / "m.parquet")
+    _steps(monitor, tiny_model("llama"), tokenizer, [1, 2, 3])
+    assert written == [(f"m.parquet.parts/0000000{i}.parquet", [i + 1] * 2) for i in range(3)]
+    assert not any(isinstance(value, pa.Table) for value in vars(monitor).values())
+
+
+def test_a_run_stopped_without_close_leaves_parts_that_read_monitor_reads(tokenizer, tmp_path):
+    """A run killed, or not closed yet, keeps every finished step: read_monitor reads its parts, from out or
+    the folder, a killed write's temporary aside. Score readers name read_monitor, not gradspec merge."""
+    from gradspec import read_scores
+    from gradspec.data.errors import InputError
+
+    out = tmp_path / "m.parquet"
+    rows = [r for step in _steps(SpectralMonitor(every=1, modules="q", out=out), tiny_model("llama"), tokenizer,
+                                 [1, 2]) for r in step]
+    (tmp_path / "m.parquet.parts" / "00000002.parquet.tmp999").write_bytes(b"PAR1")  # a write killed half-way
+    assert not out.exists()
+    name = "model.layers.1.self_attn.q_proj/nuclear_norm"
+    for path in (out, tmp_path / "m.parquet.parts"):
+        got = read_monitor(path)
+        assert got["step"].tolist() == [1, 1, 2, 2] and got["num_tokens"].tolist() == [r["num_tokens"] for r in rows]
+        assert got[name].tolist() == [r[name] for r in rows]
+    with pytest.raises(InputError, match="a training monitor's parts\\? gradspec.read_monitor reads them"):
+        read_scores(tmp_path / "m.parquet.parts")
+
+
+@pytest.mark.parametrize("closed", [False, True], ids=["killed", "closed"])
+def test_a_resumed_run_keeps_the_rows_up_to_its_checkpoint(tokenizer, tmp_path, closed):
+    """Rows of steps after the checkpoint are dropped (they are trained again), from a killed run's parts or
+    a closed run's file; the resumed steps add parts after those kept, and the file at close is the one
+    the run would have written without stopping."""
+    model, out = tiny_model("llama"), tmp_path / "m.parquet"
+    first = SpectralMonitor(every=1, modules="q", out=out)
+    whole = [r for step in _steps(first, model, tokenizer, [1, 2, 3, 4]) for r in step]
+    if closed:
+        first.close()
+    resumed = SpectralMonitor(every=1, modules="q", out=out)
+    resumed.restart(resumed_at=2)
+    _steps(resumed, model, tokenizer, [3])
+    assert read_monitor(out)["step"].tolist() == [1, 1, 2, 2, 3, 3]
+    assert sorted(p.name for p in (tmp_path / "m.parquet.parts").iterdir()) == \
+        [f"0000000{i}.parquet" for i in range(2 if closed else 3)]  # the closed run's file is its first part
+    _steps(resumed, model, tokenizer, [4])
+    resumed.close()
+    name = "model.layers.1.self_attn.q_proj/nuclear_norm"
+    got = pd.read_parquet(out)
+    assert got["step"].tolist() == [1, 1, 2, 2, 3, 3, 4, 4] and got[name].tolist() == [r[name] for r in whole]
+
+
+def test_a_new_run_refuses_an_unfinished_run_s_parts_unless_overwrite(tokenizer, tmp_path):
+    """As an existing file is refused; overwrite removes the parts (a user's own file in the folder stays)."""
+    model, out = tiny_model("llama"), tmp_path / "m.parquet"
+    _steps(SpectralMonitor(every=1, modules="q", out=out), model, tokenizer, [1, 2])
+    (tmp_path / "m.parquet.parts" / "notes.txt").write_text("mine")
+    refused = SpectralMonitor(every=1, modules="q", out=out)
+    for step in (1, 2):  # and again at its next step: nothing of the earlier run written over
+        with pytest.raises(ValueError, match=r"m\.parquet\.parts \(an unfinished run's rows\); give another path "
+                                             r"or overwrite=True"):
+            _steps(refused, model, tokenizer, [step])
+    assert read_monitor(out)["step"].tolist() == [1, 1, 2, 2]
+    again = SpectralMonitor(every=1, modules="q", out=out, overwrite=True)
+    _steps(again, model, tokenizer, [5])
+    again.close()
+    assert read_monitor(out)["step"].tolist() == [5, 5]
+    assert [p.name for p in (tmp_path / "m.parquet.parts").iterdir()] == ["notes.txt"]
+
+
+def test_compaction_writes_the_parts_concatenated_part_by_part(tokenizer, tmp_path, monkeypatch):
+    """One file equal to the parts in order, other columns joined (a run resumed with other modules), written
+    in row groups of about GROUP_BYTES: the parts are never all in memory at once."""
+    from gradspec.training import monitor_parts
+
+    model, out = tiny_model("llama"), tmp_path / "m.parquet"
+    _steps(SpectralMonitor(every=1, modules="q", out=out), model, tokenizer, [1, 2])
+    resumed = SpectralMonitor(every=1, modules="k", out=out)
+    resumed.restart(resumed_at=2)
+    _steps(resumed, model, tokenizer, [3])
+    parts = [pq.read_table(p) for p in sorted((tmp_path / "m.parquet.parts").iterdir())]
+    monkeypatch.setattr(monitor_parts, "GROUP_BYTES", 1)  # a row group per part
+    monkeypatch.setattr(monitor_parts, "READ_TOGETHER", 1)
+    resumed.close()
+    got, want = pq.ParquetFile(out), pa.concat_tables(parts, promote_options="permissive")
+    assert got.num_row_groups == 3 and got.schema_arrow == want.schema
+    pd.testing.assert_frame_equal(got.read().to_pandas(), want.to_pandas())
+
+
+def test_each_rank_writes_its_own_parts_and_file(tokenizer, tmp_path, monkeypatch):
+    """Under torch.distributed each rank's parts and file carry its rank: no rank writes over another's."""
+    from types import SimpleNamespace
+
+    from gradspec.training import monitor as monitor_module
+
+    model, out = tiny_model("llama"), tmp_path / "m.parquet"
+    monitors = []
+    for rank in (0, 1):
+        monkeypatch.setattr(monitor_module, "dist", SimpleNamespace(
+            is_available=lambda: True, is_initialized=lambda: True, get_world_size=lambda: 2,
+            get_rank=lambda rank=rank: rank))
+        monitors.append(SpectralMonitor(every=1, modules="q", out=out))
+        _steps(monitors[-1], model, tokenizer, [1 + rank])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.rank0.parquet.parts", "m.rank1.parquet.parts"]
+    for monitor in monitors:
+        monitor.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.rank0.parquet", "m.rank1.parquet"]
+    assert [pd.read_parquet(tmp_path / f"m.rank{r}.parquet")["step"].tolist() for r in (0, 1)] == [[1, 1], [2, 2]]
+
+
+def test_a_compaction_that_fails_keeps_the_parts(tokenizer, tmp_path, monkeypatch, caplog):
+    """A full disk at the run's end is logged, not raised into the finished training; the rows stay readable."""
+    from gradspec.training import monitor_parts
+
+    def full(path, write):
+        raise OSError(28, "No space left on device", str(path))
+
+    out = tmp_path / "m.parquet"
+    monitor = SpectralMonitor(every=1, modules="q", out=out)
+    _steps(monitor, tiny_model("llama"), tokenizer, [1])
+    monkeypatch.setattr(monitor_parts, "atomic_write", full)
+    monitor.close()
+    assert "not compacted into" in caplog.text
+    assert not out.exists() and read_monitor(out)["step"].tolist() == [1, 1]

@@ -53,6 +53,7 @@ def step(model_dir: str, out: str, rank: int, world: int, sharded: str | None) -
         with monitor.step(model, step=1 + i // 2):
             model(**batch).loss.backward()
         optimizer.step()
+    monitor.close()  # the parts into m.parquet (m.rank<r>.parquet)
 
 
 # FSDP through transformers' Trainer (accelerate's plugin); FSDP1 on the CPU cannot sync module states at wrap time

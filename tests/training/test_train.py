@@ -13,6 +13,7 @@ from gradspec.cli import main
 from gradspec.data.readers import Fields, read_samples
 from gradspec.data.templates import tokenize
 from gradspec.training.dynamics import read_dynamics
+from gradspec.training.monitor_parts import read_monitor
 
 ROWS = [{"instruction": f"Question {i}: what is {i} plus one?", "output": f"It is {i + 1}" + ", of course" * i}
         for i in range(8)]  # each its own length: a monitor row is mapped back to its row by it
@@ -113,7 +114,7 @@ def safe_save_file(tensors, filename, *args, **kwargs):
 transformers.modeling_utils.safe_save_file = safe_save_file
 """,
 }
-LEFT = {"writing monitor rows": "monitor.parquet, monitor.parquet.tmp{pid} (partial)",
+LEFT = {"writing monitor rows": "monitor.parquet.parts/ (partial)",
         "saving the model": "dynamics.parquet, monitor.parquet, model.tmp/ (partial)"}
 
 
@@ -138,6 +139,8 @@ def test_the_rerun_of_a_killed_train_names_what_it_left(moment, data, tiny_model
     left = LEFT[moment].format(pid=proc.pid)
     assert f"--out {out} holds what an earlier run left, stopped before it finished: {left}; pass --overwrite to " \
            "replace them or choose another --out" in capsys.readouterr().err
+    if moment == "writing monitor rows":  # the killed run's finished step is readable; the one it cut is not there
+        assert read_monitor(out / "monitor.parquet")["step"].unique().tolist() == [2]
     assert main([*args, "--overwrite"]) == 0  # the partial files go with the rest
     assert sorted(p.name for p in out.iterdir()) == ["dynamics.parquet", "model", "monitor.parquet"]
 
