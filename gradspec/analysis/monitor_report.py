@@ -29,6 +29,7 @@ from gradspec.data.errors import InputError  # noqa: E402
 from gradspec.layers.roles import ALL_ROLES, roles_of  # noqa: E402
 from gradspec.layers.targets import layer_index  # noqa: E402
 from gradspec.runs.score_files import complete, schema_metadata  # noqa: E402
+from gradspec.training.monitor_parts import parts_folder  # noqa: E402
 
 METRICS = ("effective_rank", "nuclear_norm")
 MOVED = 10  # samples listed as having moved most
@@ -37,12 +38,14 @@ _EXPERT = re.compile(r"\.experts\.\d+\.(gate|up|down)_proj$")
 
 def is_monitor_output(path: str | Path) -> bool:
     """Whether path is a spectral monitor's output: a Parquet file with a step column, or a folder of them
-    (a run's parts, one file per rank)."""
+    (a run's parts, one file per rank), or the file a run not yet closed will write (its parts)."""
     files = _files(Path(path))
     return bool(files) and "step" in ds.dataset(files[0], format="parquet").schema.names
 
 
 def _files(path: Path) -> list[Path]:
+    if not path.exists() and parts_folder(path).is_dir():  # a run not closed: its parts so far
+        path = parts_folder(path)
     if path.is_file():
         return [path] if path.suffix == ".parquet" else []
     return sorted(p for p in path.glob("**/*.parquet") if not p.name.startswith("."))

@@ -35,10 +35,16 @@ def monitored(tokenizer, tmp_path_factory):
                 (model(**collate(half)).loss / 2).backward()
         optimizer.step()
         optimizer.zero_grad()
-    return out
+        if step == 2:  # a run not yet closed: its parts so far
+            unclosed = tmp_path_factory.mktemp("unclosed")
+            write_monitor_report(out, unclosed / "report")
+    monitor.close()
+    return out, unclosed
 
 
 def test_the_pictures_hold_the_rows_means(monitored, tmp_path):
+    monitored, unclosed = monitored
+    assert "8 rows with spectra over 2 monitored steps (1 to 2)" in (unclosed / "report" / "report.md").read_text()
     report = write_monitor_report(monitored, tmp_path / "report")
     assert sorted(p.name for p in report.iterdir()) == [
         "heatmap_effective_rank.png", "heatmap_nuclear_norm.png", "moved.png", "report.md", "roles_effective_rank.png",
@@ -63,6 +69,7 @@ def test_the_pictures_hold_the_rows_means(monitored, tmp_path):
 
 
 def test_gradspec_report_draws_a_monitor_file_or_folder(monitored, tmp_path, capsys):
+    monitored, _ = monitored
     assert main(["report", str(monitored), "--out", str(tmp_path / "file")]) == 0
     assert (tmp_path / "file" / "heatmap_effective_rank.png").is_file()
     assert main(["report", str(monitored.parent), "--out", str(tmp_path / "folder")]) == 0
