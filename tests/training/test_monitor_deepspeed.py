@@ -3,7 +3,6 @@ processes on the CPU (torchrun), each rank's rows equal to one process's rows fo
 (ZeRO-3 partitions every weight: its full shape is the parameter's ds_shape). Run as a script, this file
 is the worker of one process, for each stage in turn."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,37 +10,18 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from test_monitor_fsdp import ONE_THREAD, assert_rows_equal, trainer_step
 
 pytest.importorskip("deepspeed")
 
-ROWS = [
-    {"instruction": "Name a colour.", "output": "Blue."},
-    {"instruction": "What is two plus two?", "output": "Four, since two and two make four."},
-    {"instruction": "Say something long, please.", "output": "Something long " * 5},
-    {"instruction": "Hi", "output": "Hello there, how can I help?"},
-]
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 STAGES = (2, 3)
 
 
-def trainer_step(model_dir: str, out: str, stage: int | None, accumulation: int) -> None:
-    """One monitored optimizer step of Trainer over the 4 rows in micro-batches of 2, in order."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
-
-    from gradspec.training.monitor_callback import SpectralMonitorCallback
-    from gradspec.training.wit import WITCollator
-
-    zero = {} if stage is None else {"deepspeed": {
-        "zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": "auto", "optimizer": {"type": "SGD", "params": {"lr": "auto"}},
-        "zero_allow_untested_optimizer": True}}
-    args = TrainingArguments(output_dir=str(Path(out) / "run"), per_device_train_batch_size=2, max_steps=1,
-                             gradient_accumulation_steps=accumulation, learning_rate=0.0, remove_unused_columns=False,
-                             report_to=[], save_strategy="no", use_cpu=True, logging_strategy="no",
-                             train_sampling_strategy="sequential", **zero)
-    monitor = SpectralMonitorCallback(every=1, modules="all", out=Path(out) / "m.parquet")
-    Trainer(model=AutoModelForCausalLM.from_pretrained(model_dir), args=args, train_dataset=ROWS,
-            data_collator=WITCollator(AutoTokenizer.from_pretrained(model_dir)), callbacks=[monitor]).train()
+def zero(stage: int) -> dict:
+    """Trainer's deepspeed argument for this ZeRO stage, SGD at Trainer's learning rate."""
+    return {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "optimizer": {"type": "SGD", "params": {"lr": "auto"}},
+            "zero_allow_untested_optimizer": True}
 
 
 def test_zero_2_and_3_rows_equal_single_process_rows(tiny_model_dir, tmp_path):
@@ -59,14 +39,8 @@ def test_zero_2_and_3_rows_equal_single_process_rows(tiny_model_dir, tmp_path):
     for stage in STAGES:
         for rank in range(2):  # rank r's micro-batch is the single process's r-th accumulated one
             rows = pd.read_parquet(tmp_path / "zero" / f"stage{stage}" / f"m.rank{rank}.parquet")
-            want = single[single["micro_batch"] == rank].reset_index(drop=True)
-            assert len(rows) == 2 and (rows["status"] == "ok").all(), (stage, rank)
-            assert rows["num_tokens"].tolist() == want["num_tokens"].tolist()
-            assert rows["loss"].tolist() == pytest.approx(want["loss"].tolist(), rel=1e-6)
-            metrics = [c for c in want.columns if "/" in c]
-            assert len(metrics) > 0
-            for column in metrics:
-                assert rows[column].tolist() == pytest.approx(want[column].tolist(), rel=1e-6), (stage, rank, column)
+            assert_rows_equal(rows, single[single["micro_batch"] == rank].reset_index(drop=True),
+                              f"ZeRO-{stage} rank {rank}")
 
 
 if __name__ == "__main__":
@@ -74,4 +48,5 @@ if __name__ == "__main__":
 
     for stage in STAGES:
         AcceleratorState._reset_state(False)  # each Trainer's own DeepSpeed plugin
-        trainer_step(sys.argv[1], str(Path(sys.argv[2]) / f"stage{stage}"), stage, accumulation=1)
+        trainer_step(sys.argv[1], str(Path(sys.argv[2]) / f"stage{stage}"), None, accumulation=1,
+                     deepspeed=zero(stage))

@@ -62,16 +62,18 @@ TRAINER_FSDP = {"fsdp2": {"version": 2},
                 "fsdp1_orig_params": {"version": 1, "use_orig_params": True, "sync_module_states": False}}
 
 
-def trainer_step(model_dir: str, out: str, fsdp: dict | None, accumulation: int) -> None:
-    """One monitored optimizer step of Trainer over the 4 rows in micro-batches of 2, in order."""
+def trainer_step(model_dir: str, out: str, fsdp: dict | None, accumulation: int, **sharding) -> None:
+    """One monitored optimizer step of Trainer over the 4 rows in micro-batches of 2, in order; fsdp: the
+    FSDP config (accelerate's plugin), or sharding: other TrainingArguments (DeepSpeed's)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
     from gradspec.training.monitor_callback import SpectralMonitorCallback
     from gradspec.training.wit import WITCollator
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    sharding = {} if fsdp is None else {"fsdp": "full_shard auto_wrap", "fsdp_config": {
-        "transformer_layer_cls_to_wrap": [type(model.model.layers[0]).__name__], **fsdp}}
+    if fsdp is not None:
+        sharding = {"fsdp": "full_shard auto_wrap", "fsdp_config": {
+            "transformer_layer_cls_to_wrap": [type(model.model.layers[0]).__name__], **fsdp}}
     args = TrainingArguments(output_dir=str(Path(out) / "run"), per_device_train_batch_size=2, max_steps=1,
                              gradient_accumulation_steps=accumulation, learning_rate=0.0, remove_unused_columns=False,
                              report_to=[], save_strategy="no", use_cpu=True, logging_strategy="no",
@@ -81,7 +83,7 @@ def trainer_step(model_dir: str, out: str, fsdp: dict | None, accumulation: int)
         model_dir)), callbacks=[monitor]).train()
 
 
-def _assert_rows_equal(rows: pd.DataFrame, want: pd.DataFrame, what: str) -> None:
+def assert_rows_equal(rows: pd.DataFrame, want: pd.DataFrame, what: str) -> None:
     assert len(rows) == 2 and (rows["status"] == "ok").all(), what
     assert rows["num_tokens"].tolist() == want["num_tokens"].tolist(), what
     assert rows["loss"].tolist() == pytest.approx(want["loss"].tolist(), rel=1e-6), what
@@ -109,7 +111,7 @@ def test_fsdp_through_trainer_rows_equal_single_process_rows(tiny_model_dir, tmp
         for rank in range(2):
             rows = pd.read_parquet(tmp_path / "fsdp" / sharding / f"m.rank{rank}.parquet")
             want = single[single["micro_batch"] == rank].reset_index(drop=True)
-            _assert_rows_equal(rows, want, f"{sharding} rank {rank}")
+            assert_rows_equal(rows, want, f"{sharding} rank {rank}")
 
 
 def test_fsdp_rows_equal_single_process_rows(tiny_model_dir, tmp_path):
@@ -127,7 +129,7 @@ def test_fsdp_rows_equal_single_process_rows(tiny_model_dir, tmp_path):
     ranks = [(sharding, rank, pd.read_parquet(tmp_path / "fsdp" / sharding / f"m.rank{rank}.parquet"))
              for sharding in SHARDINGS for rank in range(2)]
     for sharding, rank, rows in ranks:  # rank r's micro-batch is the single process's step r + 1
-        _assert_rows_equal(rows, single[single["step"] == rank + 1].reset_index(drop=True), f"{sharding} rank {rank}")
+        assert_rows_equal(rows, single[single["step"] == rank + 1].reset_index(drop=True), f"{sharding} rank {rank}")
 
 
 if __name__ == "__main__" and sys.argv[3:] == ["trainer"]:
