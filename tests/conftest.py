@@ -62,6 +62,29 @@ MOE_KINDS = {
 MOE_EXTRA = {"qwen3_moe": {"moe_intermediate_size": 24}, "gpt_oss": {"head_dim": 16}}
 
 
+@contextmanager
+def one_thread():
+    """torch at one thread, as each torchrun worker runs: a single-process reference computed alike."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def torchrun(script, *args, processes: int = 2, env: dict | None = None) -> None:
+    """The script under torchrun on the CPU (gloo), one thread per worker; its stderr's end on failure."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(processes), str(script), *map(str, args)],
+                          env=env or {**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def padded_batch(sequences: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int = 0):
     """Right-pad (input_ids, labels) pairs on the CPU: gradspec's own pad_batch."""
     return pad_batch([Tokenized(x.tolist(), y.tolist(), "ok") for x, y in sequences], pad_id, "cpu")

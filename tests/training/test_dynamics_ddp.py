@@ -2,13 +2,10 @@
 file results, equal to one process's. Run as a script, this file is the training worker of one process."""
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
-import torch
 
 ROWS = [
     {"instruction": "Name a colour.", "output": "Blue."},
@@ -17,7 +14,6 @@ ROWS = [
     {"instruction": "Hi", "output": "Hello there, how can I help?"},
     {"instruction": "Count to three.", "output": "One, two, three."},
 ]
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # as torchrun sets per worker
 
 
 def train(model_dir: str, out: str) -> None:
@@ -46,16 +42,11 @@ def train(model_dir: str, out: str) -> None:
 
 
 def test_each_rank_measures_its_share_and_one_file_results(tiny_model_dir, tmp_path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in each torchrun worker
-    try:
+    from conftest import one_thread, torchrun  # not at the top: run as a script, the file has no conftest
+
+    with one_thread():
         train(str(tiny_model_dir), str(tmp_path / "single"))
-    finally:
-        torch.set_num_threads(threads)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(Path(__file__).resolve()), str(tiny_model_dir), str(tmp_path / "ddp")],
-                          env=ONE_THREAD, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(Path(__file__).resolve(), tiny_model_dir, tmp_path / "ddp")
     assert json.loads((tmp_path / "single" / "measured.0.json").read_text()) == [5, 5]
     assert [json.loads((tmp_path / "ddp" / f"measured.{r}.json").read_text()) for r in (0, 1)] == [[3, 3], [2, 2]]
     assert sorted(p.name for p in (tmp_path / "ddp").glob("*.parquet")) == ["dynamics.parquet"]

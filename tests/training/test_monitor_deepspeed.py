@@ -3,13 +3,11 @@ processes on the CPU (torchrun), each rank's rows equal to one process's rows fo
 (ZeRO-3 partitions every weight: its full shape is the parameter's ds_shape). Run as a script, this file
 is the worker of one process, for each stage in turn."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 from test_monitor_fsdp import ONE_THREAD, assert_rows_equal, trainer_step
 
 pytest.importorskip("deepspeed")
@@ -25,16 +23,11 @@ def zero(stage: int) -> dict:
 
 
 def test_zero_2_and_3_rows_equal_single_process_rows(tiny_model_dir, tmp_path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    from conftest import one_thread, torchrun  # not at the top: run as a script, the file has no conftest
+
+    with one_thread():
         trainer_step(str(tiny_model_dir), str(tmp_path / "single"), None, accumulation=2)
-    finally:
-        torch.set_num_threads(threads)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(Path(__file__).resolve()), str(tiny_model_dir), str(tmp_path / "zero")],
-                          env=ONE_THREAD, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(Path(__file__).resolve(), tiny_model_dir, tmp_path / "zero", env=ONE_THREAD)
     single = pd.read_parquet(tmp_path / "single" / "m.parquet")
     for stage in STAGES:
         for rank in range(2):  # rank r's micro-batch is the single process's r-th accumulated one

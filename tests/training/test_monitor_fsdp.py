@@ -6,7 +6,6 @@ process, for every kind of sharding in turn.
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -96,16 +95,11 @@ def assert_rows_equal(rows: pd.DataFrame, want: pd.DataFrame, what: str) -> None
 def test_fsdp_through_trainer_rows_equal_single_process_rows(tiny_model_dir, tmp_path):
     """accelerate's FSDP2, FSDP1 and FSDP1 with use_orig_params under Trainer: rank r's micro-batch is the
     single process's r-th accumulated one, and its rows that micro-batch's rows."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    from conftest import one_thread, torchrun  # not at the top: run as a script, the file has no conftest
+
+    with one_thread():
         trainer_step(str(tiny_model_dir), str(tmp_path / "single"), None, accumulation=2)
-    finally:
-        torch.set_num_threads(threads)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(Path(__file__).resolve()), str(tiny_model_dir), str(tmp_path / "fsdp"), "trainer"],
-                          env=ONE_THREAD, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(Path(__file__).resolve(), tiny_model_dir, tmp_path / "fsdp", "trainer", env=ONE_THREAD)
     single = pd.read_parquet(tmp_path / "single" / "m.parquet")
     for sharding in TRAINER_FSDP:
         for rank in range(2):
@@ -115,16 +109,11 @@ def test_fsdp_through_trainer_rows_equal_single_process_rows(tiny_model_dir, tmp
 
 
 def test_fsdp_rows_equal_single_process_rows(tiny_model_dir, tmp_path):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    from conftest import one_thread, torchrun  # not at the top: run as a script, the file has no conftest
+
+    with one_thread():
         step(str(tiny_model_dir), str(tmp_path / "single"), 0, 1, sharded=None)
-    finally:
-        torch.set_num_threads(threads)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(Path(__file__).resolve()), str(tiny_model_dir), str(tmp_path / "fsdp")],
-                          env=ONE_THREAD, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(Path(__file__).resolve(), tiny_model_dir, tmp_path / "fsdp", env=ONE_THREAD)
     single = pd.read_parquet(tmp_path / "single" / "m.parquet")
     ranks = [(sharding, rank, pd.read_parquet(tmp_path / "fsdp" / sharding / f"m.rank{rank}.parquet"))
              for sharding in SHARDINGS for rank in range(2)]
