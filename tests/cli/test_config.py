@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 
 from gradspec.cli import main
-from gradspec.cli import score as score_cli
 from gradspec.data.readers import Fields, Hub
+from gradspec.runs import scoring
 from gradspec.runs.config import ScoreConfig
 
 ROWS = [{"q": f"Task {i}: repeat {w}", "a": f"{w} " * (i + 2)} for i, w in enumerate(["a", "b", "c"])]
@@ -23,7 +23,7 @@ def started(monkeypatch):
         seen.append((config, out, settings))
         return Counter()
 
-    monkeypatch.setattr(score_cli, "run_scoring", run_scoring)
+    monkeypatch.setattr(scoring, "run", run_scoring)  # imported by the command when it runs
     return seen
 
 
