@@ -154,7 +154,14 @@ class SFTMixTrainer(Trainer):
 
     def beta(self, device: torch.device) -> torch.distributions.Beta:
         """Beta(alpha, alpha) on device: each step's lam drawn there (a draw on the host, copied, waits for
-        the device)."""
+        the device).
+
+        Args:
+            device: The hidden states' device.
+
+        Returns:
+            The distribution, its parameters on device (made once per device).
+        """
         if self._beta is None or self._beta.concentration1.device != device:
             alpha = torch.tensor(self.alpha, device=device)
             self._beta = torch.distributions.Beta(alpha, alpha, validate_args=False)  # checked on the host
