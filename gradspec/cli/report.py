@@ -10,9 +10,12 @@ def add_parser(sub) -> None:
     p.add_argument("groups", nargs="+", metavar="LABEL=SCORES", help="e.g. high=high.parquet low=low.parquet")
     p.add_argument("--out", default="report", help="output folder (default: report)")
     p.add_argument("--overwrite", action="store_true", help="write into an --out folder that is not empty")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (one shows on a terminal)")
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
     from gradspec.analysis.report import write_report
 
     groups = {}
@@ -23,5 +26,5 @@ def run(args: argparse.Namespace) -> int:
         if label in groups:
             raise ValueError(f"label {label!r} is given twice; give each score file its own label")
         groups[label] = path
-    print(f"wrote {write_report(groups, args.out, args.overwrite)}")
+    print(f"wrote {write_report(groups, args.out, args.overwrite, not args.quiet and sys.stderr.isatty())}")
     return 0
