@@ -18,6 +18,7 @@ _EXPORTS = {
     "SpectralEngine": "engine.spectral_engine", "linear_target": "layers",
     "register_layer_kind": "layers", "METRICS": "linalg.metrics", "register_metric": "linalg.metrics",
     "align": "runs.api", "score": "runs.api", "read_metadata": "runs.score_files", "read_scores": "runs.score_files",
+    "iter_scores": "runs.score_files",
     "WITCollator": "training.wit", "WITLoss": "training.wit", "use_wit_loss": "training.wit",
     "wit_loss": "training.wit", "with_sample_index": "training.sample_index",
     "keep_sample_index": "training.sample_index", "SFTMixTrainer": "training.sftmix",

@@ -13,6 +13,9 @@ CPU_BATCH_TOKENS = 1024  # score's default on the CPU: as fast as 4,096 there, a
 CHUNK_ROWS = 1024  # input rows per part: the most a kill can cost per process
 
 MODULE_PRESETS = ("attn", "mlp", "experts", "router", "all", "lora")  # --modules' presets (gradspec.layers.roles)
+# the built-in metrics, in column order (gradspec.linalg.metrics computes them): a score file's columns by name,
+# for the commands that read one without torch (select, report, merge)
+METRICS = ("nuclear_norm", "effective_rank", "spectral_norm", "frobenius_norm", "stable_rank", "sigma1_ratio")
 METHODS = ("exact", "lowrank")  # every singular value, or the top rank of a randomized sketch
 PRECISIONS = ("fp64", "fp32")  # of the Grams (gradspec.linalg.policy)
 BACKENDS = ("auto", "cpp", "torch")  # of the eigen stage

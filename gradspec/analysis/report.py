@@ -12,7 +12,10 @@ track length.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import matplotlib
 
@@ -20,43 +23,166 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 from scipy import stats  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
+from gradspec.choices import METRICS  # noqa: E402
 from gradspec.data.errors import InputError, check_writable  # noqa: E402
-from gradspec.options import OptionError, OptionExists, mention
-from gradspec.runs.score_files import complete, read_metadata, read_scores  # noqa: E402
+from gradspec.options import OptionError, OptionExists, mention  # noqa: E402
+from gradspec.runs.score_files import column, complete, read_batches, read_metadata  # noqa: E402
 
 CURVE_METRICS = ("nuclear_norm", "effective_rank")
+FRACTION = "effective_rank_fraction"  # effective rank over its ceiling min(T, d_in, d_out)
+CURVE_BYTES = 64 << 20  # about this much of the curves' columns is read at once (whole columns: quantiles)
 ROLE_ORDER = ("q", "k", "v", "o", "gate", "up", "down")
 LENGTH = "num_response_tokens"
 LENGTH_RATIO = 1.5  # groups whose median response lengths differ by more: the length-adjusted d leads
 # Columns of a score file that are not sample properties to correlate with.
 _NOT_FEATURES = {"index", "status"}
+T = TypeVar("T")
 
 
-def load_group(label: str, path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(wide, long) of one score file, scored rows only, keyed by `sample` = "label:index", with
-    effective_rank_fraction added to long: effective rank / min(T, d_in, d_out), its ceiling, which
-    takes out the bound set by length."""
-    wide, long = read_scores(path)
-    ok = wide.loc[complete(wide["status"]), "index"]
-    if not (long["metric"] == "effective_rank").any():
+@dataclass
+class Group:
+    """One labelled score file, checked before its modules' columns are read: its metadata, and
+    which rows are complete (in file order) and where each goes in the per-sample table (whose rows
+    are sorted by their sample name, as per_sample's groupby sorts them)."""
+
+    label: str
+    path: str | Path
+    meta: dict[str, Any]
+    scored: np.ndarray
+    samples: pd.Index
+    place: np.ndarray
+
+    @property
+    def roles(self) -> set[str]:
+        return {p["role"] for p in self.meta["parts"]}
+
+
+def check_group(label: str, path: str | Path, progress: bool = False) -> Group:
+    """A score file checked as a report's group, from its metadata and its index and status columns
+    only: it has spectral metrics and a scored row."""
+    meta = read_metadata(path)
+    parts, metrics = meta.get("parts", []), meta.get("metrics", list(METRICS))
+    rows = pa.concat_tables(read_batches(path, ["index", "status"], progress, f"checking {label}")).to_pandas()
+    if not parts or "effective_rank" not in metrics or rows.empty:
         raise InputError(f"{label}={path}: no spectral metrics (a store from gradspec project, or align without "
                          "--spectra); report compares score files")
-    if ok.empty:
-        counts = ", ".join(f"{n} {s}" for s, n in wide["status"].value_counts().items())
+    ok = complete(rows["status"]).to_numpy(dtype=bool)
+    if not ok.any():
+        counts = ", ".join(f"{n} {s}" for s, n in rows["status"].value_counts().items())
         raise InputError(f"{label}={path}: no row was scored ({counts})")
-    long = long[long["index"].isin(ok)]
-    dims = {p["name"]: min(p.get("d_in", np.inf), p.get("d_out", np.inf)) for p in read_metadata(path).get("parts", [])}
-    er = long[long["metric"] == "effective_rank"].copy()
-    tokens = wide.set_index("index")["num_tokens"]
-    er["value"] = er["value"] / np.minimum(er["index"].map(tokens), er["name"].map(dims))
-    er["metric"] = "effective_rank_fraction"
-    wide, long = wide[complete(wide["status"])].copy(), pd.concat([long, er], ignore_index=True)
-    for frame in (wide, long):
-        frame["sample"] = label + ":" + frame["index"].astype(str)
-    return wide, long
+    names = label + ":" + rows.loc[ok, "index"].astype(str)
+    order = np.argsort(names.to_numpy(dtype=object), kind="stable")
+    place = np.empty(len(order), dtype=np.int64)
+    place[order] = np.arange(len(order))
+    return Group(label, path, meta, ok, pd.Index(names.to_numpy(dtype=object)[order], name="sample"), place)
+
+
+def load_group(group: Group, progress: bool = False) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """(wide, samples, curves) of a group's scored rows, from one read of its file in batches of rows
+    and one of its curve columns (layer_curves): wide is its columns other than the modules', keyed by
+    `sample` = "label:index" (a text column empty: only numbers are compared), samples per_sample's
+    table, with effective_rank_fraction: effective rank / min(T, d_in, d_out), its ceiling, which takes
+    out the bound set by length."""
+    schema = pq.read_schema(group.path)
+    parts = sorted(group.meta["parts"], key=lambda p: p["layer"])  # a layer's parts in file order, as long's sort
+    metrics = group.meta.get("metrics", list(METRICS))
+    keys = sorted((m, r) for m in [*metrics, FRACTION] for r in group.roles)
+    dims = {p["name"]: min(p.get("d_in", np.inf), p.get("d_out", np.inf)) for p in parts}
+    # per metric: its keys' positions, its parts (by module type, layer) and their keys' codes
+    blocks = []
+    for metric in dict.fromkeys(m for m, _ in keys):
+        mine = [i for i, (m, _) in enumerate(keys) if m == metric]
+        sources = [(i - mine[0], p) for i in mine for p in parts if p["role"] == keys[i][1]]
+        codes = np.array([c for c, _ in sources])
+        blocks.append((metric, slice(mine[0], mine[-1] + 1), [p for _, p in sources], codes))
+    numeric = set(schema.empty_table().to_pandas().select_dtypes("number").columns)
+    others = [c for c in schema.names if "/" not in c]
+    read = [c for c in others if c in numeric or c in ("index", "status", "num_tokens", LENGTH)]
+    modules = [column(p["name"], m) for p in parts for m in metrics]
+    means = np.empty((len(group.samples), len(keys)))
+    kept, done = [], 0
+    for table in read_batches(group.path, read + modules, progress, f"reading {group.label}"):
+        ok = complete(table.column("status").to_pandas()).to_numpy(dtype=bool)
+        at = {name: i for i, name in enumerate(table.column_names)}  # (a lookup by name scans every column)
+        tokens = table.column(at["num_tokens"]).to_numpy(zero_copy_only=False)
+        rows = group.place[done:done + int(ok.sum())]
+        for metric, keyed, sources, codes in blocks:
+            values = np.empty((len(sources), table.num_rows))  # a part a row: each column of the file is one
+            for j, p in enumerate(sources):
+                if metric == FRACTION:
+                    values[j] = _floats(table, at[column(p["name"], "effective_rank")])
+                    values[j] /= np.minimum(tokens, dims[p["name"]])
+                else:
+                    values[j] = _floats(table, at[column(p["name"], metric)])
+            # per_sample's mean (a groupby's: NaN skipped, NaN where all are), of each sample's values at once
+            means[rows, keyed] = pd.DataFrame(values[:, ok]).groupby(codes).mean().to_numpy().T
+        done += len(rows)
+        kept.append(table.select(read).filter(pa.array(ok)))
+    samples = pd.DataFrame(means, index=group.samples, copy=False,
+                           columns=pd.MultiIndex.from_tuples(keys, names=["metric", "module"]))
+    wide = pa.concat_tables(kept).to_pandas()
+    for c in others:
+        if c not in read:  # in the report's pooled table it is not a number, whatever the other groups hold there
+            wide[c] = pd.Series(None, index=wide.index, dtype=object)
+    wide = wide[others]
+    wide["sample"] = group.label + ":" + wide["index"].astype(str)
+    return wide, samples, layer_curves(group, progress)
+
+
+def layer_curves(group: Group, progress: bool = False) -> dict[tuple[str, str], pd.DataFrame]:
+    """Per (metric, module type) of CURVE_METRICS: per layer, the mean and the quartiles of the metric
+    over the scored rows and the layer's parts of that type. Quantiles need whole columns: they are read a
+    few at a time (CURVE_BYTES), each layer's columns together."""
+    metrics = group.meta.get("metrics", list(METRICS))
+    layers: dict[tuple[str, str, int], list[str]] = {}
+    for metric in CURVE_METRICS:
+        for role in ROLE_ORDER:
+            for p in sorted(group.meta["parts"], key=lambda p: p["layer"]):
+                if p["role"] == role and metric in metrics:
+                    layers.setdefault((metric, role, p["layer"]), []).append(column(p["name"], metric))
+    file, rows = pq.ParquetFile(group.path), int(group.scored.size)
+    found: dict[tuple[str, str], list[pd.DataFrame]] = {(m, r): [] for m in CURVE_METRICS for r in ROLE_ORDER
+                                                         if r in group.roles}
+    ok = group.scored
+    with tqdm(total=sum(map(len, layers.values())), desc=f"layer curves {group.label}", unit="column",
+              disable=not progress, dynamic_ncols=True) as bar:
+        for keys in _bounded(layers, lambda k: len(layers[k]), max(1, CURVE_BYTES // (8 * max(1, rows)))):
+            table = file.read(columns=[c for k in keys for c in layers[k]])
+            for metric, role, layer in keys:
+                # the layer's values (by row, then part), through the groupby of the long form's curves
+                values = np.column_stack([_floats(table, c)[ok] for c in layers[(metric, role, layer)]]).ravel()
+                by_layer = pd.Series(values).groupby(np.full(len(values), layer))
+                quartiles = by_layer.quantile([0.25, 0.75])  # one sort for both
+                found[(metric, role)].append(pd.DataFrame({"mean": by_layer.mean(), "lo": quartiles.xs(0.25, level=1),
+                                                           "hi": quartiles.xs(0.75, level=1)}))
+                bar.update(len(layers[(metric, role, layer)]))
+    empty = pd.DataFrame({"mean": [], "lo": [], "hi": []}, dtype=float)
+    return {key: pd.concat(frames) if frames else empty for key, frames in found.items()}
+
+
+def _bounded(items: Iterable[T], size: Callable[[T], int], most: int) -> Iterator[list[T]]:
+    """items in consecutive lists whose sizes add up to at most `most` (an item larger: alone)."""
+    chunk: list[T] = []
+    total = 0
+    for item in items:
+        if chunk and total + size(item) > most:
+            yield chunk
+            chunk, total = [], 0
+        chunk.append(item)
+        total += size(item)
+    if chunk:
+        yield chunk
+
+
+def _floats(table: pa.Table, name: str | int) -> np.ndarray:
+    """A column (by name or position) as float64, nulls as NaN (a column of only nulls too)."""
+    return np.asarray(table.column(name).to_numpy(zero_copy_only=False), dtype=float)
 
 
 def per_sample(long: pd.DataFrame) -> pd.DataFrame:
@@ -89,6 +215,9 @@ def summary_table(samples: dict[str, pd.DataFrame], wides: dict[str, pd.DataFram
     wides, each group's scored rows, also the d of what length leaves: Cohen's d of the metric less its
     slope on log response tokens within the groups, _length_residuals)."""
     labels = list(samples)
+    # each sample's log response tokens, looked up once (not for every metric: a million names each time)
+    lengths = {g: np.log(wides[g].set_index("sample")[LENGTH].clip(lower=1)).reindex(samples[g].index)
+               for g in labels[:2]} if wides is not None and len(labels) >= 2 else None
     rows = []
     for metric, module in samples[labels[0]].columns:
         row = {"metric": metric, "module": module}
@@ -96,8 +225,9 @@ def summary_table(samples: dict[str, pd.DataFrame], wides: dict[str, pd.DataFram
         row.update({f"mean {g}": v.mean() for g, v in zip(labels, values, strict=True)})
         if len(labels) >= 2 and min(len(values[0]), len(values[1])) >= 2:
             row[f"d ({labels[0]} - {labels[1]})"] = cohens_d(values[0].to_numpy(), values[1].to_numpy())
-            if wides is not None:
-                row["d after length"] = cohens_d(*_length_residuals(values[:2], [wides[g] for g in labels[:2]]))
+            if lengths is not None:
+                logs = [lengths[g][samples[g][(metric, module)].notna()] for g in labels[:2]]
+                row["d after length"] = cohens_d(*_length_residuals(values[:2], logs))
             row["Mann-Whitney p"] = stats.mannwhitneyu(values[0], values[1]).pvalue
         rows.append(row)
     order = {r: i for i, r in enumerate(ROLE_ORDER)}
@@ -105,12 +235,12 @@ def summary_table(samples: dict[str, pd.DataFrame], wides: dict[str, pd.DataFram
                                           else c, ignore_index=True)
 
 
-def _length_residuals(values: list[pd.Series], wides: list[pd.DataFrame]) -> list[np.ndarray]:
-    """Each group's values less what log response tokens explain, by the slope within the groups (ANCOVA:
-    metric ~ group + log length): a line pooled over both groups would take a group difference for
-    length wherever the groups differ in length. Rows without a length are left out; too few rows: NaN."""
-    logs = [np.log(w.set_index("sample")[LENGTH].clip(lower=1)).reindex(v.index).to_numpy() for v, w in
-            zip(values, wides, strict=True)]
+def _length_residuals(values: list[pd.Series], lengths: list[pd.Series]) -> list[np.ndarray]:
+    """Each group's values less what log response tokens (lengths: of the same rows) explain, by the slope
+    within the groups (ANCOVA: metric ~ group + log length): a line pooled over both groups would take a
+    group difference for length wherever the groups differ in length. Rows without a length are left out;
+    too few rows: NaN."""
+    logs = [lg.to_numpy() for lg in lengths]
     kept = [np.isfinite(lg) & np.isfinite(v.to_numpy()) for v, lg in zip(values, logs, strict=True)]
     x = np.concatenate([lg[k] for lg, k in zip(logs, kept, strict=True)])
     y = np.concatenate([v.to_numpy()[k] for v, k in zip(values, kept, strict=True)])
@@ -127,6 +257,16 @@ def _features(wide: pd.DataFrame, samples: pd.DataFrame) -> tuple[pd.DataFrame, 
     numeric = wide.set_index("sample").select_dtypes("number")
     other = numeric[[c for c in numeric.columns if "/" not in c and c not in _NOT_FEATURES]]
     return spectral, other.loc[spectral.index]
+
+
+def metric_means(samples: pd.DataFrame) -> pd.DataFrame:
+    """per_sample's table with each metric's mean over module types (_features'), as one column (metric,
+    "all"): what correlations reads of it, a seventh of its size, to pool a group's with the others'. A
+    sample's means are its own: they are taken 100,000 samples at a time (the groupby copies them)."""
+    means = pd.concat([samples.iloc[i:i + 100_000].T.groupby(level="metric").mean().T
+                       for i in range(0, max(len(samples), 1), 100_000)])
+    means.columns = pd.MultiIndex.from_tuples([(m, "all") for m in means.columns], names=["metric", "module"])
+    return means
 
 
 def correlations(wide: pd.DataFrame, samples: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -150,16 +290,14 @@ def correlations(wide: pd.DataFrame, samples: pd.DataFrame) -> tuple[pd.DataFram
     return plain, partial
 
 
-def _plot_layer_curves(longs: dict[str, pd.DataFrame], metric: str, path: Path) -> None:
-    roles = [r for r in ROLE_ORDER if any(r in set(lg["module"]) for lg in longs.values())]
+def _plot_layer_curves(curves: dict[str, dict[tuple[str, str], pd.DataFrame]], metric: str, path: Path) -> None:
+    roles = [r for r in ROLE_ORDER if any((metric, r) in c for c in curves.values())]
     fig, axes = plt.subplots(1, len(roles), figsize=(3.2 * len(roles), 3.2), squeeze=False)
     for ax, role in zip(axes[0], roles, strict=True):
-        for label, long in longs.items():
-            sel = long[(long["metric"] == metric) & (long["module"] == role)]
-            by_layer = sel.groupby("layer")["value"]
-            mean, lo, hi = by_layer.mean(), by_layer.quantile(0.25), by_layer.quantile(0.75)
-            ax.plot(mean.index, mean.values, label=label)
-            ax.fill_between(mean.index, lo.values, hi.values, alpha=0.2)
+        for label, found in curves.items():
+            by_layer = found[(metric, role)]
+            ax.plot(by_layer.index, by_layer["mean"].values, label=label)
+            ax.fill_between(by_layer.index, by_layer["lo"].values, by_layer["hi"].values, alpha=0.2)
         ax.set_title(role)
         ax.set_xlabel("layer")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -201,8 +339,9 @@ def _plot_heatmap(corr: pd.DataFrame, title: str, path: Path) -> None:
 FEW_ROWS = 10  # below this many scored rows in a group, the report says its statistics mean little
 
 
-def _check_groups(groups: dict[str, str | Path], longs: dict[str, pd.DataFrame]) -> None:
-    """The same file twice, or files scored on different module types, cannot be compared."""
+def _check_groups(groups: dict[str, str | Path], scored: dict[str, set[str]]) -> None:
+    """The same file twice, or files scored on different module types (scored: each label's), cannot be
+    compared."""
     paths: dict[Path, str] = {}
     for label, path in groups.items():
         if Path(path).resolve() in paths:
@@ -210,8 +349,7 @@ def _check_groups(groups: dict[str, str | Path], longs: dict[str, pd.DataFrame])
                              "different score files")
         paths[Path(path).resolve()] = label
     order = {r: i for i, r in enumerate(ROLE_ORDER)}
-    roles = {label: sorted(set(long["module"]), key=lambda r: (order.get(r, len(order)), r))
-             for label, long in longs.items()}
+    roles = {label: sorted(found, key=lambda r: (order.get(r, len(order)), r)) for label, found in scored.items()}
     if len({tuple(r) for r in roles.values()}) > 1:
         scored = "; ".join(f"{label} scored {', '.join(r)}" for label, r in roles.items())
         raise ValueError(f"{scored}: a report compares files scored on the same module types; score them with the "
@@ -231,17 +369,19 @@ def report_folder(out: str | Path, option: str, overwrite: bool) -> Path:
     return out
 
 
-def write_report(groups: dict[str, str | Path], out: str | Path, overwrite: bool = False) -> Path:
-    """Figures and report.md for labelled score files ({"high": path, "low": path, ...})."""
+def write_report(groups: dict[str, str | Path], out: str | Path, overwrite: bool = False,
+                 progress: bool = False) -> Path:
+    """Figures and report.md for labelled score files ({"high": path, "low": path, ...}). Every input is
+    checked before any file's module columns are read; those are read in batches (load_group)."""
     out = report_folder(out, "out", overwrite)
-    loaded = {label: load_group(label, path) for label, path in groups.items()}  # every input checked first
-    longs = {label: long for label, (_, long) in loaded.items()}
-    _check_groups(groups, longs)
+    checked = {label: check_group(label, path, progress) for label, path in groups.items()}
+    _check_groups(groups, {label: group.roles for label, group in checked.items()})
     out.mkdir(parents=True, exist_ok=True)
-    samples = {label: per_sample(long) for label, long in longs.items()}
-    wides = {label: wide for label, (wide, _) in loaded.items()}
+    wides, samples, curves = {}, {}, {}
+    for label, group in checked.items():
+        wides[label], samples[label], curves[label] = load_group(group, progress)
     lengths = group_lengths(wides)
-    lines = ["# gradspec report", "", "Groups: " + ", ".join(f"**{g}** ({len(loaded[g][0])} scored rows, `{p}`)"
+    lines = ["# gradspec report", "", "Groups: " + ", ".join(f"**{g}** ({len(wides[g])} scored rows, `{p}`)"
                                                          for g, p in groups.items()), "",
              lengths.to_markdown(index=False, floatfmt=".3g"), ""]
     ratio = length_ratio(lengths) if len(groups) > 1 else 1.0
@@ -255,12 +395,12 @@ def write_report(groups: dict[str, str | Path], out: str | Path, overwrite: bool
                   f"comes first, before the raw `{first_d}`.", ""]
         table = table[["metric", "module", "d after length", *[c for c in table.columns if c not in
                                                                 ("metric", "module", "d after length")]]]
-    few = [f"{g} ({len(loaded[g][0])})" for g in groups if len(loaded[g][0]) < FEW_ROWS]
+    few = [f"{g} ({len(wides[g])})" for g in groups if len(wides[g]) < FEW_ROWS]
     if few:
         lines += [f"**Few rows:** {', '.join(few)} scored rows; the tests and correlations below mean little "
                   f"under {FEW_ROWS} rows a group (and need 2 a group to be computed at all).", ""]
     for metric in CURVE_METRICS:
-        _plot_layer_curves(longs, metric, out / f"layers_{metric}.png")
+        _plot_layer_curves(curves, metric, out / f"layers_{metric}.png")
         _plot_distributions(samples, metric, out / f"distribution_{metric}.png")
         lines += [f"## {metric}", "", f"![per layer](layers_{metric}.png)", "",
                   f"![per sample](distribution_{metric}.png)", ""]
@@ -270,8 +410,9 @@ def write_report(groups: dict[str, str | Path], out: str | Path, overwrite: bool
               * (len(groups) > 1)
               + "`effective_rank_fraction` is the effective rank over its ceiling min(T, d_in, d_out), a "
               "length-normalised variant.", "", table.to_markdown(index=False, floatfmt=".3g"), ""]
-    wide_all = pd.concat([w for w, _ in loaded.values()], ignore_index=True)
-    plain, partial = correlations(wide_all, pd.concat(samples.values()))
+    wide_all = pd.concat(wides.values(), ignore_index=True)
+    pooled = pd.concat([metric_means(samples.pop(label)) for label in list(samples)])  # 400 MB a million rows:
+    plain, partial = correlations(wide_all, pooled)  # each group's table goes before correlations takes its own
     _plot_heatmap(plain, "Spearman correlation, all groups pooled", out / "correlation.png")
     _plot_heatmap(partial, f"... with {LENGTH} partialled out", out / "correlation_partial_length.png")
     lines += ["## Correlations (all groups pooled, Spearman)", "", "![correlation](correlation.png)", "",

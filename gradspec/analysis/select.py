@@ -14,12 +14,21 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from gradspec.data.errors import check_at_least
 from gradspec.data.in_memory import plain_value
 from gradspec.data.readers import Hub, InputError, read_records
 from gradspec.options import OptionError
-from gradspec.runs.score_files import atomic_write, complete, module_columns, module_mean, write_parquet
+from gradspec.runs.score_files import (
+    atomic_write,
+    complete,
+    module_columns,
+    module_mean,
+    read_batches,
+    write_parquet,
+)
 
 ALIGNMENT_COLUMNS = ("align_mean", "align_mean_gradient", "align_max")  # what "alignment" means, by preference
 # Flags that one score of a row is undefined (its spectra are whole): they keep the row out of a selection only
@@ -105,13 +114,7 @@ def choose(
     With length_buckets > 0 the rows are shared out over quantile buckets of num_tokens, so that a criterion
     correlated with length does not select by length alone (balanced_order).
     """
-    if (fraction is None) == (count is None):
-        raise OptionError(("fraction", "count"), ": give exactly one of them")
-    if fraction is not None and not 0 < fraction <= 1:
-        raise OptionError("fraction", f"must be in (0, 1], got {fraction}")
-    check_at_least({"count": count})
-    if length_buckets < 0:
-        raise OptionError("length_buckets", f"must be 0 (none) or more, got {length_buckets}")
+    check_size(fraction, count, length_buckets)
     ok = scores[competing(scores, by)].copy()
     for name, _ in criteria(by):
         if name not in ok.columns:
@@ -131,6 +134,80 @@ def choose(
     return ranked.head(wanted).sort_values("index")
 
 
+def check_size(fraction: float | None, count: int | None, length_buckets: int = 0) -> None:
+    """How many rows choose is asked for, checked before any row is read."""
+    if (fraction is None) == (count is None):
+        raise OptionError(("fraction", "count"), ": give exactly one of them")
+    if fraction is not None and not 0 < fraction <= 1:
+        raise OptionError("fraction", f"must be in (0, 1], got {fraction}")
+    check_at_least({"count": count})
+    if length_buckets < 0:
+        raise OptionError("length_buckets", f"must be 0 (none) or more, got {length_buckets}")
+
+
+def check_criteria(schema: pa.Schema, by: str) -> None:
+    """by's criteria checked against a score file's columns (its schema: a table of no rows) before
+    any row is read: an unknown name, or a column that is not a score, is named at once."""
+    empty = schema.empty_table().to_pandas()
+    for name, _ in criteria(by):
+        criterion_values(empty, name)
+
+
+def read_criteria(path: str | Path, by: str, progress: bool = False) -> pd.DataFrame:
+    """The part of a score file that choose and write_selection read for criterion by: index, status,
+    loss, num_tokens, and each criterion's column, or for a metric its mean over modules (in a column
+    of the metric's name, as choose adds it, for the rows that compete). Only those columns are read, a
+    batch of rows at a time, so a metric's 224 module columns of a million rows are never in memory
+    together."""
+    file = pq.ParquetFile(path)
+    names = file.schema_arrow.names
+    wanted = [c for c in ("index", "status", "loss", "num_tokens") if c in names]
+    metrics = {}
+    for name, _ in criteria(by):
+        if name == "alignment":  # what criterion_values reads for it
+            wanted += [c for c in ALIGNMENT_COLUMNS if c in names][:1]
+        if name in names:
+            wanted.append(name)
+        elif name != "alignment":
+            metrics[name] = module_columns(names, name)
+    needed = set(wanted).union(*metrics.values())
+    frames, means, few, done = [], {name: [] for name in metrics}, {name: [] for name in metrics}, 0
+    for table in read_batches(file, [c for c in names if c in needed], progress, f"reading {Path(path).name}"):
+        frame = table.to_pandas()
+        competes = competing(frame, by).to_numpy(dtype=bool)
+        for name, columns in metrics.items():
+            block = frame.loc[competes, columns]
+            means[name].append((done + np.flatnonzero(competes), _module_means(block, name)))
+            if sum(len(b) for b in few[name]) < SUMMED_ALONG:
+                few[name].append(block)
+        # a copy: a selection of columns is a view that would keep the whole batch in memory
+        frames.append(frame[list(dict.fromkeys(wanted))].copy())
+        done += len(frame)
+    scores = pd.concat(frames, ignore_index=True)
+    for name, batches in means.items():  # the competing rows' means: choose reads no other
+        values = np.full(len(scores), np.nan)
+        for rows, found in batches:
+            values[rows] = found
+        if sum(len(b) for b in few[name]) < SUMMED_ALONG:  # choose's frame had too few rows for that order
+            values[np.concatenate([rows for rows, _ in batches])] = module_mean(pd.concat(few[name]), name)
+        scores[name] = values
+    return scores
+
+
+# pandas (3.0) sums a frame of this many rows or more along its columns, in their order, whatever else it holds;
+# a frame of fewer rows in another order, which can change a mean's last bit
+SUMMED_ALONG = 6
+
+
+def _module_means(block: pd.DataFrame, name: str) -> np.ndarray:
+    """module_mean of a batch's rows as choose computed it from the frame of every competing row (of
+    SUMMED_ALONG rows or more): a batch of fewer rows is summed beside rows of NaN."""
+    missing = max(0, SUMMED_ALONG - len(block))
+    padded = pd.concat([block, pd.DataFrame(np.nan, index=range(missing), columns=block.columns)]) if missing \
+        else block
+    return module_mean(padded, name).to_numpy()[:len(block)]
+
+
 def balanced_order(ranked: pd.DataFrame, buckets: int) -> pd.DataFrame:
     """Rows ranked best first, reordered as a draft over length buckets: every bucket's best row, then every
     bucket's second best, and so on, each round in score order. Any head of it keeps the buckets within one
@@ -145,14 +222,19 @@ def balanced_order(ranked: pd.DataFrame, buckets: int) -> pd.DataFrame:
 OUTPUT_FORMATS = (".jsonl", ".json", ".parquet", "")  # "": a datasets folder (save_to_disk)
 
 
+def check_output(out: str | Path) -> None:
+    """out names a format write_selection writes (checked before any row is read)."""
+    if Path(out).suffix not in OUTPUT_FORMATS:
+        raise OptionError("out", f"{out}: write .jsonl, .json, .parquet, or a name without a suffix "
+                          "for a datasets folder")
+
+
 def write_selection(data: str | Path, chosen: pd.DataFrame, out: str | Path, columns: list[str],
                     hub: Hub = Hub()) -> int:
     """Writes the chosen input records, in input order, with the given score columns added, in the
     format out's name asks for (a name without a suffix: a datasets folder); returns how many."""
     out = Path(out)
-    if out.suffix not in OUTPUT_FORMATS:
-        raise OptionError("out", f"{out}: write .jsonl, .json, .parquet, or a name without a suffix "
-                          "for a datasets folder")
+    check_output(out)
     columns = list(dict.fromkeys(columns))  # a criterion may be one of the columns always written (loss)
     extra = chosen.set_index("index")[columns]
     records, seen = [], 0

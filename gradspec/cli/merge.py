@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from gradspec.runs.config import ScoreConfig
@@ -12,6 +13,7 @@ from gradspec.runs.run_folder import RunFolder
 def add_parser(sub) -> None:
     p = sub.add_parser("merge", help="join the parts of a sharded or --no-merge run into one file")
     p.add_argument("--out", required=True, help="the --out the run was given")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (one shows on a terminal)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
         if Path(args.out).is_file():
             raise ValueError(f"{args.out} is already a merged file: nothing to merge")
         raise ValueError(f"{folder.path}: no run to merge (no manifest.json)")
-    rows = folder.merge(ScoreConfig.from_manifest(manifest).records(), manifest["chunk_rows"])
+    rows = folder.merge(ScoreConfig.from_manifest(manifest).records(), manifest["chunk_rows"],
+                        not args.quiet and sys.stderr.isatty())
     print(f"wrote {rows} rows to {args.out}")
     return 0

@@ -1,4 +1,4 @@
-"""`gradspec report`: compare labelled score files in figures and a Markdown summary."""
+"""`gradspec report`: compare labelled score files, or draw a monitored run, in figures and a Markdown summary."""
 
 from __future__ import annotations
 
@@ -12,9 +12,12 @@ def add_parser(sub) -> None:
                    help="e.g. high=high.parquet low=low.parquet; or one monitor file or folder (monitor.parquet)")
     p.add_argument("--out", default="report", help="output folder (default: report)")
     p.add_argument("--overwrite", action="store_true", help="write into an --out folder that is not empty")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (one shows on a terminal)")
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
     from gradspec.analysis.monitor_report import is_monitor_output, write_monitor_report
     from gradspec.analysis.report import write_report
 
@@ -30,5 +33,5 @@ def run(args: argparse.Namespace) -> int:
         if label in groups:
             raise ValueError(f"label {label!r} is given twice; give each score file its own label")
         groups[label] = path
-    print(f"wrote {write_report(groups, args.out, args.overwrite)}")
+    print(f"wrote {write_report(groups, args.out, args.overwrite, not args.quiet and sys.stderr.isatty())}")
     return 0

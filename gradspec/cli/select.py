@@ -23,15 +23,27 @@ def add_parser(sub) -> None:
     size.add_argument("--count", type=int, help="keep this many rows")
     p.add_argument("--length-buckets", type=int, default=0, help="share the rows out evenly over this many length "
                    "quantiles (choosing within each)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (one shows on a terminal)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradspec.analysis.select import choose, competing, criteria, write_selection
+    import sys
+
+    from gradspec.analysis.select import (
+        check_criteria,
+        check_output,
+        check_size,
+        choose,
+        competing,
+        criteria,
+        read_criteria,
+        write_selection,
+    )
     from gradspec.data.errors import InputError, check_writable
     from gradspec.data.hub import is_dataset_name
     from gradspec.data.in_memory import is_label
-    from gradspec.data.readers import Hub
-    from gradspec.runs.score_files import check_scored_input, read_metadata, read_scores
+    from gradspec.data.readers import Hub, check_readable
+    from gradspec.runs.score_files import check_scored_input, parquet_schema, read_metadata
 
     meta = read_metadata(args.scores)
     data = args.data or meta.get("data")
@@ -47,7 +59,13 @@ def run(args: argparse.Namespace) -> int:
     if Path(args.out).exists() and not args.overwrite:
         raise FileExistsError(f"{args.out} exists; pass --overwrite or choose another --out")
     check_writable(args.out)
-    scores = read_scores(args.scores)[0]
+    # everything else that can be refused is, before a row is read (a million rows take a minute)
+    check_size(args.fraction, args.count, args.length_buckets)
+    check_criteria(parquet_schema(args.scores, "pass a score file"), args.by)
+    check_output(args.out)
+    check_readable(data)
+    progress = not args.quiet and sys.stderr.isatty()
+    scores = read_criteria(args.scores, args.by, progress)
     chosen = choose(scores, args.by, top=not args.bottom, fraction=args.fraction, count=args.count,
                     length_buckets=args.length_buckets)
     columns = ["gradspec_score", *dict.fromkeys(name for name, _ in criteria(args.by)), "loss", "num_tokens"]

@@ -104,15 +104,24 @@ def read_records(
         yield from hub_datasets.records(str(path), hub, wanted)
         return
     path = Path(path)
-    if not path.exists():
-        raise InputError(f"{path}: no such file or folder (nor a Hub dataset name: org/name)")
+    check_readable(path)
     if path.suffix == ".jsonl":
         yield from _read_jsonl(path, wanted or _everything)
     elif path.suffix == ".json":
         yield from _read_json(path)
-    elif path.suffix == ".parquet":
-        yield from _read_parquet(path, wanted or _everything)
     else:
+        yield from _read_parquet(path, wanted or _everything)
+
+
+def check_readable(path: str | Path) -> None:
+    """What read_records refuses of a path before it reads a row (missing, or of a format it does not
+    read), for a caller to refuse before its own slow work (gradspec select reads the scores first)."""
+    if in_memory.is_label(path) or Path(path).is_dir() or hub_datasets.is_dataset_name(str(path)):
+        return
+    path = Path(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such file or folder (nor a Hub dataset name: org/name)")
+    if path.suffix not in (".jsonl", ".json", ".parquet"):
         raise InputError(f"{path}: unknown format (expected .json, .jsonl, .parquet, a datasets folder "
                          "or a Hub dataset name)")
 

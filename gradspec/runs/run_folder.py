@@ -47,9 +47,10 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from tqdm import tqdm
 
 from gradspec.options import OptionError, OptionExists, mention
-from gradspec.runs.score_files import METADATA_KEY, atomic_write, schema_metadata, write_parquet
+from gradspec.runs.score_files import METADATA_KEY, atomic_write, read_batches, schema_metadata, write_parquet
 
 log = logging.getLogger("gradspec")
 
@@ -77,6 +78,10 @@ _OURS = re.compile(r"(\d{8}\.(partial\.)?parquet(\.sha256)?|manifest\.json|input
 _TEMPORARY = re.compile(rf"({_OURS.pattern}|.+\.lock)\.(tmp|stale)\d+")  # a killed write's leftovers
 _MODEL_SUFFIXES = {".json", ".safetensors", ".bin", ".pt", ".pth", ".model", ".txt", ".gguf", ".py", ".tiktoken"}
 _SAMPLE = 1 << 16  # bytes read at each of a model file's start, middle and end for its fingerprint
+# A merged file's row groups hold about this much data each, not a part each: each column of a row group has an
+# entry in the file's footer, which every reader parses whole (1,024-row groups of 1,349 columns: 1.3 GB for a
+# million rows); and a reader of all columns holds a row group about 4 times over (pyarrow 26)
+ROW_GROUP_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -514,18 +519,19 @@ class RunFolder:
             return "damaged, its bytes differ from those written (checksum mismatch)"
         return None
 
-    def merge(self, records: int, chunk_rows: int) -> int:
+    def merge(self, records: int, chunk_rows: int, progress: bool = False) -> int:
         """Writes all parts into the output file (and the skipped rows into the errors file), then
         deletes the parts and the manifest (and the folder, if nothing else is left in it); returns
         the rows written. Refuses, writing and deleting nothing, while a live process works in the
         folder, a chunk is missing, or a part is not of this run (another config, other rows, beyond
-        the run's chunks, unreadable)."""
+        the run's chunks, unreadable). Reads the parts in batches (read_batches); progress: a bar
+        for the checksums and one for the parts merged."""
         if self._lock is None:
             self.acquire(Shard(), whole=True)
         try:
             self._remove_output_temporaries()
-            parts = self._mergeable(self._rows(records), chunk_rows)
-            rows = self._write_merged(parts, chunk_rows)
+            parts = self._mergeable(self._rows(records), chunk_rows, progress)
+            rows = self._write_merged(parts, chunk_rows, progress)
             self._clear()  # the parts merged, their checksums, the manifest, killed writes' temporaries
         finally:
             self.release()  # the run is over (or refused): its lock goes, and the folder if it is empty
@@ -534,7 +540,7 @@ class RunFolder:
             log.warning("kept %s: it holds files merge did not write (%s)", self.path, ", ".join(left[:10]))
         return rows
 
-    def _mergeable(self, records: int, chunk_rows: int) -> list[Path]:
+    def _mergeable(self, records: int, chunk_rows: int, progress: bool = False) -> list[Path]:
         """The parts to merge, in order, each checked against the manifest."""
         chunks, done = range(math.ceil(records / chunk_rows)), self.done()
         missing = [c for c in chunks if c not in done]
@@ -546,7 +552,9 @@ class RunFolder:
             raise ValueError(f"{self.path}: no run to merge (no manifest.json)")
         config = {k: v for k, v in manifest.items() if k != _SHARDS}
         fingerprint = config_fingerprint(config)
-        problems = [f"{self.part(c).name}: {why}" for c in sorted(done)
+        checked = tqdm(sorted(done), desc=f"checking {self.path.name}", unit="part", disable=not progress,
+                       dynamic_ncols=True)
+        problems = [f"{self.part(c).name}: {why}" for c in checked
                     if (why := self._part_problem(c, fingerprint, config, records, chunk_rows, verify=True))
                     is not None]
         if problems:
@@ -556,35 +564,55 @@ class RunFolder:
                               + mention("resume") + (" (which moves a damaged part aside itself)" if damaged else ""))
         return [self.part(c) for c in chunks]
 
-    def _write_merged(self, parts: list[Path], chunk_rows: int) -> int:
-        schema = pa.unify_schemas([pq.read_schema(p) for p in parts], promote_options="permissive")
-        schema = schema.with_metadata({METADATA_KEY: json.dumps(_merged_metadata(parts)).encode()})
+    def _write_merged(self, parts: list[Path], chunk_rows: int, progress: bool = False) -> int:
+        schema = _merged_schema(parts)
+        # a float column's values hardly repeat: a dictionary is tried, then dropped, at twice the time
+        dictionary = [f.name for f in schema if not pa.types.is_floating(f.type)]
         rows = 0
         errors: list[str] = []
 
         def write(f) -> None:
             nonlocal rows
-            with pq.ParquetWriter(f, schema) as writer:
-                for chunk, p in enumerate(parts):
-                    try:
-                        table = _conform(pq.read_table(p), schema)
-                    except (pa.ArrowException, OSError) as e:
-                        raise OptionError((), f"cannot merge {self.path}: {p.name}: damaged "
-                                          f"({' '.join(str(e).split())}); nothing was written or deleted: move it "
-                                          f"out of the folder, then {mention('resume')} scores its chunk "
-                                          "again") from None
-                    first = chunk * chunk_rows
-                    if table["index"].to_pylist() != list(range(first, first + table.num_rows)):
-                        raise ValueError(f"cannot merge {self.path}: {p.name}: its index column is not rows "
-                                         f"{first}-{first + table.num_rows - 1}; nothing was written or deleted")
-                    writer.write_table(table)
-                    rows += table.num_rows
-                    errors.extend(_error_lines(table))
+            held: list[pa.Table] = []  # rows not written yet: a row group's worth (ROW_GROUP_BYTES)
+            size, row_bytes = 0.0, None
+            with pq.ParquetWriter(f, schema, use_dictionary=dictionary) as writer, \
+                    tqdm(parts, desc=f"merging {self.out.name}", unit="part", disable=not progress,
+                         dynamic_ncols=True) as bar:
+                for chunk, p in enumerate(bar):
+                    first, n = chunk * chunk_rows, 0
+                    for table in self._part_batches(p, schema):
+                        if table["index"].to_pylist() != list(range(first + n, first + n + table.num_rows)):
+                            last = first + pq.read_metadata(p).num_rows - 1
+                            raise ValueError(f"cannot merge {self.path}: {p.name}: its index column is not rows "
+                                             f"{first}-{last}; nothing was written or deleted")
+                        n += table.num_rows
+                        errors.extend(_error_lines(table))
+                        held.append(table)
+                        if row_bytes is None:  # a table's nbytes goes through all its buffers: the first one's
+                            row_bytes = table.nbytes / max(1, table.num_rows)
+                        size += table.num_rows * row_bytes
+                        if size >= ROW_GROUP_BYTES:
+                            writer.write_table(pa.concat_tables(held))
+                            held, size = [], 0
+                    rows += n
+                if held:
+                    writer.write_table(pa.concat_tables(held))
             if errors:  # before the output is renamed into place: once it is, the parts may go
                 atomic_write(self.errors_path, lambda e: e.write("".join(errors).encode()))
 
-        atomic_write(self.out, write)  # streamed part by part: the parts need not fit in memory together
+        atomic_write(self.out, write)  # streamed batch by batch: the parts need not fit in memory together
         return rows
+
+    def _part_batches(self, part: Path, schema: pa.Schema) -> Iterator[pa.Table]:
+        """A part's rows in batches (read_batches), with the merged schema's columns; a part that cannot
+        be read is refused as damaged."""
+        try:
+            for table in read_batches(part, None):
+                yield _conform(table, schema)
+        except (pa.ArrowException, OSError) as e:
+            raise OptionError((), f"cannot merge {self.path}: {part.name}: damaged ({' '.join(str(e).split())}); "
+                              f"nothing was written or deleted: move it out of the folder, then "
+                              f"{mention('resume')} scores its chunk again") from None
 
     def abandon(self) -> None:
         """After a failure before any part was written: removes what this process started in the
@@ -869,23 +897,31 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _merged_metadata(parts: list[Path]) -> dict[str, Any]:
-    """The run as the first part describes it (less the rows the part holds), with the paths that
-    any part's stages took (on a GPU they are measured per process, so they can differ between parts)."""
-    described = [schema_metadata(pq.read_schema(p)) for p in parts]
-    merged, paths = {k: v for k, v in described[0].items() if k != PART}, {}
-    for d in described:
-        for stage, names in d.get("paths", {}).items():
+def _merged_schema(parts: list[Path]) -> pa.Schema:
+    """The parts' schemas unified, with the run as the first part describes it (less the rows the part
+    holds) and the paths that any part's stages took (on a GPU they are measured per process, so they
+    can differ between parts). Each part's schema is read once, and only one is held at a time."""
+    schema, merged, paths = None, {}, {}
+    for p in parts:
+        part = pq.read_schema(p)
+        described = schema_metadata(part)
+        if schema is None:
+            schema, merged = part, {k: v for k, v in described.items() if k != PART}
+        else:
+            schema = pa.unify_schemas([schema, part], promote_options="permissive")
+        for stage, names in described.get("paths", {}).items():
             paths.setdefault(stage, set()).update(names)
     if paths:
         merged["paths"] = {stage: sorted(names) for stage, names in sorted(paths.items())}
-    return merged
+    return schema.with_metadata({METADATA_KEY: json.dumps(merged).encode()})
 
 
 def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     """The table with the merged schema's columns, in its order; columns it lacks are null."""
-    columns = [table[f.name].cast(f.type) if f.name in table.column_names else pa.nulls(table.num_rows, f.type)
-               for f in schema]
+    if table.schema.equals(schema, check_metadata=False):  # as every part of one run's is
+        return table.replace_schema_metadata(schema.metadata)
+    held = dict(zip(table.column_names, table.columns, strict=True))  # by name: table[name] looks through them all
+    columns = [held[f.name].cast(f.type) if f.name in held else pa.nulls(table.num_rows, f.type) for f in schema]
     return pa.table(columns, schema=schema)
 
 

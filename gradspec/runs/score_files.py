@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
+from tqdm import tqdm
 
+from gradspec.choices import METRICS
 from gradspec.data.errors import InputError
 from gradspec.data.templates import SCORED
-from gradspec.layers.targets import Part, layer_index
-from gradspec.linalg.metrics import METRICS, metrics_dict
+from gradspec.options import OptionError
+
+if TYPE_CHECKING:  # torch loads only where a file is written: select, report and merge read without it (225 MB)
+    import torch
+
+    from gradspec.layers.targets import Part
 
 BASE_COLUMNS = ("index", "status", "error", "loss", "num_tokens", "num_response_tokens")
 SPECTRA = "singular_values"
@@ -24,12 +31,16 @@ ROUTED_TOKENS = "routed_tokens"  # per expert, "<experts module>.<e>/routed_toke
 ATTRIBUTION = "attribution"  # align --attribution's column: per task file row, the inner product with its gradient
 PROJECTION = "projected_gradient"  # a store's column: gradspec.alignment.projection's values, fp32
 METADATA_KEY = b"gradspec"
+# About this many bytes of a file's columns are read at once (read_batches): a million rows of a 7B model's
+# 1,349 columns are 11 GB, so whole reads of them do not fit in memory.
+BATCH_BYTES = 64 << 20
 
 
 def complete(status: pd.Series) -> pd.Series:
     """Rows whose every metric was computed: no flag but the tokenizer's flags of scored rows
-    (templates.SCORED), no numeric one. They compete in a selection and enter a report."""
-    return status.str.split(";").map(lambda flags: set(flags) <= set(SCORED))
+    (templates.SCORED), no numeric one. They compete in a selection and enter a report. Each distinct
+    status is judged once (a million rows hold a few)."""
+    return status.map({s: set(s.split(";")) <= set(SCORED) for s in status.unique()})
 
 
 def column(part: str, metric: str) -> str:
@@ -38,6 +49,8 @@ def column(part: str, metric: str) -> str:
 
 def metric_columns(metrics: dict[str, torch.Tensor], i: int, names: tuple[str, ...]) -> dict[str, float]:
     """Row i of per-module metric tables as output columns: {"<module>/<metric>": value}."""
+    from gradspec.linalg.metrics import metrics_dict
+
     return {column(name, m): v for name, values in metrics.items() for m, v in metrics_dict(values[i], names).items()}
 
 
@@ -60,6 +73,8 @@ def carried_name(name: str) -> str:
 
 def file_metadata(parts: list[Part], metrics: tuple[str, ...], run_info: dict[str, Any]) -> dict[str, Any]:
     """What a score file says of its run, under METADATA_KEY in the Parquet schema."""
+    from gradspec.layers.targets import layer_index
+
     modules = [{"name": p.name, "role": p.role, "layer": layer_index(p.name), "d_in": p.d_in, "d_out": p.d_out}
                for p in parts]
     return {"parts": modules, "metrics": list(metrics), **run_info}
@@ -158,17 +173,33 @@ def check_scored_input(meta: dict[str, Any], data: str | Path, scores: str | Pat
                          "not that input, or changed since; pass the file that was scored, or score this one")
 
 
-def read_scores(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+def read_scores(path: str | Path, *, modules: Iterable[str] | None = None, metrics: Iterable[str] | None = None,
+                columns: Iterable[str] | None = None, progress: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(wide, long): the file as a DataFrame, and one row per (sample, layer, module, metric).
+
+    The long form has a row per value: 1,344 a sample for a 7B model with every module, over a
+    billion for a million samples. For a large file give modules, metrics or columns, which read
+    only those columns, in batches; or use iter_scores, which yields the same frames batch by batch.
 
     Args:
         path: A score file, as for read_metadata.
+        modules: Only these parts: each a part's name, its role (q, k, v, o, gate, up, down, ...)
+            or a glob of names ("model.layers.1[0-5].*"). None: every part.
+        metrics: Only these metrics (the file's "metrics", e.g. effective_rank). None: every one.
+        columns: Only these other columns in wide (index always comes). None: every column
+            that is not a module's.
+        progress: Show a progress bar while reading (only with modules, metrics or columns).
 
     Returns:
-        (wide, long): wide is the file, one row per input sample; long has columns index, layer,
+        (wide, long): wide is the file, one row per input sample (with modules, metrics or columns:
+        index, the columns and the chosen modules' metric columns); long has columns index, layer,
         module (the part's role), name (the part's), metric and value, sorted by index, layer,
         module and metric.
     """
+    if modules is not None or metrics is not None or columns is not None:
+        batches = list(iter_scores(path, modules=modules, metrics=metrics, columns=columns, progress=progress))
+        return (pd.concat([w for w, _ in batches], ignore_index=True),
+                pd.concat([lg for _, lg in batches], ignore_index=True))
     meta = read_metadata(path)
     wide = pq.read_table(path).to_pandas()
     parts = meta.get("parts", [])
@@ -183,3 +214,119 @@ def read_scores(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     columns = ["index", "layer", "module", "name", "metric", "value"]
     long = pd.concat(frames, ignore_index=True)[columns] if frames else pd.DataFrame(columns=columns)
     return wide, long.sort_values(["index", "layer", "module", "metric"], ignore_index=True)
+
+
+LONG_COLUMNS = ["index", "layer", "module", "name", "metric", "value"]
+LONG_ROW_BYTES = 100  # about what a row of the long form takes while it is made and sorted
+
+
+def iter_scores(path: str | Path, *, modules: Iterable[str] | None = None, metrics: Iterable[str] | None = None,
+                columns: Iterable[str] | None = None, progress: bool = False,
+                ) -> Iterator[tuple[pd.DataFrame, pd.DataFrame]]:
+    """read_scores batch by batch, in the file's row order: (wide, long) of each batch of rows, so
+    that a file of any size is read in bounded memory. Only the columns asked for are read, and
+    the arguments are checked against the file before any row is.
+
+    Args:
+        path: A score file, as for read_metadata.
+        modules: Only these parts (names, roles or globs of names), as for read_scores.
+        metrics: Only these metrics, as for read_scores.
+        columns: Only these other columns in wide, as for read_scores. Without modules, metrics
+            and columns, wide holds every column.
+        progress: Show a progress bar while reading.
+
+    Yields:
+        (wide, long) of each batch, as read_scores returns them for the whole file: their
+        concatenation is read_scores' (with the same arguments).
+    """
+    meta = read_metadata(path)
+    parts, chosen, wanted = score_selection(path, meta, modules, metrics, columns)
+    row_bytes = 8 * len(wanted) + LONG_ROW_BYTES * len(parts) * len(chosen)
+    for table in read_batches(path, wanted, progress, f"reading {Path(path).name}", row_bytes):
+        wide = table.to_pandas()
+        yield wide, long_form(wide, parts, chosen)
+
+
+def score_selection(path: str | Path, meta: dict[str, Any], modules: Iterable[str] | None,
+                    metrics: Iterable[str] | None, columns: Iterable[str] | None,
+                    ) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+    """(the parts, the metrics, the file's columns to read) that read_scores' arguments ask for,
+    or an error naming what the file does not have."""
+    names = pq.read_schema(path).names
+    parts, known = meta.get("parts", []), meta.get("metrics", list(METRICS))
+    if modules is not None:
+        patterns = [modules] if isinstance(modules, str) else list(modules)
+        unmatched = [m for m in patterns if not any(_is_part(p, m) for p in parts)]
+        if unmatched:
+            roles = ", ".join(dict.fromkeys(p["role"] for p in parts)) or "none"
+            raise OptionError("modules", f"{', '.join(map(repr, unmatched))}: no part of {path} matches (roles: "
+                              f"{roles}; or a part's name, or a glob of names)")
+        parts = [p for p in parts if any(_is_part(p, m) for m in patterns)]
+    chosen = known if metrics is None else [metrics] if isinstance(metrics, str) else list(metrics)
+    unknown = [m for m in chosen if m not in known]
+    if unknown:
+        raise OptionError("metrics", f"{', '.join(map(repr, unknown))}: not a metric of {path} ({', '.join(known)})")
+    if modules is None and metrics is None and columns is None:
+        return parts, chosen, names
+    others = [c for c in names if "/" not in c] if columns is None else \
+        [columns] if isinstance(columns, str) else list(columns)
+    missing = [c for c in others if c not in names]
+    if missing:
+        raise OptionError("columns", f"{', '.join(map(repr, missing))}: not a column of {path}")
+    wanted = {"index", *others, *(column(p["name"], m) for p in parts for m in chosen)}
+    return parts, chosen, [c for c in names if c in wanted]
+
+
+def _is_part(part: dict[str, Any], pattern: str) -> bool:
+    return pattern in (part["name"], part["role"]) or fnmatch.fnmatchcase(part["name"], pattern)
+
+
+def long_form(wide: pd.DataFrame, parts: list[dict[str, Any]], metrics: list[str]) -> pd.DataFrame:
+    """The long form (read_scores) of these parts' metrics in wide: a row per (index, part, metric)."""
+    frames = []
+    for p in parts:
+        cols = [column(p["name"], m) for m in metrics]
+        block = wide[["index", *cols]].melt(id_vars="index", var_name="metric", value_name="value")
+        # the metric of each column's rows, as read_scores' str.rsplit gives them, sharing a str each (8 bytes a row)
+        block["metric"] = pd.Series(np.repeat(np.array(metrics, dtype=object), len(wide)), dtype=object)
+        block["name"], block["layer"], block["module"] = p["name"], p["layer"], p["role"]
+        frames.append(block)
+    long = pd.concat(frames, ignore_index=True)[LONG_COLUMNS] if frames else pd.DataFrame(columns=LONG_COLUMNS)
+    return long.sort_values(["index", "layer", "module", "metric"], ignore_index=True)
+
+
+def read_batches(source: str | Path | pq.ParquetFile, columns: list[str] | None, progress: bool = False,
+                 desc: str = "reading", row_bytes: int | None = None) -> Iterator[pa.Table]:
+    """The rows of a Parquet file in order, of these columns only (None: all), about BATCH_BYTES at a
+    time (row_bytes: what a row takes in memory as the caller holds it; default 8 a column), at least one
+    table (empty for a file without rows). Row groups smaller than a batch are read together (a run's
+    parts, in a file merged before issue 39), up to twice a batch whole, larger ones in slices (pyarrow
+    holds a row group read in slices about twice over, and its iter_batches over many row groups keeps
+    every one it read until the end: each is sliced alone)."""
+    file = source if isinstance(source, pq.ParquetFile) else pq.ParquetFile(source)
+    columns = list(dict.fromkeys(file.schema_arrow.names if columns is None else columns))
+    rows = max(1, min(1 << 20, BATCH_BYTES // (row_bytes or 8 * max(1, len(columns)))))
+    meta = file.metadata
+    if meta.num_rows == 0:
+        yield file.schema_arrow.empty_table().select(columns)
+        return
+    with tqdm(total=meta.num_rows, desc=desc, unit="row", unit_scale=True, disable=not progress,
+              dynamic_ncols=True) as bar:
+        group: list[int] = []
+        held = 0
+        for i in range(meta.num_row_groups):
+            n = meta.row_group(i).num_rows
+            if group and held + n > rows:
+                yield file.read_row_groups(group, columns=columns)
+                bar.update(held)
+                group, held = [], 0
+            if n <= 2 * rows:
+                group.append(i)
+                held += n
+                continue
+            for batch in file.iter_batches(batch_size=rows, row_groups=[i], columns=columns):
+                yield pa.Table.from_batches([batch])
+                bar.update(batch.num_rows)
+        if group:
+            yield file.read_row_groups(group, columns=columns)
+            bar.update(held)
