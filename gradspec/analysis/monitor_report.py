@@ -79,8 +79,7 @@ def read_drawn(path: str | Path, metrics: tuple[str, ...] = METRICS) -> tuple[pd
     if "step" not in names:
         raise InputError(f"{path}: not a spectral monitor's output (no step column); a score file is reported "
                          "as LABEL=SCORES")
-    recorded = {p["name"]: p["role"] for f in files for p in schema_metadata(
-        ds.dataset(str(f), format="parquet").schema).get("parts", [])}
+    recorded = {p["name"]: p["role"] for p in schema_metadata(dataset.schema).get("parts", [])}  # the first file's
     columns = [c for c in names if "/" in c and c.rsplit("/", 1)[1] in metrics]
     if not columns:
         raise InputError(f"{path}: no {' or '.join(metrics)} column: a monitor run without spectra")

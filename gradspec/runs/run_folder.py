@@ -608,7 +608,7 @@ class RunFolder:
         be read is refused as damaged."""
         try:
             for table in read_batches(part, None):
-                yield _conform(table, schema)
+                yield conformed(table, schema)
         except (pa.ArrowException, OSError) as e:
             raise OptionError((), f"cannot merge {self.path}: {part.name}: damaged ({' '.join(str(e).split())}); "
                               f"nothing was written or deleted: move it out of the folder, then "
@@ -916,7 +916,7 @@ def _merged_schema(parts: list[Path]) -> pa.Schema:
     return schema.with_metadata({METADATA_KEY: json.dumps(merged).encode()})
 
 
-def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+def conformed(table: pa.Table, schema: pa.Schema) -> pa.Table:
     """The table with the merged schema's columns, in its order; columns it lacks are null."""
     if table.schema.equals(schema, check_metadata=False):  # as every part of one run's is
         return table.replace_schema_metadata(schema.metadata)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -152,23 +152,18 @@ def _guard_training_step(trainer: Trainer, monitor: SpectralMonitor) -> None:
         trainer: The transformers Trainer (or subclass: TRL's SFTTrainer, ...) whose steps are monitored.
         monitor: The monitor whose hooks the steps carry.
     """
-    step = trainer.training_step
-    if getattr(inspect.unwrap(step, stop=lambda f: getattr(f, "gradspec_monitor", None) is monitor),
-               "gradspec_monitor", None) is monitor:  # wrapped already, under another monitor's wrapper or not
-        return
+    def wrap(step):
+        def training_step(*args, **kwargs):
+            if not monitor.active and monitor.index_column:  # (model, inputs, num_items_in_batch)
+                if isinstance(kwargs.get("inputs"), Mapping):
+                    kwargs["inputs"] = _without(kwargs["inputs"], monitor.index_column)
+                elif len(args) > 1 and isinstance(args[1], Mapping):
+                    args = (args[0], _without(args[1], monitor.index_column), *args[2:])
+            with monitor.hooked():
+                return step(*args, **kwargs)
+        return training_step
 
-    @functools.wraps(step)
-    def training_step(*args, **kwargs):
-        if not monitor.active and monitor.index_column:  # (model, inputs, num_items_in_batch)
-            if isinstance(kwargs.get("inputs"), Mapping):
-                kwargs["inputs"] = _without(kwargs["inputs"], monitor.index_column)
-            elif len(args) > 1 and isinstance(args[1], Mapping):
-                args = (args[0], _without(args[1], monitor.index_column), *args[2:])
-        with monitor.hooked():
-            return step(*args, **kwargs)
-
-    training_step.gradspec_monitor = monitor
-    trainer.training_step = training_step
+    _wrap_once(trainer, "training_step", monitor, wrap)
 
 
 def _log_summaries(trainer: Trainer, callback: SpectralMonitorCallback) -> None:
@@ -176,20 +171,27 @@ def _log_summaries(trainer: Trainer, callback: SpectralMonitorCallback) -> None:
     record before any callback sees it: report_to's trackers (TensorBoard, W&B, trackio) are Trainer's
     callbacks, called before a user's, so a record extended in on_log would reach none of them. Once
     per trainer and callback."""
-    log = trainer.log
-    if getattr(inspect.unwrap(log, stop=lambda f: getattr(f, "gradspec_monitor", None) is callback),
-               "gradspec_monitor", None) is callback:
+    def wrap(log):
+        def logged(logs, *args, **kwargs):
+            if callback.pending_logs and not any(key.startswith("eval_") for key in logs):
+                logs = {**logs, **callback.pending_logs}
+                callback.pending_logs = {}
+            return log(logs, *args, **kwargs)
+        return logged
+
+    _wrap_once(trainer, "log", callback, wrap)
+
+
+def _wrap_once(trainer: Trainer, name: str, owner: object, wrap: Callable[[Callable], Callable]) -> None:
+    """The trainer's method `name` replaced on the instance by wrap(method), once per trainer and owner: a
+    later train() finds it wrapped, under another owner's wrapper or not."""
+    method = getattr(trainer, name)
+    if getattr(inspect.unwrap(method, stop=lambda f: getattr(f, "gradspec_monitor", None) is owner),
+               "gradspec_monitor", None) is owner:
         return
-
-    @functools.wraps(log)
-    def logged(logs, *args, **kwargs):
-        if callback.pending_logs and not any(key.startswith("eval_") for key in logs):
-            logs = {**logs, **callback.pending_logs}
-            callback.pending_logs = {}
-        return log(logs, *args, **kwargs)
-
-    logged.gradspec_monitor = callback
-    trainer.log = logged
+    wrapped = functools.wraps(method)(wrap(method))
+    wrapped.gradspec_monitor = owner
+    setattr(trainer, name, wrapped)
 
 
 def _without(inputs: Mapping, column: str) -> Mapping:

@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gradspec.data.errors import InputError
+from gradspec.runs.run_folder import conformed
 from gradspec.runs.score_files import atomic_write
 
 _PART = re.compile(r"^(\d{8,})\.parquet$")
@@ -131,7 +132,7 @@ def _groups(parts: list[Path], schema: pa.Schema) -> Iterator[pa.Table]:
     read: list[pa.Table] = []
     size = 0
     for i, p in enumerate(parts, 1):
-        read.append(_conform(pq.ParquetFile(p).read(), schema))
+        read.append(conformed(pq.ParquetFile(p).read(), schema))
         if len(read) < READ_TOGETHER and i < len(parts):
             continue
         blocks.append(pa.concat_tables(read).combine_chunks())
@@ -139,14 +140,6 @@ def _groups(parts: list[Path], schema: pa.Schema) -> Iterator[pa.Table]:
         if size >= GROUP_BYTES or i == len(parts):
             yield pa.concat_tables(blocks)
             blocks, size = [], 0
-
-
-def _conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    """The table with the schema's columns, in its order; a column it lacks is null."""
-    if table.schema.equals(schema, check_metadata=False):  # most parts: as they are (a cast per column costs ms)
-        return table
-    return pa.table([table[f.name].cast(f.type) if f.name in table.column_names else pa.nulls(len(table), f.type)
-                     for f in schema], schema=schema)
 
 
 def keep_steps(out: Path, upto: float) -> int:

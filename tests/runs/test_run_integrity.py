@@ -439,13 +439,13 @@ def test_a_merge_killed_while_writing_leaves_no_temporary(tmp_path, tiny_model_d
     out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
     assert main(_args(tiny_model_dir, data, out, "--no-merge")) == 0
     ready, go = tmp_path / "ready", tmp_path / "go"
-    halfway = ("import os, time, gradspec.runs.run_folder as rf; real = rf._conform\n"  # holds after the first part
-               "def _conform(table, schema):\n"
+    halfway = ("import os, time, gradspec.runs.run_folder as rf; real = rf.conformed\n"  # holds after the first part
+               "def conformed(table, schema):\n"
                f"    if os.path.exists({str(ready)!r}):\n"
                f"        while not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
                f"    open({str(ready)!r}, 'w').close()\n"
                "    return real(table, schema)\n"
-               "rf._conform = _conform")
+               "rf.conformed = conformed")
     merging = _cli(["merge", "--out", str(out)], halfway)
     _wait_for(ready, merging)
     time.sleep(0.5)
