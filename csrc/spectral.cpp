@@ -436,8 +436,10 @@ double finish_gram(double* g, int n, int T, const double* other) {
 // fp64 Gram of each sample's valid rows, Y_i[:n] Y_i[:n]^T, with BLAS dsyrk (half the work of a
 // GEMM, none spent on padding), and <Gram_i, other_i> where other (N, T, T) is given. One task per
 // sample does all of its work while its Gram is in cache: rows to fp64, dsyrk, mirror, padding,
-// inner product. With fewer samples than threads each sample is two tasks of about equal time (below),
-// finished by whichever ends second.
+// inner product. A sample of SPLIT_ROWS rows or more is two tasks of about equal time (below), finished
+// by whichever ends second: decided by its length alone, so that its Gram's rounding does not depend on the
+// samples beside it (an expert's segment scores the same stacked with others' or alone).
+constexpr int SPLIT_ROWS = 64;
 template <typename Scalar>
 py::tuple segment_gram(py::array_t<Scalar> Y, Lengths lengths, py::object other, int threads) {
   require_bound();
@@ -457,12 +459,20 @@ py::tuple segment_gram(py::array_t<Scalar> Y, Lengths lengths, py::object other,
   py::array_t<double> inners(N);
   double* in_out = inners.mutable_data();
   const double* oth = other.is_none() ? nullptr : others.data();
-  const int split = N < threads ? 2 : 1;  // tasks per sample
-  const std::vector<int> order = longest_first(len, N);
+  std::vector<std::pair<int, int>> tasks;  // (sample, part): -1 the whole sample, else 0 and 1
+  for (int i : longest_first(len, N)) {
+    if (len[i] >= SPLIT_ROWS) {
+      tasks.emplace_back(i, 0);
+      tasks.emplace_back(i, 1);
+    } else {
+      tasks.emplace_back(i, -1);
+    }
+  }
   std::vector<std::atomic<int>> done(N);
   for (auto& count : done) count = 0;
-  parallel_for(N * split, threads, [&](int task, SymmetricEigen& scratch) {
-    const int i = order[task / split], part = split == 1 ? -1 : task % split;
+  parallel_for(static_cast<int>(tasks.size()), threads, [&](int task, SymmetricEigen& scratch) {
+    const int i = tasks[task].first, part = tasks[task].second;
+    const int split = part < 0 ? 1 : 2;
     const int n = static_cast<int>(len[i]);
     const size_t TT = static_cast<size_t>(T) * T;
     double* g = o + i * TT;  // column-major, leading dimension T

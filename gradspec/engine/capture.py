@@ -84,7 +84,8 @@ class _Samples:
 
 class _Solved(NamedTuple):
     """One part's eigen stage over some samples: sigma and metrics per sample, which rows were
-    finite, failed, or failed the Frobenius cross-check (positions in batch_rows)."""
+    finite, failed, or failed the Frobenius cross-check (positions in batch_rows). Row k's part is
+    part.member(k): a Stack's rows are many parts'."""
 
     part: Part
     batch_rows: tuple[int, ...]
@@ -140,7 +141,7 @@ class BatchCapture(Capture):
         self.solved: list[_Solved] = []
 
     def _samples(self, captured: Captured, rows: list[int]) -> _Samples:
-        T = max((int(captured.lengths[i]) for i in rows), default=0)
+        T = int(captured.lengths[rows].max()) if rows else 0
         whole = rows == list(range(len(captured.lengths)))
         index = None if whole else torch.tensor(rows)
         return _Samples(tuple(rows), tuple(captured.batch_row(i) for i in rows), captured.lengths[rows], index, T)
@@ -155,9 +156,14 @@ class BatchCapture(Capture):
                                  self._samples(captured, [i for i, s in enumerate(short) if not s]))
         return self._splits[key]
 
+    @property
+    def takes_stacks(self) -> bool:
+        """Stacks of many parts' rows (experts): each row's part is its own; a sketch's test matrix is per part."""
+        return self.sketch is None
+
     def on_part(self, part: Part, captured: Captured) -> None:
         if part.name in self._delivered:  # a module called twice: one call's spectrum would be wrong
-            self.batch.repeated.add(part.name)
+            self.batch.repeated.update(part.member(k).name for k in range(len(captured.lengths)))
             return
         self._delivered.add(part.name)
         X, D = captured.X, captured.D
@@ -182,9 +188,10 @@ class BatchCapture(Capture):
                 self.core[key] = _CoreGroup(self._x_gram(captured, core, part.d_in), core.lengths, core.batch_rows)
             group = self.core[key]
             A, inner = segment_gram(core.take(D)[:, :core.T], core.take(lengths), group.B, self.policy)
-            group.items.append((part, A, inner))
+            group.items.append((part.take(core.rows), A, inner))
         if materialised.rows:
             gram = self._materialised_gram(part, captured, materialised, D)
+            part = part.take(materialised.rows)
             if self.eager or self.batch.checkpointed:
                 self.solved.extend(self._solve_gram(part, materialised.batch_rows, self._for_eigen(gram, "gram")))
             else:
@@ -358,15 +365,18 @@ class BatchCapture(Capture):
         self.wait_host()
         N = self.batch.N
         nan = float("nan")
-        metrics = {p.name: torch.full((N, len(self.metric_names)), nan, dtype=torch.float64)
-                   for t in self.targets for p in t.parts}
+        finite = finite.numpy().tolist()
+        # numpy while rows are recorded one by one (a torch element assignment costs several microseconds)
+        metrics = {p.name: np.full((N, len(self.metric_names)), nan) for t in self.targets for p in t.parts}
         spectra: dict[str, list[np.ndarray]] = {name: [np.zeros(0)] * N for name in metrics} if keep_spectra else {}
 
         reached: set[tuple[str, int]] = set()
 
-        def record(part: Part, samples: tuple[int, ...], sigma: torch.Tensor, m: torch.Tensor, ok: torch.Tensor,
+        def record(parts: Part, samples: tuple[int, ...], sigma: torch.Tensor, m: torch.Tensor, ok: torch.Tensor,
                    failed: set[int]) -> None:
+            m, ok, sigma = m.numpy(), ok.numpy().tolist(), sigma.numpy()
             for row, i in enumerate(samples):
+                part = parts.member(row)
                 reached.add((part.name, i))
                 if not finite[i]:
                     continue
@@ -380,8 +390,7 @@ class BatchCapture(Capture):
                 if not m[row, 0] >= 1e-12 and not part.routed:  # an expert reached only by tokens without loss
                     flags[i].add("zero_gradient")
                 if keep_spectra:
-                    s = sigma[row].numpy()
-                    spectra[part.name][i] = s[s > 0]
+                    spectra[part.name][i] = sigma[row][sigma[row] > 0]
 
         solved = self.solved + self._solve_cores(list(self.core.values()))
         solved += [self._sketch_solved(part, rows, gram, frob2) for part, rows, gram, frob2 in self.sketched]
@@ -400,6 +409,7 @@ class BatchCapture(Capture):
                         flags[i].add("repeated_call")
                     elif not part.routed and (part.name, i) not in reached:
                         flags[i].add("missing_gradient")
+        metrics = {name: torch.from_numpy(values) for name, values in metrics.items()}
         return metrics, spectra
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,7 +28,7 @@ from gradspec.layers.checkpointing import FIRST, RECOMPUTE, Pairing
 from gradspec.layers.hooks import Captured
 from gradspec.layers.linear import start_graph
 from gradspec.layers.lora import adapted
-from gradspec.layers.registry import Part, Target, parameter_shape, register
+from gradspec.layers.registry import Part, Stack, Target, parameter_shape, register
 from gradspec.linalg.host_copies import to_device
 
 CAPTURED_AS = "gradspec"  # the implementation a scored pass runs, recorded in score files
@@ -141,51 +142,134 @@ def _paired(deliver: Callable) -> Callable:
     return lambda X, gradient: gradient[1].deliver(deliver, gradient[2], X, gradient[0])
 
 
+class _Bucket(NamedTuple):
+    """One length bucket of an experts module's (sample, expert) segments: a Stack per role, and
+    where its gather index, batch rows and lengths lie in the layout's device tensor."""
+
+    stacks: tuple[Stack, ...]
+    key: tuple  # its Captured's layout and input
+    t: int  # its longest segment
+    lengths: torch.Tensor
+    rows: tuple[int, ...]
+    index: slice
+    device_rows: slice
+    device_lengths: slice
+
+
 class _Layout:
-    """Where each sample's routed tokens lie among an experts module's sorted pairs: per expert, the
-    samples that reached it (those with tokens within their length), their counts, and a gather index
-    (n_e, t_e) into the pairs (S: a zero row), built on the host and copied to the device once."""
+    """Where each sample's routed tokens lie among an experts module's sorted pairs, and how they are
+    delivered: to captures that take stacks, per role one Stack of (sample, expert) segments per
+    length bucket (segments of 2^(b-1) < n <= 2^b tokens: padding under 2x), so that a layer's Gram
+    and eigen calls do not grow with its experts; else per expert, the samples that reached it. Gather
+    indices into the pairs (S: a zero row) are built on the host and copied to the device once."""
 
     def __init__(self, target: ExpertsTarget, batch, total: torch.Tensor, routed: torch.Tensor, S: int,
                  device: torch.device) -> None:
-        self.target, self.batch, self.S = target, batch, S
+        self.target, self.batch, self.S, self.device = target, batch, S, device
         self.parts: dict[int, dict[str, list[Part]]] = {}  # expert -> {"up": gate and up parts, "down": ...}
         for p in target.parts:
             which = "down" if p.role == "expert_down" else "up"
             self.parts.setdefault(target.expert_of(p), {"up": [], "down": []})[which].append(p)
         self.parts = dict(sorted(self.parts.items()))
-        starts = (total.flatten().cumsum(0) - total.flatten()).view_as(total).numpy()
-        counts = routed.numpy()
-        self.experts, pieces, lengths, rows = [], [], [], []
-        for e in self.parts:
-            reached = np.flatnonzero(counts[e])
-            if not len(reached):
-                continue
-            n = counts[e, reached]
-            steps = np.arange(n.max())
-            pieces.append(np.where(steps < n[:, None], starts[e, reached][:, None] + steps, S).ravel())
-            self.experts.append((e, tuple(reached.tolist()), torch.from_numpy(n), len(reached), int(n.max())))
-            lengths.append(n)
-            rows.append(reached)
-        cat = (lambda arrays: to_device(torch.from_numpy(np.concatenate(arrays)), device)) \
-            if pieces else (lambda arrays: None)
-        self.index, self.device_lengths, self.device_rows = cat(pieces), cat(lengths), cat(rows)
+        self.starts = (total.flatten().cumsum(0) - total.flatten()).view_as(total).numpy()
+        self.counts = routed.numpy()
+        self._per_expert: tuple | None = None
+        self._stacked: dict[str, tuple] = {}
 
     def deliver(self, deliver: Callable, which: str, X: torch.Tensor, D: torch.Tensor) -> None:
-        """Each reached expert's parts of the up (gate and up) or down projection."""
+        """The up (gate and up) or down projection's parts, as stacks or per expert."""
         Xz, Dz = (torch.cat([Y, Y.new_zeros(1, Y.shape[1])]) for Y in (X, D))
+        if getattr(deliver, "stacks", False):
+            self._deliver_stacks(deliver, which, Xz, Dz)
+        else:
+            self._deliver_per_expert(deliver, which, Xz, Dz)
+
+    def _gather(self, pieces: list[np.ndarray]) -> torch.Tensor | None:
+        return to_device(torch.from_numpy(np.concatenate(pieces)), self.device) if pieces else None
+
+    def _segments(self, experts: list[int]) -> tuple[np.ndarray, ...]:
+        """(expert position, sample, token count, first pair) of each reached (expert, sample), by expert."""
+        counts = self.counts[experts]
+        at, sample = np.nonzero(counts)
+        return at, sample, counts[at, sample], self.starts[experts][at, sample]
+
+    def _index(self, start: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, int]:
+        """Each segment's pair rows, padded with S to the longest: ((segments x t,), t)."""
+        t = int(n.max())
+        steps = np.arange(t)
+        return np.where(steps < n[:, None], start[:, None] + steps, self.S).ravel(), t
+
+    def _deliver_stacks(self, deliver: Callable, which: str, Xz: torch.Tensor, Dz: torch.Tensor) -> None:
+        if which not in self._stacked:
+            self._stacked[which] = self._buckets(which)
+        buckets, on_device = self._stacked[which]
+        for b in buckets:
+            index, n = on_device[b.index], len(b.rows)
+            Xs, Ds = Xz[index].view(n, b.t, -1), Dz[index].view(n, b.t, -1)
+            captured = Captured(Xs, Ds, b.lengths, b.rows, self.batch, b.key, b.key, on_device[b.device_rows],
+                                on_device[b.device_lengths])
+            for stack in b.stacks:
+                deliver(stack, captured.with_D(stack.output_features(Ds)))
+
+    def _buckets(self, which: str) -> tuple[list[_Bucket], torch.Tensor | None]:
+        """Per group of experts scoring the same roles, per length bucket, its segments; on the device,
+        every bucket's gather index, batch rows and lengths in one tensor (one copy)."""
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for e, parts in self.parts.items():
+            if parts[which]:
+                groups.setdefault(tuple(p.role for p in parts[which]), []).append(e)
+        buckets, pieces, at = [], [], 0
+
+        def place(piece: np.ndarray) -> slice:
+            nonlocal at
+            pieces.append(piece)
+            at += len(piece)
+            return slice(at - len(piece), at)
+
+        for roles, experts in groups.items():
+            position, sample, n, start = self._segments(experts)
+            bucket = np.ceil(np.log2(np.maximum(n, 1))).astype(np.int64)
+            for b in np.unique(bucket).tolist():
+                sel = np.flatnonzero(bucket == b)
+                index, t = self._index(start[sel], n[sel])
+                owners = [experts[k] for k in position[sel].tolist()]
+                name = f"{self.target.scored_as}.{which}[{'+'.join(roles)}; segments of <={1 << b} tokens]"
+                stacks = tuple(Stack.of(f"{name}.{role}", tuple(self.parts[e][which][r] for e in owners))
+                               for r, role in enumerate(roles))
+                buckets.append(_Bucket(stacks, (self.target.name, name), t, torch.from_numpy(n[sel]),
+                                       tuple(sample[sel].tolist()), place(index), place(sample[sel]), place(n[sel])))
+        return buckets, self._gather(pieces)
+
+    def _deliver_per_expert(self, deliver: Callable, which: str, Xz: torch.Tensor, Dz: torch.Tensor) -> None:
+        if self._per_expert is None:
+            self._per_expert = self._experts()
+        experts, (index, device_lengths, device_rows) = self._per_expert
         at = row = 0
-        for e, reached, lengths, n, t in self.experts:
-            index = self.index[at : at + n * t]
+        for e, reached, lengths, n, t in experts:
             parts = self.parts[e][which]
             if parts:
-                Xe, De = Xz[index].view(n, t, -1), Dz[index].view(n, t, -1)
+                Xe, De = Xz[index[at : at + n * t]].view(n, t, -1), Dz[index[at : at + n * t]].view(n, t, -1)
                 captured = Captured(Xe, De, lengths, reached, self.batch, (self.target.name, e),
-                                    (self.target.name, e, which), self.device_rows[row : row + n],
-                                    self.device_lengths[row : row + n])
+                                    (self.target.name, e, which), device_rows[row : row + n],
+                                    device_lengths[row : row + n])
                 for part in parts:
                     deliver(part, captured.with_D(part.output_features(De)))
             at, row = at + n * t, row + n
+
+    def _experts(self) -> tuple[list, tuple]:
+        """Per reached expert (expert, samples, their counts, n, t), and on the device the gather index,
+        counts and samples of all of them."""
+        experts, pieces, lengths, rows = [], [], [], []
+        for e in self.parts:
+            _, sample, n, start = self._segments([e])
+            if not len(n):
+                continue
+            index, t = self._index(start, n)
+            experts.append((e, tuple(sample.tolist()), torch.from_numpy(n), len(n), t))
+            pieces.append(index)
+            lengths.append(n)
+            rows.append(sample)
+        return experts, (self._gather(pieces), self._gather(lengths), self._gather(rows))
 
 
 def _up_name(module: nn.Module) -> str:
@@ -196,7 +280,9 @@ def _per_expert(module: nn.Module, name: str, X: torch.Tensor, bounds: list[tupl
     """Each expert's rows of X through its slice of the parameter `name` (and its bias): one GEMM per expert."""
     W, bias = getattr(module, name), getattr(module, f"{name}_bias", None)
     transposed = getattr(module, "is_transposed", False)
-    pieces = [(X[a:b] @ W[e] if transposed else F.linear(X[a:b], W[e])) + (0 if bias is None else bias[e])
+    # split, not slices: a slice's backward fills a zero gradient of all of X's rows (E x S x H in all)
+    rows = X.split([b - a for a, b in bounds])
+    pieces = [(rows[e] @ W[e] if transposed else F.linear(rows[e], W[e])) + (0 if bias is None else bias[e])
               for e, (a, b) in enumerate(bounds) if b > a]
     width = W.shape[2] if transposed else W.shape[1]
     return torch.cat(pieces) if pieces else X.new_zeros(0, width)

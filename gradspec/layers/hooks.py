@@ -239,6 +239,8 @@ class Capture:
     its results to the batch's BatchScores; release drops what it held (Grams, host copies)."""
 
     measures = False  # whether an eigen stage will be measured on this batch (no consumer but the spectra's)
+    # whether on_part takes a Stack (gradspec.layers.registry): many parts' rows in one Captured
+    takes_stacks = False
 
     def __init__(self, targets: list[Target], batch: BatchLayout) -> None:
         self.targets, self.batch = targets, batch
@@ -278,6 +280,8 @@ def attached(model: nn.Module, captures: list[Capture]) -> Iterator[None]:
         for capture in captures:
             capture.on_part(part, captured)
 
+    # A kind that can deliver its parts as Stacks (experts) does so where every capture takes them.
+    deliver.stacks = all(c.takes_stacks for c in captures)
     handles = []
     try:
         for target in targets:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
@@ -47,6 +47,36 @@ class Part:
     def gradient(self, parameters: dict[str, torch.Tensor]) -> torch.Tensor:
         """Its (d_out, d_in) gradient from the parameters' .grad (the reference's)."""
         return self.slice(parameters[self.parameter].grad)
+
+    def take(self, rows: tuple[int, ...]) -> Part:
+        """The part of these rows of its Captured: itself (a Stack: the stack of their members)."""
+        return self
+
+    def member(self, row: int) -> Part:
+        """The part that row k of its Captured belongs to: itself (a Stack: that row's member)."""
+        return self
+
+
+@dataclass(frozen=True)
+class Stack(Part):
+    """Parts of one role delivered in one Captured (every expert of an experts module): its row k is a
+    segment of members[k]'s tokens of one sample. Shaped like each member (d_in, d_out, output
+    features); named for its delivery, once per batch. A capture that takes stacks
+    (Capture.takes_stacks) forms each row's Gram and spectrum as it would the member's own."""
+
+    members: tuple[Part, ...] = ()
+
+    @classmethod
+    def of(cls, name: str, members: tuple[Part, ...]) -> Stack:
+        return cls(**{f.name: getattr(members[0], f.name) for f in fields(Part)} | {"name": name}, members=members)
+
+    def take(self, rows: tuple[int, ...]) -> Stack:
+        if len(rows) == len(self.members):  # rows are positions, increasing: all of them
+            return self
+        return Stack.of(self.name, tuple(self.members[k] for k in rows))
+
+    def member(self, row: int) -> Part:
+        return self.members[row]
 
 
 class Target:
