@@ -12,10 +12,14 @@ Rows, on the same padded batches (8 samples of 96-256 tokens, the second half th
 - gradspec attn: ``SpectralEngine.score`` of q, k, v, o only (its experts run the model's own way);
 - gradspec all: q, k, v, o, every expert's gate, up and down, and the routers.
 
-ROUNDS interleaved rounds after a warm-up; medians and their ratios to the floor are printed. Run
-with ``pytest benchmarks/bench_moe.py -s`` (a few minutes on 2 cores); ratios only within one run.
+ROUNDS interleaved rounds after a warm-up; medians and their ratios to the floor are printed, then
+where the time of one 'all' pass goes (``stages``: one more pass under cProfile, whose overhead
+inflates the Python-heavy stages; each stage's share is of that pass). Run with
+``pytest benchmarks/bench_moe.py -s`` (under a minute on 2 cores); ratios only within one run.
 """
 
+import cProfile
+import pstats
 import statistics
 
 import torch
@@ -69,6 +73,30 @@ def eager_floor(model: torch.nn.Module, padded: tuple[torch.Tensor, ...]) -> Non
         model.set_experts_implementation("grouped_mm")
 
 
+# Stages of one pass, as the functions that run them (cumulative seconds; the hooks' run within the backward).
+STAGES = {
+    "forward (model, with gradspec's experts forward)": ("loss.py", "response_losses"),
+    "backward, all of it": ("autograd/__init__.py", "backward"),
+    "  of which the hooks: gathers, Grams (layers.hooks deliver)": ("hooks.py", "deliver"),
+    "  of which the Grams themselves (segment_gram)": ("grams.py", "segment_gram"),
+    "eigen stage and metrics (BatchCapture.reduce)": ("capture.py", "reduce"),
+}
+
+
+def stages(run) -> dict[str, float]:
+    """Cumulative seconds per STAGES entry of one run under cProfile, and the run's total."""
+    profile = cProfile.Profile()
+    profile.runcall(run)
+    stats = pstats.Stats(profile).stats
+    out = {}
+    for name, (where, function) in STAGES.items():
+        out[name] = sum(ct for (file, _, func), (_, _, _, ct, callers) in stats.items()
+                        if file.endswith(where) and func == function  # outermost calls only:
+                        and not any((f, fn) == (file, func) for f, _, fn in callers))
+    out["total"] = max(ct for (_, _, _, ct, _) in stats.values())
+    return out
+
+
 def test_experts_and_routers_vs_floor():
     model, padded = moe_model(), batch()
     attn, every = SpectralEngine(model, "attn"), SpectralEngine(model, "all")
@@ -83,3 +111,8 @@ def test_experts_and_routers_vs_floor():
     for row, m in med.items():
         print(f"  {row:22s} {m:7.3f} s  {m / med['floor']:5.2f}x the floor  "
               f"(rounds: {', '.join(f'{t:.3f}' for t in times[row])})")
+    split = {"floor": stages(rows["floor"]), "gradspec all": stages(rows["gradspec all"])}
+    print("\nWhere one pass's time goes (seconds under cProfile; its overhead inflates Python-heavy stages):")
+    print(f"  {'stage':62s} {'floor':>8s} {'all':>8s}")
+    for stage in [*STAGES, "total"]:
+        print(f"  {stage:62s} {split['floor'][stage]:8.3f} {split['gradspec all'][stage]:8.3f}")

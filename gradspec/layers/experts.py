@@ -8,9 +8,11 @@ expert_down), over the tokens routed to it, with the routing weight entering as 
 During a scored pass the module runs gradspec's forward: transformers' eager computation, one GEMM per
 expert over the (token, expert) pairs sorted by expert, whose intermediate tensors carry the hooks.
 Each pair is reduced once, for the expert it reached: the cost grows with the routed tokens, not with
-E x T. The model's own implementation (``experts_implementation``: grouped_mm, batched_mm, eager) is
-put back after, and is what the reference differentiates. The pass reads the routed-token counts on
-the host once per MoE layer (transformers' eager loop syncs once per expert).
+E x T. Each (sample, expert) pair's tokens are a segment; a capture that takes stacks gets a role's
+segments of a layer as one Stack per length bucket, so its Gram and eigen calls do not grow with E.
+The model's own implementation (``experts_implementation``: grouped_mm, batched_mm, eager) is put
+back after, and is what the reference differentiates. The pass reads the routed-token counts on the
+host once per MoE layer (transformers' eager loop syncs once per expert).
 """
 
 from __future__ import annotations
