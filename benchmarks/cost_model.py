@@ -2,6 +2,7 @@
 
     python benchmarks/cost_model.py --quick --out /tmp/cm          # rates measured on this machine
     python benchmarks/cost_model.py --device cuda --out $OUT       # on a GPU (the suite runs it too)
+    python benchmarks/cost_model.py --rates gpu_out/results.json   # a GPU suite's rates (an H200's), anywhere
 
 Every figure here is a PREDICTION: the work each stage does, counted from the model's shape, divided
 by per-operation rates measured on the machine at hand (measure_rates). benchmarks/gpu_suite.py
@@ -20,6 +21,16 @@ Stages per sample (one sample of T tokens, R of them the response; a batch of `b
   eigensolve at n = min(d_in, d_out) per module.
 - copies: the Grams the eigen stage reads, device to host, where that stage runs on the host.
 
+Mixture of experts (a shape with num_experts or num_local_experts): the router is one dense part
+(hidden -> E) like the others. Each (sample, expert) pair with n routed tokens is a segment, and a
+segment takes a dense sample's path at n tokens, per expert: gate and up share one input (the
+expert's tokens), down reads the expert's intermediate activations. n is an ASSUMPTION: uniform
+routing, each of a sample's T tokens to k experts spread evenly, so each reached expert gets
+k T / E tokens and all E are reached once k T >= E (routing). Real routing is uneven: a few longer
+segments cost more than many short ones (n^3 eigensolves), so the prediction is optimistic there.
+The floor's expert GEMMs are timed at the dense GEMM rate, though each runs over an expert's few
+rows (slower: not counted). Biases (gpt-oss) are neither scored nor counted.
+
 FLOP conventions (exact, tested in tests/benchmarks/test_cost_model.py):
 - GEMM (m x k) @ (k x n): 2 m n k.
 - SYRK of a T x d matrix (the lower triangle of Y Y^T, diagonal included): T (T + 1) d.
@@ -27,8 +38,10 @@ FLOP conventions (exact, tested in tests/benchmarks/test_cost_model.py):
 - Cholesky (potrf) at n: n^3 / 3.   Values-only symmetric eigensolve at n: 4 n^3 / 3 (reported;
   its time is measured, not derived from FLOPs).
 - floor: 2 P T forward + 2 P T input-gradient backward (P: the weights of the decoder layers'
-  linear modules), attention 2 T^2 h per layer forward and 4 T^2 h backward (causal: half of
-  QK^T and PV's 4 T^2 h), and the LM head 2 h V R forward + 2 h V R backward.
+  linear modules a token passes through; MoE: attention, router, its k experts and any shared
+  experts), attention 2 T^2 a per layer forward and 4 T^2 a backward (a = heads x head_dim; causal:
+  half of QK^T and PV's 4 T^2 a; every layer full, gpt-oss's sliding-window layers too), and the
+  LM head 2 h V R forward + 2 h V R backward.
 - a training step (for comparison): the floor plus weight gradients, 2 P T + 2 h V R.
 
 Time: compute stages are FLOPs / the measured rate of their operation (bytes are reported, not
@@ -53,11 +66,24 @@ from pathlib import Path
 
 import torch
 
-# Scored module sets, and which modules read one input (one X X^T serves them all).
-MODULE_SETS = {"attn": ("q", "k", "v", "o"), "all": ("q", "k", "v", "o", "gate", "up", "down")}
+# Scored module sets, of the modules a shape has (an MoE layer: router and experts; gate, up and
+# down only where it has shared experts); which modules read one input is Linear.input.
+MODULE_SETS = {"attn": ("q", "k", "v", "o"),
+               "all": ("q", "k", "v", "o", "gate", "up", "down", "router", "expert_gate", "expert_up", "expert_down")}
 SYEVD_SIZES = (32, 64, 128, 256, 512, 1024)
-QUICK_SYEVD_SIZES = (64, 128, 256, 512)
+QUICK_SYEVD_SIZES = (32, 64, 128, 256, 512)  # 32: Qwen3-30B-A3B's expert segments at T = 512
 PREDICTION = "prediction (cost model), not a measurement"
+UNIFORM_ROUTING = "uniform routing assumed: k T / E tokens of a sample per expert, all E reached once k T >= E"
+# Prediction-only MoE shapes (config.json on the Hub, key names as there), beside gpu_suite.SHAPES' dense ones.
+MOE_SHAPES = {
+    "Qwen3-30B-A3B": ("qwen3_moe", dict(hidden_size=2048, moe_intermediate_size=768, num_hidden_layers=48,
+                                        num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                        num_experts=128, num_experts_per_tok=8, vocab_size=151936)),
+    # gate and up interleaved in one gate_up_proj, with biases (not scored; their FLOPs left out)
+    "gpt-oss-20b": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                                    num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                                    num_local_experts=32, num_experts_per_tok=4, vocab_size=201088)),
+}
 
 
 # ----------------------------------------------------------------------------- shapes and work
@@ -69,6 +95,7 @@ class Linear:
     d_in: int
     d_out: int
     input: str  # modules with the same input share its X X^T
+    per_expert: bool = False  # one expert's: scored per (sample, expert) segment
 
     @property
     def materialised(self) -> int:
@@ -76,21 +103,53 @@ class Linear:
         return min(self.d_in, self.d_out)
 
 
-def linears(shape: dict) -> dict[str, Linear]:
-    """One decoder layer's linear modules (Llama / Qwen2 layout) from a transformers config dict."""
-    h, inter = shape["hidden_size"], shape["intermediate_size"]
+def num_experts(shape: dict) -> int:
+    """E of an MoE shape (Qwen3-MoE's config name, or gpt-oss' and Mixtral's); 0 for a dense one."""
+    return shape.get("num_experts") or shape.get("num_local_experts") or 0
+
+
+def attention_width(shape: dict) -> int:
+    """heads x head_dim: the width of QK^T and PV (not the hidden size in Qwen3-MoE or gpt-oss)."""
     heads = shape["num_attention_heads"]
-    kv = shape.get("num_key_value_heads") or heads
-    head_dim = shape.get("head_dim") or h // heads
-    return {"q": Linear("q", h, heads * head_dim, "attn_in"), "k": Linear("k", h, kv * head_dim, "attn_in"),
-            "v": Linear("v", h, kv * head_dim, "attn_in"), "o": Linear("o", heads * head_dim, h, "o_in"),
-            "gate": Linear("gate", h, inter, "mlp_in"), "up": Linear("up", h, inter, "mlp_in"),
-            "down": Linear("down", inter, h, "down_in")}
+    return heads * (shape.get("head_dim") or shape["hidden_size"] // heads)
 
 
-def layer_params(shape: dict) -> int:
-    """P: the weights of every decoder layer's linear modules (embeddings and LM head apart)."""
-    return shape["num_hidden_layers"] * sum(m.d_in * m.d_out for m in linears(shape).values())
+def linears(shape: dict) -> dict[str, Linear]:
+    """One decoder layer's linear modules (Llama / Qwen2 layout) from a transformers config dict. An MoE
+    layer: the router, one expert's gate, up and down, and a dense MLP only for shared experts."""
+    h, a = shape["hidden_size"], attention_width(shape)
+    heads = shape["num_attention_heads"]
+    kv = (shape.get("num_key_value_heads") or heads) * (a // heads)  # KV heads x head_dim
+    out = {"q": Linear("q", h, a, "attn_in"), "k": Linear("k", h, kv, "attn_in"), "v": Linear("v", h, kv, "attn_in"),
+           "o": Linear("o", a, h, "o_in")}
+    E = num_experts(shape)
+    if E:
+        inner = shape.get("moe_intermediate_size") or shape["intermediate_size"]
+        out |= {"router": Linear("router", h, E, "router_in"),
+                "expert_gate": Linear("expert_gate", h, inner, "expert_in", True),
+                "expert_up": Linear("expert_up", h, inner, "expert_in", True),
+                "expert_down": Linear("expert_down", inner, h, "expert_down_in", True)}
+    inter = shape.get("shared_expert_intermediate_size") if E else shape["intermediate_size"]
+    if inter:
+        out |= {"gate": Linear("gate", h, inter, "mlp_in"), "up": Linear("up", h, inter, "mlp_in"),
+                "down": Linear("down", inter, h, "down_in")}
+    return out
+
+
+def routing(shape: dict, tokens: int) -> tuple[int, float]:
+    """(experts reached, tokens each) of `tokens` tokens in one MoE layer, under the prediction's
+    assumption of uniform routing (UNIFORM_ROUTING): k tokens / E each, all E reached once k tokens >= E."""
+    reached = min(num_experts(shape), shape["num_experts_per_tok"] * tokens)
+    each = shape["num_experts_per_tok"] * tokens / reached  # an average: need not be whole
+    return reached, int(each) if each.is_integer() else each
+
+
+def layer_params(shape: dict, tokens: int = 1) -> int:
+    """P: the weights of the decoder layers' linear modules (embeddings and LM head apart) that `tokens`
+    tokens pass through: in an MoE layer only the experts they reach (one token: its k, the active weights)."""
+    experts = routing(shape, tokens)[0] if num_experts(shape) else 0
+    return shape["num_hidden_layers"] * sum(m.d_in * m.d_out * (experts if m.per_expert else 1)
+                                            for m in linears(shape).values())
 
 
 def takes_core_path(module: Linear, T: int) -> bool:
@@ -133,6 +192,12 @@ class Work:
         return (self.floor_flops + self.syrk_flops + self.gemm_flops + self.potrf_flops
                 + sum(count * syevd_flops(n) for n, count in self.eig))
 
+    def times(self, count: float) -> Work:
+        """count of this work (layers, segments)."""
+        return Work(self.floor_flops * count, self.syrk_flops * count, self.gemm_flops * count,
+                    self.potrf_flops * count, tuple((n, c * count) for n, c in self.eig), self.bytes * count,
+                    self.copy_bytes * count)
+
     def __add__(self, other: Work) -> Work:
         eig: dict[int, int] = {}
         for n, count in self.eig + other.eig:
@@ -145,41 +210,51 @@ class Work:
 def floor_work(shape: dict, T: int, response: int, batch: int = 1, dtype_bytes: int = 2,
                weight_gradients: bool = False) -> Work:
     """The floor per sample (see the module's FLOP conventions); with weight_gradients, a training step.
-    Bytes: the weights read by the forward and the backward, shared by the batch."""
+    Bytes: the weights read by the forward and the backward (an MoE layer's: the experts the batch
+    reaches), shared by the batch."""
     P, h, L, V = layer_params(shape), shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
-    flops = 4 * P * T + 6 * T * T * h * L + 4 * h * V * response
+    flops = 4 * P * T + 6 * T * T * attention_width(shape) * L + 4 * h * V * response
     if weight_gradients:
         flops += 2 * P * T + 2 * h * V * response
-    return Work(floor_flops=flops, bytes=2 * (P + h * V) * dtype_bytes / batch)
+    return Work(floor_flops=flops, bytes=2 * (layer_params(shape, T * batch) + h * V) * dtype_bytes / batch)
 
 
 def spectral_work(shape: dict, modules: str, T: int) -> dict[str, Work]:
     """Per sample: the fp64 Grams, the core-path eigen work ("core") and the materialised one ("gram"),
-    each with the bytes its eigen stage reads (its copies where it runs on the host)."""
-    L = shape["num_hidden_layers"]
-    scored = [linears(shape)[name] for name in MODULE_SETS[modules]]
-    grams, core, gram = Work(), Work(), Work()
+    each with the bytes its eigen stage reads (its copies where it runs on the host). An expert's
+    parts: per segment, at its tokens (routing), times the experts a sample reaches."""
+    layer, L = linears(shape), shape["num_hidden_layers"]
+    scored = [layer[name] for name in MODULE_SETS[modules] if name in layer]
+    reached, n = routing(shape, T) if num_experts(shape) else (0, 0)
+    work = {"grams": Work(), "core": Work(), "gram": Work()}
     for input_name in dict.fromkeys(m.input for m in scored):
         group = [m for m in scored if m.input == input_name]
-        cores = [m for m in group if takes_core_path(m, T)]
-        if cores:  # X X^T once for the input (in fp64: X's copy read, the T x T Gram written)
-            d_in = cores[0].d_in
-            grams += Work(syrk_flops=syrk_flops(T, d_in), bytes=8 * (T * d_in + T * T))
-            core += Work(potrf_flops=potrf_flops(T), bytes=8 * T * T, copy_bytes=8 * T * T)
-        for m in cores:  # D D^T, <D D^T, X X^T>, then L^T A L and the eigensolve at T
-            grams += Work(syrk_flops=syrk_flops(T, m.d_out) + 2 * T * T, bytes=8 * (T * m.d_out + T * T))
-            core += Work(gemm_flops=2 * gemm_flops(T, T, T), eig=((T, 1),), bytes=8 * T * T,
-                         copy_bytes=8 * T * T + 8)
-        for m in group:
-            if m in cores:
-                continue
-            n, big = m.materialised, max(m.d_in, m.d_out)
-            grams += Work(gemm_flops=gemm_flops(m.d_out, T, m.d_in) + gemm_flops(n, big, n),
-                          bytes=8 * (T * (m.d_in + m.d_out) + m.d_in * m.d_out + n * n))
-            gram += Work(eig=((n, 1),), bytes=8 * n * n, copy_bytes=8 * n * n)
-    scale = lambda w: Work(w.floor_flops * L, w.syrk_flops * L, w.gemm_flops * L, w.potrf_flops * L,  # noqa: E731
-                           tuple((n, c * L) for n, c in w.eig), w.bytes * L, w.copy_bytes * L)
-    return {"grams": scale(grams), "core": scale(core), "gram": scale(gram)}
+        expert = group[0].per_expert
+        for stage, w in _input_work(group, n if expert else T).items():
+            work[stage] += w.times(L * (reached if expert else 1))
+    return work
+
+
+def _input_work(group: list[Linear], T: float) -> dict[str, Work]:
+    """The Grams and eigen work of the modules that read one input, for one sample (or segment) of T tokens."""
+    grams, core, gram = Work(), Work(), Work()
+    cores = [m for m in group if takes_core_path(m, T)]
+    if cores:  # X X^T once for the input (in fp64: X's copy read, the T x T Gram written)
+        d_in = cores[0].d_in
+        grams += Work(syrk_flops=syrk_flops(T, d_in), bytes=8 * (T * d_in + T * T))
+        core += Work(potrf_flops=potrf_flops(T), bytes=8 * T * T, copy_bytes=8 * T * T)
+    for m in cores:  # D D^T, <D D^T, X X^T>, then L^T A L and the eigensolve at T
+        grams += Work(syrk_flops=syrk_flops(T, m.d_out) + 2 * T * T, bytes=8 * (T * m.d_out + T * T))
+        core += Work(gemm_flops=2 * gemm_flops(T, T, T), eig=((T, 1),), bytes=8 * T * T,
+                     copy_bytes=8 * T * T + 8)
+    for m in group:
+        if m in cores:
+            continue
+        n, big = m.materialised, max(m.d_in, m.d_out)
+        grams += Work(gemm_flops=gemm_flops(m.d_out, T, m.d_in) + gemm_flops(n, big, n),
+                      bytes=8 * (T * (m.d_in + m.d_out) + m.d_in * m.d_out + n * n))
+        gram += Work(eig=((n, 1),), bytes=8 * n * n, copy_bytes=8 * n * n)
+    return {"grams": grams, "core": core, "gram": gram}
 
 
 # ----------------------------------------------------------------------------- rates
@@ -387,6 +462,12 @@ def _spd(count: int, n: int, device: str, seed: int = 0) -> torch.Tensor:
     return (Y @ Y.mT).to(device)
 
 
+def _syevd_count(n: int, threads: int) -> int:
+    """Matrices per timed eigensolve call: enough that a call at n = 32 (MoE segments) lasts milliseconds.
+    With 16 it lasted 0.3 ms, and quick runs on a shared 2-core VM put n = 32 30x apart."""
+    return max(threads, 2 * threads * (256 // n) ** 2)
+
+
 def _host_rates(threads: int, quick: bool, reps: int) -> OpRates:
     """The host pool's fp64 rates: GEMM and Cholesky by torch on one thread each; SYRK and eigensolves
     by gradspec's extension (its own threads, dsyrk and dsyevd) where it is built, else by torch."""
@@ -414,7 +495,7 @@ def _host_rates(threads: int, quick: bool, reps: int) -> OpRates:
         paths |= {"dsyrk": f"gradspec._C segment_gram (dsyrk) T={T} d={d}", "syevd": "gradspec._C gram_spectra"
                   f" (dsyevd, values only; {extension.LAPACK})"}
         for m in sizes:
-            grams = _spd(max(threads, 2 * threads * 128 // m), m, "cpu", seed=m).numpy()
+            grams = _spd(_syevd_count(m, threads), m, "cpu", seed=m).numpy()
 
             def solve(grams=grams):
                 with extension.ONE_BLAS_THREAD():
@@ -425,7 +506,7 @@ def _host_rates(threads: int, quick: bool, reps: int) -> OpRates:
         dsyrk = syrk_flops(T, d) / _pool_seconds(lambda i: Y[i] @ Y[i].mT, jobs, threads, reps)
         paths |= {"dsyrk": f"torch matmul (full product) T={T} d={d}", "syevd": "torch eigvalsh"}
         for m in sizes:
-            grams = _spd(max(threads, 2 * threads * 128 // m), m, "cpu", seed=m)
+            grams = _spd(_syevd_count(m, threads), m, "cpu", seed=m)
             syevd.append((m, _pool_seconds(lambda i, g=grams: torch.linalg.eigvalsh(g[i]), len(grams), threads, reps)))
     return OpRates("host", dgemm, dsyrk, potrf, tuple(syevd), paths)
 
@@ -562,24 +643,56 @@ def rates_lines(rates: Rates) -> list[str]:
     return lines
 
 
+def moe_line(name: str, shape: dict, T: int) -> str:
+    """What an MoE prediction assumes of its routing, in words."""
+    reached, n = routing(shape, T)
+    return (f"{name}: MoE, {UNIFORM_ROUTING}: {reached} of {num_experts(shape)} experts reached per sample, "
+            f"{n} tokens each (top-{shape['num_experts_per_tok']}); {layer_params(shape) / 1e9:.3g} G active "
+            "decoder-layer weights a token")
+
+
 def report(rates: Rates, shapes: dict, T: int = 512, batch: int = 16) -> tuple[dict, str]:
-    """Predictions for every model shape and module set at T tokens (half of them the response)."""
+    """Predictions for every model shape and module set at T tokens (half of them the response), after
+    a summary of every model's samples/s (dense and MoE side by side) at the best eigen placement."""
     response = T - T // 2
     result: dict = {"label": PREDICTION, "rates": rates.as_dict(), "T": T, "response": response, "batch": batch,
                     "predictions": []}
     md = ["# Cost model: predictions", "", f"Every figure below is a {PREDICTION}. T = {T}, {response} response "
           f"tokens, batch {batch}; fp64 Grams and cores. Overlapped: the host's eigen stage beside the device's "
           "next batch (on the CPU: equal to serial).", "", *rates_lines(rates), ""]
+    summary = ["## Summary: samples/s per model, eigen stage placed best (predicted)", "",
+               "| model | modules | floor | score (serial) | submit (overlapped) | training step |",
+               "|---|---|---:|---:|---:|---:|"]
+    notes, sections = [], []
     dtype_bytes = getattr(torch, rates.floor_dtype).itemsize
     for name, (_, shape) in shapes.items():
+        moe = {}
+        if num_experts(shape):
+            reached, n = routing(shape, T)
+            moe = {"moe": {"experts": num_experts(shape), "top_k": shape["num_experts_per_tok"], "reached": reached,
+                           "tokens_each": n, "routing": UNIFORM_ROUTING}}
+            notes.append("- " + moe_line(name, shape, T))
         for modules in MODULE_SETS:
             placements = ["best"] + (["host", "device"] if rates.on_gpu else [])
             for place in placements:
                 p = (predict_best(shape, modules, T, response, rates, batch, dtype_bytes) if place == "best"
                      else predict(shape, modules, T, response, rates, batch, place, dtype_bytes))
-                result["predictions"].append({"model": name, "modules": modules, "eigen": place, **p.as_dict()})
-                md += [f"## {name}, {modules}, eigen stage: {place} {p.placement}", "", *table(p), ""]
-    return result, "\n".join(md) + "\n"
+                result["predictions"].append({"model": name, "modules": modules, "eigen": place, **p.as_dict(), **moe})
+                sections += [f"## {name}, {modules}, eigen stage: {place} {p.placement}", "", *table(p), ""]
+                if place == "best":
+                    summary.append(f"| {name} | {modules} | {1 / p.stage_seconds()['floor']:.3g}/s "
+                                   f"| **{p.serial_samples_s:.3g}/s** | {p.overlapped_samples_s:.3g}/s "
+                                   f"| {1 / p.train_step_s:.3g}/s |")
+    if notes:
+        notes = ["", *notes, "- the floor's rate is the dense GEMM's at the hidden width: an MoE layer's "
+                 "per-expert GEMMs (fewer rows) run slower, which this model does not count"]
+    return result, "\n".join(md + summary + notes + [""] + sections) + "\n"
+
+
+def load_rates(path: str) -> Rates:
+    """Rates written before: cost_model.json (--out) or the GPU suite's results.json (its cost_model)."""
+    d = json.loads(Path(path).read_text())
+    return Rates.from_dict(d.get("cost_model", d)["rates"])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -589,12 +702,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host-threads", type=int, default=None, help="default: the extension's threads")
     p.add_argument("--T", type=int, default=512)
     p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--rates", default=None, help="rates measured before (cost_model.json, or a GPU suite's "
+                   "results.json: an H200's) instead of measuring here")
     p.add_argument("--out", default=None, help="writes cost_model.json and cost_model.md there")
     args = p.parse_args(argv)
     from gpu_suite import SHAPES
 
-    rates = measure_rates(args.device, args.host_threads, args.quick)
-    result, md = report(rates, SHAPES, args.T, args.batch)
+    rates = load_rates(args.rates) if args.rates else measure_rates(args.device, args.host_threads, args.quick)
+    result, md = report(rates, SHAPES | MOE_SHAPES, args.T, args.batch)
     print(md)
     if args.out:
         out = Path(args.out)
