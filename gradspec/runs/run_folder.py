@@ -497,8 +497,12 @@ class RunFolder:
 
     def write_part(self, chunk: int, rows: list[dict[str, Any]], metadata: dict[str, Any]) -> None:
         """A chunk's rows, with the run's config fingerprint and the rows it holds in its metadata."""
-        table = _rows_table(rows)
-        held = {"chunk": chunk, "first_row": rows[0]["index"], "last_row": rows[-1]["index"]}
+        self.write_table(chunk, _rows_table(rows), metadata)
+
+    def write_table(self, chunk: int, table: pa.Table, metadata: dict[str, Any]) -> None:
+        """write_part of rows already made a table (its index column: the chunk's rows, in order)."""
+        index = table["index"]
+        held = {"chunk": chunk, "first_row": index[0].as_py(), "last_row": index[-1].as_py()}
         write_parquet(table, self.part(chunk), {**metadata, FINGERPRINT: self._run_fingerprint(), PART: held})
         digest = _sha256(self.part(chunk))  # after the part: a part without one is a write cut short
         atomic_write(self._digest(chunk), lambda f: f.write(digest.encode()))
