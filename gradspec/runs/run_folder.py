@@ -39,7 +39,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -446,13 +446,18 @@ class RunFolder:
                               f"again) or pass {mention('overwrite')} to start again")
 
     def _part_problem(self, chunk: int, fingerprint: str, config: dict[str, Any], records: int | None,
-                      chunk_rows: int | None, verify: bool = False) -> str | None:
+                      chunk_rows: int | None, verify: bool = False,
+                      schema: Callable[[pa.Schema], None] | None = None) -> str | None:
         """Why a part is not this run's (damaged: it cannot be read; with verify, also its bytes are not
         those written), or None. records, chunk_rows: the run's rows and chunk size (either None: the
-        part's rows are not checked)."""
+        part's rows are not checked). schema: called with the part's schema (read_schema's) where the part
+        is this run's but for its bytes, from the footer parsed here (a 7B model's is 1,349 columns: merge
+        parses each part's footer once for its checks and schema, once to read it)."""
         path = self.part(chunk)
         try:
-            footer = pq.read_metadata(path)
+            with pq.ParquetFile(path) as file:
+                footer = file.metadata
+                arrow = file.schema_arrow if schema is not None else None
             meta = json.loads((footer.metadata or {}).get(METADATA_KEY, b"{}"))
         except FileNotFoundError:
             return None  # moved aside by its owner meanwhile
@@ -476,6 +481,8 @@ class RunFolder:
             if got != (chunk, first, last, last - first + 1):
                 return (f"it holds rows {got[1]}-{got[2]} of chunk {got[0]} ({got[3]} rows), but chunk {chunk} of "
                         f"the run is rows {first}-{last}")
+        if schema is not None:
+            schema(arrow)
         try:  # last: a part of another run is named as such, not as damaged
             return self._digest_problem(chunk) if verify else None
         except FileNotFoundError:
@@ -497,8 +504,12 @@ class RunFolder:
 
     def write_part(self, chunk: int, rows: list[dict[str, Any]], metadata: dict[str, Any]) -> None:
         """A chunk's rows, with the run's config fingerprint and the rows it holds in its metadata."""
-        table = _rows_table(rows)
-        held = {"chunk": chunk, "first_row": rows[0]["index"], "last_row": rows[-1]["index"]}
+        self.write_table(chunk, _rows_table(rows), metadata)
+
+    def write_table(self, chunk: int, table: pa.Table, metadata: dict[str, Any]) -> None:
+        """write_part of rows already made a table (its index column: the chunk's rows, in order)."""
+        index = table["index"]
+        held = {"chunk": chunk, "first_row": index[0].as_py(), "last_row": index[-1].as_py()}
         write_parquet(table, self.part(chunk), {**metadata, FINGERPRINT: self._run_fingerprint(), PART: held})
         digest = _sha256(self.part(chunk))  # after the part: a part without one is a write cut short
         atomic_write(self._digest(chunk), lambda f: f.write(digest.encode()))
@@ -530,8 +541,8 @@ class RunFolder:
             self.acquire(Shard(), whole=True)
         try:
             self._remove_output_temporaries()
-            parts = self._mergeable(self._rows(records), chunk_rows, progress)
-            rows = self._write_merged(parts, chunk_rows, progress)
+            parts, schema = self._mergeable(self._rows(records), chunk_rows, progress)
+            rows = self._write_merged(parts, schema, chunk_rows, progress)
             self._clear()  # the parts merged, their checksums, the manifest, killed writes' temporaries
         finally:
             self.release()  # the run is over (or refused): its lock goes, and the folder if it is empty
@@ -540,8 +551,8 @@ class RunFolder:
             log.warning("kept %s: it holds files merge did not write (%s)", self.path, ", ".join(left[:10]))
         return rows
 
-    def _mergeable(self, records: int, chunk_rows: int, progress: bool = False) -> list[Path]:
-        """The parts to merge, in order, each checked against the manifest."""
+    def _mergeable(self, records: int, chunk_rows: int, progress: bool = False) -> tuple[list[Path], pa.Schema]:
+        """The parts to merge, in order, each checked against the manifest, and their merged schema."""
         chunks, done = range(math.ceil(records / chunk_rows)), self.done()
         missing = [c for c in chunks if c not in done]
         if missing:
@@ -554,18 +565,18 @@ class RunFolder:
         fingerprint = config_fingerprint(config)
         checked = tqdm(sorted(done), desc=f"checking {self.path.name}", unit="part", disable=not progress,
                        dynamic_ncols=True)
+        schema = _MergedSchema()  # sorted(done) is chunks where no part is refused: the schemas come in order
         problems = [f"{self.part(c).name}: {why}" for c in checked
-                    if (why := self._part_problem(c, fingerprint, config, records, chunk_rows, verify=True))
-                    is not None]
+                    if (why := self._part_problem(c, fingerprint, config, records, chunk_rows, verify=True,
+                                                  schema=schema.add)) is not None]
         if problems:
             damaged = any("damaged" in p for p in problems)
             raise OptionError((), f"cannot merge {self.path}, nothing was written or deleted: " + "; ".join(problems)
                               + "; move the parts named out of the folder, then score their chunks again with "
                               + mention("resume") + (" (which moves a damaged part aside itself)" if damaged else ""))
-        return [self.part(c) for c in chunks]
+        return [self.part(c) for c in chunks], schema.merged()
 
-    def _write_merged(self, parts: list[Path], chunk_rows: int, progress: bool = False) -> int:
-        schema = _merged_schema(parts)
+    def _write_merged(self, parts: list[Path], schema: pa.Schema, chunk_rows: int, progress: bool = False) -> int:
         # a float column's values hardly repeat: a dictionary is tried, then dropped, at twice the time
         dictionary = [f.name for f in schema if not pa.types.is_floating(f.type)]
         rows = 0
@@ -897,23 +908,30 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _merged_schema(parts: list[Path]) -> pa.Schema:
-    """The parts' schemas unified, with the run as the first part describes it (less the rows the part
-    holds) and the paths that any part's stages took (on a GPU they are measured per process, so they
-    can differ between parts). Each part's schema is read once, and only one is held at a time."""
-    schema, merged, paths = None, {}, {}
-    for p in parts:
-        part = pq.read_schema(p)
+class _MergedSchema:
+    """The parts' schemas unified, added in the parts' order, with the run as the first part describes it
+    (less the rows the part holds) and the paths that any part's stages took (on a GPU they are measured
+    per process, so they can differ between parts). Only one part's schema is held at a time."""
+
+    def __init__(self) -> None:
+        self._schema: pa.Schema | None = None
+        self._described: dict[str, Any] = {}
+        self._paths: dict[str, set[str]] = {}
+
+    def add(self, part: pa.Schema) -> None:
         described = schema_metadata(part)
-        if schema is None:
-            schema, merged = part, {k: v for k, v in described.items() if k != PART}
+        if self._schema is None:
+            self._schema, self._described = part, {k: v for k, v in described.items() if k != PART}
         else:
-            schema = pa.unify_schemas([schema, part], promote_options="permissive")
+            self._schema = pa.unify_schemas([self._schema, part], promote_options="permissive")
         for stage, names in described.get("paths", {}).items():
-            paths.setdefault(stage, set()).update(names)
-    if paths:
-        merged["paths"] = {stage: sorted(names) for stage, names in sorted(paths.items())}
-    return schema.with_metadata({METADATA_KEY: json.dumps(merged).encode()})
+            self._paths.setdefault(stage, set()).update(names)
+
+    def merged(self) -> pa.Schema:
+        merged = dict(self._described)
+        if self._paths:
+            merged["paths"] = {stage: sorted(names) for stage, names in sorted(self._paths.items())}
+        return self._schema.with_metadata({METADATA_KEY: json.dumps(merged).encode()})
 
 
 def conformed(table: pa.Table, schema: pa.Schema) -> pa.Table:

@@ -197,9 +197,12 @@ def read_scores(path: str | Path, *, modules: Iterable[str] | None = None, metri
         module and metric.
     """
     if modules is not None or metrics is not None or columns is not None:
-        batches = list(iter_scores(path, modules=modules, metrics=metrics, columns=columns, progress=progress))
-        return (pd.concat([w for w, _ in batches], ignore_index=True),
-                pd.concat([lg for _, lg in batches], ignore_index=True))
+        (rows, long_rows), batches = _scores(path, modules, metrics, columns, progress)
+        wides, longs = _Stacked(rows), _Stacked(long_rows)
+        for wide, long in batches:
+            wides.add(wide)
+            longs.add(long)
+        return wides.frame(), longs.frame()
     meta = read_metadata(path)
     wide = pq.read_table(path).to_pandas()
     parts = meta.get("parts", [])
@@ -214,6 +217,58 @@ def read_scores(path: str | Path, *, modules: Iterable[str] | None = None, metri
     columns = ["index", "layer", "module", "name", "metric", "value"]
     long = pd.concat(frames, ignore_index=True)[columns] if frames else pd.DataFrame(columns=columns)
     return wide, long.sort_values(["index", "layer", "module", "metric"], ignore_index=True)
+
+
+class _Stacked:
+    """Frames of the same columns, rows in all, stacked as pd.concat(frames, ignore_index=True) stacks them,
+    holding less: pd.concat holds every frame and the whole result at once, twice the result (a million rows'
+    long form of 14 columns is 1.1 GB). Here each frame's NumPy columns are copied into the result's arrays as
+    it comes (its blocks are freed with it); its other columns (pandas' str, backed by Arrow arrays) are kept
+    and joined without a copy. A NumPy column whose dtype changes between frames (an integer column with
+    nulls in some) is joined as pd.concat joins it."""
+
+    def __init__(self, rows: int) -> None:
+        self._rows, self._at = rows, 0
+        self._filled: dict[str, np.ndarray] = {}  # the result's NumPy columns, rows [0, _at) filled
+        self._columns: dict[str, list[np.ndarray | pd.Series]] = {}  # the others, frame by frame
+        self._order: list[str] = []
+
+    def add(self, frame: pd.DataFrame) -> None:
+        n, at = len(frame), self._at
+        if not self._order:
+            self._order = list(frame.columns)
+            for c in self._order:
+                if isinstance(frame[c].dtype, np.dtype) and at + n <= self._rows:
+                    self._filled[c] = np.empty(self._rows, frame[c].dtype)
+                else:
+                    self._columns[c] = []
+        for c in frame.columns:
+            values = frame[c]
+            filled = self._filled.get(c)
+            if filled is not None and values.dtype == filled.dtype and at + n <= self._rows:
+                filled[at:at + n] = values.to_numpy()
+                continue
+            if filled is not None:  # another dtype: joined from pieces, as pd.concat joins them
+                self._columns[c] = [filled[:at]]
+                del self._filled[c]
+            self._columns[c].append(values.to_numpy(copy=True) if isinstance(values.dtype, np.dtype) else values)
+        self._at += n
+
+    def frame(self) -> pd.DataFrame:
+        joined = {}
+        for c in self._order:
+            if c in self._filled:
+                filled = self._filled.pop(c)[:self._at]
+                joined[c] = pd.Series(filled, dtype=filled.dtype, copy=False)
+                continue
+            pieces = self._columns.pop(c)
+            numpy = all(isinstance(p, np.ndarray) for p in pieces) and len({p.dtype for p in pieces}) == 1
+            if numpy:  # its dtype given: an object column of text would be inferred str
+                joined[c] = pd.Series(np.concatenate(pieces), dtype=pieces[0].dtype, copy=False)
+            else:
+                joined[c] = pd.concat([pd.Series(p, dtype=p.dtype, copy=False) for p in pieces], ignore_index=True)
+            del pieces
+        return pd.DataFrame(joined, copy=False)
 
 
 LONG_COLUMNS = ["index", "layer", "module", "name", "metric", "value"]
@@ -239,20 +294,36 @@ def iter_scores(path: str | Path, *, modules: Iterable[str] | None = None, metri
         (wide, long) of each batch, as read_scores returns them for the whole file: their
         concatenation is read_scores' (with the same arguments).
     """
+    yield from _scores(path, modules, metrics, columns, progress)[1]
+
+
+def _scores(path: str | Path, modules: Iterable[str] | None, metrics: Iterable[str] | None,
+            columns: Iterable[str] | None, progress: bool,
+            ) -> tuple[tuple[int, int], Iterator[tuple[pd.DataFrame, pd.DataFrame]]]:
+    """((rows of wide, rows of long) in the whole file, iter_scores' batches), the arguments checked first.
+    The file's footer is parsed once here, beside read_metadata's check (a million rows' footer is about
+    200 MB in memory while it is parsed)."""
     meta = read_metadata(path)
-    parts, chosen, wanted = score_selection(path, meta, modules, metrics, columns)
+    file = pq.ParquetFile(path)
+    parts, chosen, wanted = score_selection(path, meta, modules, metrics, columns, file.schema_arrow.names)
     row_bytes = 8 * len(wanted) + LONG_ROW_BYTES * len(parts) * len(chosen)
-    for table in read_batches(path, wanted, progress, f"reading {Path(path).name}", row_bytes):
-        wide = table.to_pandas()
-        yield wide, long_form(wide, parts, chosen)
+    rows = file.metadata.num_rows
+
+    def batches() -> Iterator[tuple[pd.DataFrame, pd.DataFrame]]:
+        with file:
+            for table in read_batches(file, wanted, progress, f"reading {Path(path).name}", row_bytes):
+                wide = table.to_pandas()
+                yield wide, long_form(wide, parts, chosen)
+
+    return (rows, rows * len(parts) * len(chosen)), batches()
 
 
 def score_selection(path: str | Path, meta: dict[str, Any], modules: Iterable[str] | None,
-                    metrics: Iterable[str] | None, columns: Iterable[str] | None,
+                    metrics: Iterable[str] | None, columns: Iterable[str] | None, names: list[str] | None = None,
                     ) -> tuple[list[dict[str, Any]], list[str], list[str]]:
     """(the parts, the metrics, the file's columns to read) that read_scores' arguments ask for,
-    or an error naming what the file does not have."""
-    names = pq.read_schema(path).names
+    or an error naming what the file does not have. names: the file's columns (None: read here)."""
+    names = pq.read_schema(path).names if names is None else names
     parts, known = meta.get("parts", []), meta.get("metrics", list(METRICS))
     if modules is not None:
         patterns = [modules] if isinstance(modules, str) else list(modules)
