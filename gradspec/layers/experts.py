@@ -5,8 +5,9 @@ layout flags are those of ``transformers.integrations.moe.use_experts_implementa
 
 Each expert e gives three parts, the slices [e] of those parameters (roles expert_gate, expert_up,
 expert_down), over the tokens routed to it, with the routing weight entering as the model applies it.
-During a scored pass the module runs gradspec's forward: transformers' eager computation, one GEMM per
-expert over the (token, expert) pairs sorted by expert, whose intermediate tensors carry the hooks.
+During a scored pass the module runs gradspec's forward: transformers' computation over the (token,
+expert) pairs sorted by expert, one grouped GEMM per projection (else one GEMM per expert), whose
+intermediate tensors carry the hooks.
 Each pair is reduced once, for the expert it reached: the cost grows with the routed tokens, not with
 E x T. Each (sample, expert) pair's tokens are a segment; a capture that takes stacks gets a role's
 segments of a layer as one Stack per length bucket, so its Gram and eigen calls do not grow with E.
@@ -102,7 +103,8 @@ class ExpertsTarget(Target):
         S = ends[-1] if ends else 0
         X = hidden[token[:S]]
         bounds = list(zip([0, *ends[:-1]], ends, strict=True))
-        gate_up = _per_expert(m, _up_name(m), X, bounds)
+        grouped = _Grouped(ends, group[:S] // (N + 1), X) if _Grouped.runs(X) else None
+        gate_up = _per_expert(m, _up_name(m), X, bounds, grouped)
         # Under non-reentrant checkpointing the first run holds no input: its output gradients meet the
         # recompute's inputs (layers/checkpointing.Pairing), the up projection's then the down's, by call.
         now = batch.phase()
@@ -115,7 +117,7 @@ class ExpertsTarget(Target):
                 batch.routed_tokens[f"{self.scored_as}.{e}"] = routed[e].clone()
             self._on_gradient(gate_up, layout, deliver, "up", X, pairing, now)
         h = m._apply_gate(gate_up) if _up_name(m) == "gate_up_proj" else m.act_fn(gate_up)
-        out = _per_expert(m, "down_proj", h, bounds)
+        out = _per_expert(m, "down_proj", h, bounds, grouped)
         if now.kind == RECOMPUTE:
             pairing.recomputed(now.frame, h.detach(), _paired(deliver))
         else:
@@ -278,10 +280,38 @@ def _up_name(module: nn.Module) -> str:
     return "gate_up_proj" if isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) else "up_proj"
 
 
-def _per_expert(module: nn.Module, name: str, X: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
-    """Each expert's rows of X through its slice of the parameter `name` (and its bias): one GEMM per expert."""
+class _Grouped:
+    """One grouped GEMM for all experts (torch's grouped_mm, as transformers' grouped_mm implementation
+    runs): a call and a launch per projection, not per expert, the same numbers as one GEMM per expert
+    (tests/layers/test_experts_stacked.py). Where torch has no grouped_mm kernel for the tensor (fp64,
+    older GPUs) or autocast would cast each expert's GEMM, one GEMM per expert."""
+
+    def __init__(self, ends: list[int], experts: torch.Tensor, X: torch.Tensor) -> None:
+        self.offsets = to_device(torch.tensor(ends, dtype=torch.int32), X.device)  # each expert's last row + 1
+        self.experts = experts  # each row's expert (for the biases)
+
+    @staticmethod
+    def runs(X: torch.Tensor) -> bool:
+        if getattr(F, "grouped_mm", None) is None or X.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            return False
+        if torch.is_autocast_enabled(X.device.type):
+            return False
+        return X.device.type == "cpu" or (X.device.type == "cuda"
+                                          and torch.cuda.get_device_capability(X.device) >= (8, 0))
+
+    def __call__(self, X: torch.Tensor, W: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+        out = F.grouped_mm(X.to(W.dtype), W if transposed else W.transpose(-2, -1), offs=self.offsets)
+        return out if bias is None else out + bias[self.experts]
+
+
+def _per_expert(module: nn.Module, name: str, X: torch.Tensor, bounds: list[tuple[int, int]],
+                grouped: _Grouped | None) -> torch.Tensor:
+    """Each expert's rows of X through its slice of the parameter `name` (and its bias): one grouped
+    GEMM, else one GEMM per expert."""
     W, bias = getattr(module, name), getattr(module, f"{name}_bias", None)
     transposed = getattr(module, "is_transposed", False)
+    if grouped is not None:
+        return grouped(X, W, bias, transposed)
     # split, not slices: a slice's backward fills a zero gradient of all of X's rows (E x S x H in all)
     rows = X.split([b - a for a, b in bounds])
     pieces = [(rows[e] @ W[e] if transposed else F.linear(rows[e], W[e])) + (0 if bias is None else bias[e])

@@ -113,3 +113,24 @@ def test_gram_eigen_and_kernel_calls_do_not_grow_with_the_experts(monkeypatch):
     alone = {E: _calls(_one_layer_moe(E), monkeypatch) for E in (4, 16)}
     assert alone[16]["segment_gram"] == 4 * alone[4]["segment_gram"] == 16 * stacked[4]["segment_gram"]
     assert alone[16]["eigen"] == 16 * stacked[4]["eigen"] and alone[16]["launches"] == 16 * stacked[4]["launches"]
+
+
+@pytest.mark.parametrize("family", list(MOE_KINDS))
+def test_one_grouped_gemm_gives_the_rows_of_one_gemm_per_expert(family, monkeypatch):
+    """The captured forward's grouped GEMM (torch's grouped_mm, one call per projection) against one GEMM
+    per expert (fp64, older GPUs, autocast): every row the same, bit for bit (gpt-oss: transposed, biases)."""
+    from gradspec.layers import experts
+
+    model = tiny_model(family, vocab=VOCAB)
+    seqs = random_sequences([5, 23, 70], VOCAB, seed=7)
+    calls = []
+    with monkeypatch.context() as patch:
+        patch.setattr(experts._Grouped, "__call__", lambda self, *a, call=experts._Grouped.__call__:
+                      calls.append(1) or call(self, *a))
+        grouped = SpectralEngine(model, "all").score(*padded_batch(seqs))
+    assert len(calls) == 2 * 2  # up and down, 2 layers
+    monkeypatch.setattr(experts._Grouped, "runs", staticmethod(lambda X: False))
+    loop = SpectralEngine(model, "all").score(*padded_batch(seqs))
+    for name in loop.metrics:
+        torch.testing.assert_close(grouped.metrics[name], loop.metrics[name], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(grouped.loss, loop.loss, rtol=0, atol=0)
