@@ -33,7 +33,7 @@ from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.layers.linear import start_graph
 from gradspec.layers.targets import select_targets
 
-ROUNDS = 3
+ROUNDS = 5
 LENGTHS = [96, 120, 144, 168, 192, 216, 240, 256]
 
 
