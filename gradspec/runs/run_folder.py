@@ -40,7 +40,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -536,45 +535,24 @@ class RunFolder:
         deletes the parts and the manifest (and the folder, if nothing else is left in it); returns
         the rows written. Refuses, writing and deleting nothing, while a live process works in the
         folder, a chunk is missing, or a part is not of this run (another config, other rows, beyond
-        the run's chunks, unreadable, its bytes not those written). Reads the parts in batches
-        (read_batches); progress: a bar for the parts' checks and one for the parts merged."""
+        the run's chunks, unreadable). Reads the parts in batches (read_batches); progress: a bar
+        for the checksums and one for the parts merged."""
         if self._lock is None:
             self.acquire(Shard(), whole=True)
-        # Each part's checksum, read in threads (hashing releases the GIL) beside the footer checks and the
-        # writing, in part order, so a part is mostly in the page cache when the writer reads it. The merged
-        # file is renamed into place only once every part's bytes are found to be those written.
-        pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="gradspec-checksum")
         try:
             self._remove_output_temporaries()
-            digests = {c: pool.submit(self._verified, c) for c in sorted(self.done())}
-            parts, schema = self._mergeable(self._rows(records), chunk_rows, digests, progress)
-            rows = self._write_merged(parts, schema, chunk_rows, digests, progress)
+            parts, schema = self._mergeable(self._rows(records), chunk_rows, progress)
+            rows = self._write_merged(parts, schema, chunk_rows, progress)
             self._clear()  # the parts merged, their checksums, the manifest, killed writes' temporaries
         finally:
-            pool.shutdown(cancel_futures=True)
             self.release()  # the run is over (or refused): its lock goes, and the folder if it is empty
         if self.path.exists():
             left = sorted(p.name for p in self.path.iterdir())
             log.warning("kept %s: it holds files merge did not write (%s)", self.path, ", ".join(left[:10]))
         return rows
 
-    def _verified(self, chunk: int) -> str | None:
-        """Why a part's bytes are not those written, or None (also where it was moved aside meanwhile)."""
-        try:
-            return self._digest_problem(chunk)
-        except FileNotFoundError:
-            return None
-
-    def _refuse(self, problems: list[str]) -> None:
-        damaged = any("damaged" in p for p in problems)
-        raise OptionError((), f"cannot merge {self.path}, nothing was written or deleted: " + "; ".join(problems)
-                          + "; move the parts named out of the folder, then score their chunks again with "
-                          + mention("resume") + (" (which moves a damaged part aside itself)" if damaged else ""))
-
-    def _mergeable(self, records: int, chunk_rows: int, digests: dict, progress: bool = False
-                   ) -> tuple[list[Path], pa.Schema]:
-        """The parts to merge, in order, each checked against the manifest, and their merged schema;
-        digests: each part's checksum problem (a Future), read where a part is refused here."""
+    def _mergeable(self, records: int, chunk_rows: int, progress: bool = False) -> tuple[list[Path], pa.Schema]:
+        """The parts to merge, in order, each checked against the manifest, and their merged schema."""
         chunks, done = range(math.ceil(records / chunk_rows)), self.done()
         missing = [c for c in chunks if c not in done]
         if missing:
@@ -588,15 +566,17 @@ class RunFolder:
         checked = tqdm(sorted(done), desc=f"checking {self.path.name}", unit="part", disable=not progress,
                        dynamic_ncols=True)
         schema = _MergedSchema()  # sorted(done) is chunks where no part is refused: the schemas come in order
-        found = {c: why for c in checked
-                 if (why := self._part_problem(c, fingerprint, config, records, chunk_rows, schema=schema.add))}
-        if found:  # every part's problem at once, its bytes' too (the first found: another run's before damaged)
-            self._refuse([f"{self.part(c).name}: {why}" for c in sorted(done)
-                          if (why := found.get(c) or digests[c].result()) is not None])
+        problems = [f"{self.part(c).name}: {why}" for c in checked
+                    if (why := self._part_problem(c, fingerprint, config, records, chunk_rows, verify=True,
+                                                  schema=schema.add)) is not None]
+        if problems:
+            damaged = any("damaged" in p for p in problems)
+            raise OptionError((), f"cannot merge {self.path}, nothing was written or deleted: " + "; ".join(problems)
+                              + "; move the parts named out of the folder, then score their chunks again with "
+                              + mention("resume") + (" (which moves a damaged part aside itself)" if damaged else ""))
         return [self.part(c) for c in chunks], schema.merged()
 
-    def _write_merged(self, parts: list[Path], schema: pa.Schema, chunk_rows: int, digests: dict,
-                      progress: bool = False) -> int:
+    def _write_merged(self, parts: list[Path], schema: pa.Schema, chunk_rows: int, progress: bool = False) -> int:
         # a float column's values hardly repeat: a dictionary is tried, then dropped, at twice the time
         dictionary = [f.name for f in schema if not pa.types.is_floating(f.type)]
         rows = 0
@@ -628,10 +608,6 @@ class RunFolder:
                     rows += n
                 if held:
                     writer.write_table(pa.concat_tables(held))
-            damaged = [f"{self.part(c).name}: {why}" for c, digest in digests.items()
-                       if (why := digest.result()) is not None]
-            if damaged:  # the file written so far is removed (atomic_write): nothing is in place
-                self._refuse(damaged)
             if errors:  # before the output is renamed into place: once it is, the parts may go
                 atomic_write(self.errors_path, lambda e: e.write("".join(errors).encode()))
 
