@@ -134,3 +134,20 @@ def test_one_grouped_gemm_gives_the_rows_of_one_gemm_per_expert(family, monkeypa
     for name in loop.metrics:
         torch.testing.assert_close(grouped.metrics[name], loop.metrics[name], rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(grouped.loss, loop.loss, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("modules", ["model.layers.0.mlp.experts.3.*", "*.experts.*.up_proj",
+                                     "*.experts.*.down_proj,*.experts.1.gate_proj"],
+                         ids=["one expert", "one role", "roles differing by expert"])
+def test_a_selection_of_some_experts_parts_stacks_to_the_same_rows(modules, monkeypatch):
+    """Experts scoring different roles are stacked apart (a group per set of roles); unselected parts
+    are neither scored nor stacked."""
+    model = tiny_model("qwen3_moe", vocab=VOCAB)
+    seqs = random_sequences([5, 23, 70, 41], VOCAB, seed=4)
+    stacked = SpectralEngine(model, modules).score(*padded_batch(seqs))
+    _per_expert(monkeypatch)
+    alone = SpectralEngine(model, modules).score(*padded_batch(seqs))
+    assert stacked.metrics.keys() == alone.metrics.keys()
+    for name in alone.metrics:
+        torch.testing.assert_close(stacked.metrics[name], alone.metrics[name], rtol=0, atol=0, equal_nan=True)
+    assert stacked.flags == alone.flags
