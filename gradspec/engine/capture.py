@@ -18,7 +18,7 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 import torch
 
-from gradspec.layers.hooks import BatchLayout, Capture, Captured, InputKey, token_mask
+from gradspec.layers.hooks import BatchLayout, Capture, Captured, token_mask
 from gradspec.layers.registry import Part, Target
 from gradspec.linalg import extension, stages
 from gradspec.linalg.eigen import (
@@ -345,9 +345,9 @@ class BatchCapture(Capture):
     def _solve_freed(self) -> None:
         """Eager: the eigen stage of every input whose tensor is gone (every part reading it has
         delivered), so that its Grams are not held to the end of the backward."""
-        for key in [k for k in self.x_grams if isinstance(k, InputKey) and not k.alive()]:
+        for key in [k for k in self.x_grams if _gone(k)]:
             del self.x_grams[key]
-        for key in [k for k in self.core if isinstance(k[0], InputKey) and not k[0].alive()]:
+        for key in [k for k in self.core if _gone(k[0])]:
             group = self.core.pop(key)
             group.B = self._for_eigen(group.B, "core")
             group.items = [(part, A.to(group.B.device), inner) for part, A, inner in group.items]
@@ -436,6 +436,12 @@ def _isolating_failures(solve, columns: int, *batched: torch.Tensor
         sigmas.append(sigma)
         metrics.append(m)
     return (torch.cat(sigmas), torch.cat(metrics)), failed
+
+
+def _gone(input_key) -> bool:
+    """Whether no part reading this input can still be delivered: a dense input's tensor freed (InputKey),
+    an experts bucket delivered (layers.experts._Segments); other keys live to the end of the backward."""
+    return hasattr(input_key, "alive") and not input_key.alive()
 
 
 def _terms(group: _CoreGroup) -> int:

@@ -146,12 +146,26 @@ def _paired(deliver: Callable) -> Callable:
     return lambda X, gradient: gradient[1].deliver(deliver, gradient[2], X, gradient[0])
 
 
+class _Segments:
+    """A bucket's input, as its Captured's key: dead once every part reading it has been delivered, so
+    that an eager capture (under checkpointing) solves its Grams then, as it does a dense input's once
+    its tensor is gone (layers.hooks.InputKey), and does not hold every layer's to the end."""
+
+    __slots__ = ("delivered",)
+
+    def __init__(self) -> None:
+        self.delivered = False
+
+    def alive(self) -> bool:
+        return not self.delivered
+
+
 class _Bucket(NamedTuple):
     """One length bucket of an experts module's (sample, expert) segments: a Stack per role, and
     where its gather index, batch rows and lengths lie in the layout's device tensor."""
 
     stacks: tuple[Stack, ...]
-    key: tuple  # its Captured's layout and input
+    key: _Segments  # its Captured's layout and input
     t: int  # its longest segment
     lengths: torch.Tensor
     rows: tuple[int, ...]
@@ -214,6 +228,7 @@ class _Layout:
                                 on_device[b.device_lengths])
             for stack in b.stacks:
                 deliver(stack, captured.with_D(stack.output_features(Ds)))
+            b.key.delivered = True
 
     def _buckets(self, which: str) -> tuple[list[_Bucket], torch.Tensor | None]:
         """Per group of experts scoring the same roles, per length bucket, its segments; on the device,
@@ -240,7 +255,7 @@ class _Layout:
                 name = f"{self.target.scored_as}.{which}[{'+'.join(roles)}; segments of <={1 << b} tokens]"
                 stacks = tuple(Stack.of(f"{name}.{role}", tuple(self.parts[e][which][r] for e in owners))
                                for r, role in enumerate(roles))
-                buckets.append(_Bucket(stacks, (self.target.name, name), t, torch.from_numpy(n[sel]),
+                buckets.append(_Bucket(stacks, _Segments(), t, torch.from_numpy(n[sel]),
                                        tuple(sample[sel].tolist()), place(index), place(sample[sel]), place(n[sel])))
         return buckets, self._gather(pieces)
 

@@ -66,6 +66,22 @@ def test_eager_eigen_stage_frees_each_input_s_grams_during_the_backward():
         torch.testing.assert_close(eager[name], value, rtol=1e-12, atol=0, equal_nan=True, msg=name)
 
 
+def test_experts_grams_are_solved_layer_by_layer_under_checkpointing():
+    """An experts module's stacked segments are solved once every part reading them is delivered, as a
+    dense input's once it is gone: the first layer's groups are left after the backward, not every layer's;
+    the same rows as without checkpointing."""
+    model = tiny_model("qwen3_moe", vocab=VOCAB).train()
+    batch = padded_batch(random_sequences(LENGTHS, VOCAB, seed=6))
+    held_late, held_eager = [], []
+    late = spectra(model, "experts", batch, held=held_late)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    eager = spectra(model, "experts", batch, held=held_eager)
+    layers = model.config.num_hidden_layers
+    assert held_eager[0] <= held_late[0] // layers < held_late[0]
+    for name, value in late.items():
+        torch.testing.assert_close(eager[name], value, rtol=1e-12, atol=0, equal_nan=True, msg=name)
+
+
 def test_frozen_lower_layers_under_checkpointing():
     """Where a scored module's input needs no gradient (frozen embeddings and first layer), its output
     starts the graph in the recompute as in the first run: both save the same tensors."""
