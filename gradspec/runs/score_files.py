@@ -205,18 +205,7 @@ def read_scores(path: str | Path, *, modules: Iterable[str] | None = None, metri
         return wides.frame(), longs.frame()
     meta = read_metadata(path)
     wide = pq.read_table(path).to_pandas()
-    parts = meta.get("parts", [])
-    metrics = meta.get("metrics", list(METRICS))
-    frames = []
-    for p in parts:
-        cols = [column(p["name"], m) for m in metrics]
-        block = wide[["index", *cols]].melt(id_vars="index", var_name="metric", value_name="value")
-        block["metric"] = block["metric"].str.rsplit("/", n=1).str[1]
-        block["name"], block["layer"], block["module"] = p["name"], p["layer"], p["role"]
-        frames.append(block)
-    columns = ["index", "layer", "module", "name", "metric", "value"]
-    long = pd.concat(frames, ignore_index=True)[columns] if frames else pd.DataFrame(columns=columns)
-    return wide, long.sort_values(["index", "layer", "module", "metric"], ignore_index=True)
+    return wide, long_form(wide, meta.get("parts", []), meta.get("metrics", list(METRICS)))
 
 
 class _Stacked:
@@ -358,7 +347,7 @@ def long_form(wide: pd.DataFrame, parts: list[dict[str, Any]], metrics: list[str
     for p in parts:
         cols = [column(p["name"], m) for m in metrics]
         block = wide[["index", *cols]].melt(id_vars="index", var_name="metric", value_name="value")
-        # the metric of each column's rows, as read_scores' str.rsplit gives them, sharing a str each (8 bytes a row)
+        # the metric of each column's rows, sharing a str each (8 bytes a row)
         block["metric"] = pd.Series(np.repeat(np.array(metrics, dtype=object), len(wide)), dtype=object)
         block["name"], block["layer"], block["module"] = p["name"], p["layer"], p["role"]
         frames.append(block)
