@@ -141,10 +141,11 @@ class BatchCapture(Capture):
         self.solved: list[_Solved] = []
 
     def _samples(self, captured: Captured, rows: list[int]) -> _Samples:
-        T = int(captured.lengths[rows].max()) if rows else 0
+        lengths = captured.lengths[rows]
         whole = rows == list(range(len(captured.lengths)))
         index = None if whole else torch.tensor(rows)
-        return _Samples(tuple(rows), tuple(captured.batch_row(i) for i in rows), captured.lengths[rows], index, T)
+        return _Samples(tuple(rows), tuple(captured.batch_row(i) for i in rows), lengths, index,
+                        int(lengths.max()) if rows else 0)
 
     def _split(self, captured: Captured, n: int) -> tuple[_Samples, _Samples]:
         """(samples shorter than n tokens, the rest): the core path for a module whose smaller side

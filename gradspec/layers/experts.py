@@ -267,7 +267,8 @@ class _Layout:
         for e, reached, lengths, n, t in experts:
             parts = self.parts[e][which]
             if parts:
-                Xe, De = Xz[index[at : at + n * t]].view(n, t, -1), Dz[index[at : at + n * t]].view(n, t, -1)
+                rows = index[at : at + n * t]
+                Xe, De = Xz[rows].view(n, t, -1), Dz[rows].view(n, t, -1)
                 captured = Captured(Xe, De, lengths, reached, self.batch, (self.target.name, e),
                                     (self.target.name, e, which), device_rows[row : row + n],
                                     device_lengths[row : row + n])
