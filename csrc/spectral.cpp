@@ -74,7 +74,7 @@ void require_bound() {
 struct SymmetricEigen {
   std::vector<double> work, scratch, values;
   std::vector<int> iwork;
-  std::vector<double> l, chol, f, w, core, ev, y;  // core_sample's and segment_gram's scratch
+  std::vector<double> l, chol, f, w, core, ev, y, x, g;  // core_sample's, segment_gram's, product_gram's scratch
   std::vector<int> piv;
   int lwork = 0, liwork = 0, cached_n = -1;
   bool cached_vectors = false;
@@ -171,6 +171,35 @@ const int64_t* checked_lengths(const Lengths& lengths, int N, int T) {
   for (int i = 0; i < N; ++i)
     if (len[i] < 0 || len[i] > T) throw std::invalid_argument("lengths must lie in [0, T]");
   return len;
+}
+
+// The batch samples a call forms, (K,) indices into lengths (N,): rows, or every sample where rows is None.
+// Only the picked samples' lengths must lie in [0, T]: a caller passes Y sliced to the picked ones' longest.
+std::vector<int> picked_samples(const Lengths& lengths, py::object rows, int N, int T) {
+  if (lengths.ndim() != 1 || lengths.shape(0) != N) throw std::invalid_argument("lengths must have shape (N,)");
+  std::vector<int> picked;
+  if (rows.is_none()) {
+    for (int i = 0; i < N; ++i) picked.push_back(i);
+  } else {
+    Lengths r = rows.cast<Lengths>();
+    if (r.ndim() != 1) throw std::invalid_argument("rows must have shape (K,)");
+    for (py::ssize_t k = 0; k < r.shape(0); ++k) {
+      if (r.data()[k] < 0 || r.data()[k] >= N) throw std::invalid_argument("rows must lie in [0, N)");
+      picked.push_back(static_cast<int>(r.data()[k]));
+    }
+  }
+  for (int i : picked)
+    if (lengths.data()[i] < 0 || lengths.data()[i] > T) throw std::invalid_argument("lengths must lie in [0, T]");
+  return picked;
+}
+
+// Output entries by decreasing length of their samples: tasks handed out longest first (dynamic scheduling
+// then ends with the short ones, so no thread waits long on another's last task).
+std::vector<int> longest_first(const std::vector<int>& picked, const int64_t* len) {
+  std::vector<int> order(picked.size());
+  for (size_t k = 0; k < picked.size(); ++k) order[k] = static_cast<int>(k);
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return len[picked[a]] > len[picked[b]]; });
+  return order;
 }
 
 // One Gram's singular values (sigma, length n) from its n x n matrix a.
@@ -402,15 +431,6 @@ void rows_as_double(const char* sample, const py::ssize_t* strides, int n, int d
   }
 }
 
-// Sample indices by decreasing length: tasks handed out longest first (dynamic scheduling then ends
-// with the short ones, so no thread waits long on another's last task).
-std::vector<int> longest_first(const int64_t* len, int N) {
-  std::vector<int> order(N);
-  for (int i = 0; i < N; ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return len[a] > len[b]; });
-  return order;
-}
-
 // A Gram whose lower triangle (column-major, leading dimension T) holds the leading n x n block:
 // its upper triangle mirrored by 32 x 32 tiles (the strided writes stay in L1), the padding zeroed,
 // and <Gram, other> over the n x n block when other is given (contiguous, both triangles counted).
@@ -433,49 +453,52 @@ double finish_gram(double* g, int n, int T, const double* other) {
   return inner;
 }
 
-// fp64 Gram of each sample's valid rows, Y_i[:n] Y_i[:n]^T, with BLAS dsyrk (half the work of a
-// GEMM, none spent on padding), and <Gram_i, other_i> where other (N, T, T) is given. One task per
+// fp64 Gram of each picked sample's valid rows, Y_i[:n] Y_i[:n]^T, with BLAS dsyrk (half the work of a
+// GEMM, none spent on padding), and <Gram_k, other_k> where other (K, T, T) is given; rows (K,) picks the
+// batch samples (None: all), so the caller gathers nothing. One task per
 // sample does all of its work while its Gram is in cache: rows to fp64, dsyrk, mirror, padding,
 // inner product. A sample of SPLIT_ROWS rows or more is two tasks of about equal time (below), finished
 // by whichever ends second: decided by its length alone, so that its Gram's rounding does not depend on the
 // samples beside it (an expert's segment scores the same stacked with others' or alone).
 constexpr int SPLIT_ROWS = 64;
 template <typename Scalar>
-py::tuple segment_gram(py::array_t<Scalar> Y, Lengths lengths, py::object other, int threads) {
+py::tuple segment_gram(py::array_t<Scalar> Y, Lengths lengths, py::object other, int threads, py::object rows) {
   require_bound();
   if (Y.ndim() != 3) throw std::invalid_argument("Y must have shape (N, T, d)");
   const int N = static_cast<int>(Y.shape(0)), T = static_cast<int>(Y.shape(1)), d = static_cast<int>(Y.shape(2));
-  const int64_t* len = checked_lengths(lengths, N, T);
+  const std::vector<int> picked = picked_samples(lengths, rows, N, T);
+  const int K = static_cast<int>(picked.size());
+  const int64_t* len = lengths.data();
   Array others;
   if (!other.is_none()) {
     others = other.cast<Array>();
-    if (others.ndim() != 3 || others.shape(0) != N || others.shape(1) != T || others.shape(2) != T)
-      throw std::invalid_argument("other must have shape (N, T, T) like the Gram");
+    if (others.ndim() != 3 || others.shape(0) != K || others.shape(1) != T || others.shape(2) != T)
+      throw std::invalid_argument("other must have shape (K, T, T) like the Gram");
   }
   const auto ys = Y.strides();
   const char* base = reinterpret_cast<const char*>(Y.data());
-  py::array_t<double> out({N, T, T});  // every entry written by its sample's task
+  py::array_t<double> out({K, T, T});  // every entry written by its sample's task
   double* o = out.mutable_data();
-  py::array_t<double> inners(N);
+  py::array_t<double> inners(K);
   double* in_out = inners.mutable_data();
   const double* oth = other.is_none() ? nullptr : others.data();
-  std::vector<std::pair<int, int>> tasks;  // (sample, part): -1 the whole sample, else 0 and 1
-  for (int i : longest_first(len, N)) {
-    if (len[i] >= SPLIT_ROWS) {
-      tasks.emplace_back(i, 0);
-      tasks.emplace_back(i, 1);
+  std::vector<std::pair<int, int>> tasks;  // (output entry, part): -1 the whole sample, else 0 and 1
+  for (int k : longest_first(picked, len)) {
+    if (len[picked[k]] >= SPLIT_ROWS) {
+      tasks.emplace_back(k, 0);
+      tasks.emplace_back(k, 1);
     } else {
-      tasks.emplace_back(i, -1);
+      tasks.emplace_back(k, -1);
     }
   }
-  std::vector<std::atomic<int>> done(N);
+  std::vector<std::atomic<int>> done(K);
   for (auto& count : done) count = 0;
   parallel_for(static_cast<int>(tasks.size()), threads, [&](int task, SymmetricEigen& scratch) {
-    const int i = tasks[task].first, part = tasks[task].second;
+    const int k = tasks[task].first, part = tasks[task].second, i = picked[k];
     const int split = part < 0 ? 1 : 2;
     const int n = static_cast<int>(len[i]);
     const size_t TT = static_cast<size_t>(T) * T;
-    double* g = o + i * TT;  // column-major, leading dimension T
+    double* g = o + k * TT;  // column-major, leading dimension T
     if (n > 0) {
       std::vector<double>& y = scratch.y;
       // Split: part 0 the rows [0, h) by dsyrk; part 1 the rows [h, n) by dsyrk and the block below part 0's by
@@ -495,15 +518,87 @@ py::tuple segment_gram(py::array_t<Scalar> Y, Lengths lengths, py::object other,
       if (part == 1) {
         syrk(h, n - h);
         if (h > 0 && n - h > 0) {  // G[h:n, 0:h] = Y[h:n] Y[0:h]^T
-          int m = n - h, k = h;
-          dgemm_(&trans, &nn, &m, &k, &d_, &one, y.data() + static_cast<size_t>(h) * d, &d_, y.data(), &d_, &zero,
+          int below = n - h, left = h;
+          dgemm_(&trans, &nn, &below, &left, &d_, &one, y.data() + static_cast<size_t>(h) * d, &d_, y.data(), &d_, &zero,
                  g + h, &ld);
         }
       }
     }
-    if (split == 1 || ++done[i] == split) in_out[i] = finish_gram(g, n, T, oth ? oth + i * TT : nullptr);
+    if (split == 1 || ++done[k] == split) in_out[k] = finish_gram(g, n, T, oth ? oth + k * TT : nullptr);
   });
   return py::make_tuple(out, oth ? py::object(inners) : py::none());
+}
+
+// fp64 Gram of each sample's G_i = D_i[:n]^T X_i[:n] (p x q): G G^T (p x p) where p <= q, else G^T G
+// (q x q), (K, m, m) with m = min(p, q), for the samples whose length reaches the smaller side (the
+// materialised path; shorter ones take the T x T core). With V the narrower of D and X and W the other, the
+// Gram is H H^T for H = V^T W (m x w). Only the valid rows are read (no padding), both go to fp64 once per
+// sample, H by dgemm, its Gram by dsyrk (half a GEMM). rows (K,) picks the batch samples (None: all), so the
+// caller gathers nothing. A sample of SPLIT_ROWS rows or more and m >= 2 is two tasks: H's first h rows and
+// their Gram block, the other rows and theirs; whichever ends second forms the block between them. That is
+// decided by the sample's shape alone, so its rounding does not depend on the samples beside it.
+template <typename Scalar>
+py::array_t<double> product_gram(py::array_t<Scalar> D, py::array_t<Scalar> X, Lengths lengths, py::object rows,
+                                 int threads) {
+  require_bound();
+  if (D.ndim() != 3 || X.ndim() != 3 || D.shape(0) != X.shape(0) || D.shape(1) != X.shape(1))
+    throw std::invalid_argument("D and X must have shapes (N, T, p) and (N, T, q)");
+  const int N = static_cast<int>(D.shape(0)), T = static_cast<int>(D.shape(1));
+  const bool d_narrow = D.shape(2) <= X.shape(2);
+  const py::array_t<Scalar>& V = d_narrow ? D : X;
+  const py::array_t<Scalar>& W = d_narrow ? X : D;
+  const int m = static_cast<int>(V.shape(2)), w = static_cast<int>(W.shape(2));
+  const std::vector<int> picked = picked_samples(lengths, rows, N, T);
+  const int K = static_cast<int>(picked.size());
+  const int64_t* len = lengths.data();
+  std::vector<std::pair<int, int>> tasks;  // (output entry, part): -1 the whole sample, else 0 and 1
+  for (int k : longest_first(picked, len)) {
+    if (len[picked[k]] >= SPLIT_ROWS && m >= 2) {
+      tasks.emplace_back(k, 0);
+      tasks.emplace_back(k, 1);
+    } else {
+      tasks.emplace_back(k, -1);
+    }
+  }
+  std::vector<std::vector<double>> shared(K);  // a split sample's H, written by both of its tasks
+  for (const auto& [k, part] : tasks)
+    if (part == 0) shared[k].resize(static_cast<size_t>(m) * w);
+  std::vector<std::atomic<int>> done(K);
+  for (auto& count : done) count = 0;
+  const auto vs = V.strides(), ws = W.strides();
+  const char* v_base = reinterpret_cast<const char*>(V.data());
+  const char* w_base = reinterpret_cast<const char*>(W.data());
+  py::array_t<double> out({K, m, m});
+  double* o = out.mutable_data();
+  const int h = m / 2;  // a split sample's first task: H's rows [0, h)
+  parallel_for(static_cast<int>(tasks.size()), threads, [&](int task, SymmetricEigen& scratch) {
+    const int k = tasks[task].first, part = tasks[task].second;
+    const int i = picked[k], n = static_cast<int>(len[i]);
+    double* gram = o + static_cast<size_t>(k) * m * m;  // column-major, leading dimension m
+    if (n == 0) {
+      std::fill(gram, gram + static_cast<size_t>(m) * m, 0.0);
+      return;
+    }
+    // Row-major n x m (n x w) rows are column-major m x n (w x n): H = Vc Wc^T, column-major m x w.
+    rows_as_double<Scalar>(v_base + i * vs[0], vs, n, m, scratch.y);
+    rows_as_double<Scalar>(w_base + i * ws[0], ws, n, w, scratch.x);
+    double* H = part < 0 ? sized(scratch.g, static_cast<size_t>(m) * w).data() : shared[k].data();
+    const int first = part == 1 ? h : 0, count = part < 0 ? m : (part == 0 ? h : m - h);
+    char nn = 'N', tr = 'T', lower = 'L';
+    int m_ = m, w_ = w, n_ = n, c_ = count;
+    double one = 1.0, zero = 0.0;
+    dgemm_(&nn, &tr, &c_, &w_, &n_, &one, scratch.y.data() + first, &m_, scratch.x.data(), &w_, &zero, H + first,
+           &m_);
+    double* block = gram + static_cast<size_t>(first) * m + first;
+    dsyrk_(&lower, &nn, &c_, &w_, &one, H + first, &m_, &zero, block, &m_);
+    if (part >= 0 && ++done[k] < 2) return;
+    if (part >= 0) {  // the block between the halves: rows [h, m), columns [0, h)
+      int below = m - h, left = h;
+      dgemm_(&nn, &tr, &below, &left, &w_, &one, H + h, &m_, H, &m_, &zero, gram + h, &m_);
+    }
+    finish_gram(gram, m, m, nullptr);
+  });
+  return out;
 }
 
 }  // namespace
@@ -517,9 +612,18 @@ PYBIND11_MODULE(_C, m) {
         "Bind LAPACK dsyevd, dpstrf, dpotrf and BLAS dgemm, dsyrk, dtrmm by address (Fortran calling convention, 32-bit\n"
         "ints).");
   m.def("segment_gram", &segment_gram<float>, py::arg("Y"), py::arg("lengths"), py::arg("other"), py::arg("threads"),
-        "(fp64 Gram Y_i Y_i^T over each sample's first lengths[i] rows of Y (N, T, d), zero-padded to (N, T, T);\n"
-        "<Gram_i, other_i> (N,) where other (N, T, T) is given, else None).");
-  m.def("segment_gram", &segment_gram<double>, py::arg("Y"), py::arg("lengths"), py::arg("other"), py::arg("threads"));
+        py::arg("rows") = py::none(),
+        "(fp64 Gram Y_i Y_i^T over each picked sample's first lengths[i] rows of Y (N, T, d), zero-padded to\n"
+        "(K, T, T); <Gram_k, other_k> (K,) where other (K, T, T) is given, else None); rows (K,) the samples\n"
+        "picked, None for all.");
+  m.def("segment_gram", &segment_gram<double>, py::arg("Y"), py::arg("lengths"), py::arg("other"), py::arg("threads"),
+        py::arg("rows") = py::none());
+  m.def("product_gram", &product_gram<float>, py::arg("D"), py::arg("X"), py::arg("lengths"), py::arg("rows"),
+        py::arg("threads"),
+        "(K, m, m) fp64 Gram of G = D_i^T X_i over each picked sample's first lengths[i] rows, D (N, T, p) and X\n"
+        "(N, T, q): G G^T where p <= q, else G^T G (m = min(p, q)); rows (K,) the samples picked.");
+  m.def("product_gram", &product_gram<double>, py::arg("D"), py::arg("X"), py::arg("lengths"), py::arg("rows"),
+        py::arg("threads"));
   const double eps64 = std::numeric_limits<double>::epsilon();
   m.def("gram_spectra", &gram_spectra, py::arg("grams"), py::arg("threads"), py::arg("eps") = eps64,
         py::arg("terms") = 0,

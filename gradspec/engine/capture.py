@@ -18,7 +18,7 @@ from typing import NamedTuple, TypeVar
 import numpy as np
 import torch
 
-from gradspec.layers.hooks import BatchLayout, Capture, Captured, token_mask
+from gradspec.layers.hooks import BatchLayout, Capture, Captured
 from gradspec.layers.registry import Part, Target
 from gradspec.linalg import extension, stages
 from gradspec.linalg.eigen import (
@@ -29,7 +29,7 @@ from gradspec.linalg.eigen import (
     host_core_spectra,
     host_gram_spectra,
 )
-from gradspec.linalg.grams import segment_gram
+from gradspec.linalg.grams import product_gram, segment_gram
 from gradspec.linalg.host_copies import HostCopies, to_device
 from gradspec.linalg.lowrank import lowrank_metrics, sketch_gram, sketch_matrix, sketch_singular_values
 from gradspec.linalg.metrics import ordered_sum
@@ -63,23 +63,14 @@ class LowRankSketch:
 
 @dataclass
 class _Samples:
-    """Some samples of a Captured: their rows in it and in the batch, their lengths on the host, a gather
-    index (None when they are all of it: a slice, no copy), copied to each device it is taken on;
-    T is the longest of them."""
+    """Some samples of a Captured: their rows in it and in the batch, their lengths on the host, their
+    index on the host for the Gram stages (None when they are all of it); T is the longest of them."""
 
     rows: tuple[int, ...]
     batch_rows: tuple[int, ...]
     lengths: torch.Tensor
     index: torch.Tensor | None
     T: int
-    _on: dict = field(default_factory=dict)
-
-    def take(self, t: torch.Tensor) -> torch.Tensor:
-        if self.index is None:
-            return t
-        if t.device not in self._on:
-            self._on[t.device] = to_device(self.index, t.device)
-        return t[self._on[t.device]]
 
 
 class _Solved(NamedTuple):
@@ -182,13 +173,12 @@ class BatchCapture(Capture):
                 X, D, captured.device_lengths, omega, s.power_iters, self.policy)))
             return
         core, materialised = self._split(captured, min(part.d_in, part.d_out))
-        lengths = captured.device_lengths
         if core.rows:
             key = (captured.input_key, core.batch_rows, core.T)
             if key not in self.core:
                 self.core[key] = _CoreGroup(self._x_gram(captured, core, part.d_in), core.lengths, core.batch_rows)
             group = self.core[key]
-            A, inner = segment_gram(core.take(D)[:, :core.T], core.take(lengths), group.B, self.policy)
+            A, inner = segment_gram(D[:, :core.T], captured.device_lengths, group.B, self.policy, core.index)
             group.items.append((part.take(core.rows), A, inner))
         if materialised.rows:
             gram = self._materialised_gram(part, captured, materialised, D)
@@ -199,18 +189,10 @@ class BatchCapture(Capture):
                 self.materialised.append((part, materialised.batch_rows, gram))
 
     def _materialised_gram(self, part: Part, captured: Captured, samples: _Samples, D: torch.Tensor) -> torch.Tensor:
-        """The smaller Gram of G = D^T X per sample, at the policy's precision. Where the input's
-        X X^T holds these samples (each shorter than d_in), G G^T = D^T (X X^T) D: T x T products,
-        about half the work of forming G (d_out x d_in) at T = d_in / 2, and none of it on padding."""
-        dtype = self.policy.dtype
-        if part.d_out <= part.d_in and samples.T < part.d_in:
-            Ds = samples.take(D)[:, :samples.T].to(dtype)
-            B = self._x_gram(captured, samples, part.d_in).to(dtype)  # zero beyond each sample's length
-            return Ds.transpose(1, 2) @ (B @ Ds)
-        X = samples.take(captured.X)
-        Xs = X.to(dtype) * token_mask(samples.take(captured.device_lengths), X.shape[1], X.device)[..., None]
-        G = samples.take(D).to(dtype).transpose(1, 2) @ Xs  # (n, d_out, d_in)
-        return G @ G.transpose(1, 2) if part.d_out <= part.d_in else G.transpose(1, 2) @ G
+        """The smaller Gram of G = D^T X per sample, at the policy's precision (grams.product_gram). The
+        torch path forms it from the input's X X^T where that holds these samples (each shorter than d_in)."""
+        x_gram = partial(self._x_gram, captured, samples, part.d_in) if samples.T < part.d_in else None
+        return product_gram(D, captured.X, captured.device_lengths, samples.index, samples.T, self.policy, x_gram)
 
     def _x_gram(self, captured: Captured, core: _Samples, d_in: int) -> torch.Tensor:
         """X X^T for these samples, from one Gram per input shared by all parts that read it (over
@@ -218,8 +200,7 @@ class BatchCapture(Capture):
         key = captured.input_key
         if key not in self.x_grams:
             wide = self._split(captured, d_in)[0]
-            X = wide.take(captured.X)[:, :wide.T]
-            gram = segment_gram(X, wide.take(captured.device_lengths), policy=self.policy)[0]
+            gram = segment_gram(captured.X[:, :wide.T], captured.device_lengths, None, self.policy, wide.index)[0]
             self.x_grams[key] = (wide, gram)
         wide, gram = self.x_grams[key]
         if core.rows != wide.rows:

@@ -23,7 +23,7 @@ from gradspec.choices import BACKENDS
 from gradspec.choices import PRECISIONS as PRECISION_NAMES
 
 PRECISIONS: dict[str, torch.dtype] = dict(zip(PRECISION_NAMES, (torch.float64, torch.float32), strict=True))
-STAGES = ("segment_gram", "segment_tdot", "core", "gram")
+STAGES = ("segment_gram", "product_gram", "segment_tdot", "core", "gram")
 
 
 @dataclass

@@ -53,9 +53,13 @@ _EIGEN_PATHS = (
 )
 PATHS: dict[str, tuple[tuple[str, Callable[[torch.Tensor, bool], bool]], ...]] = {
     "segment_gram": (
-        ("cpp", lambda t, fp64: fp64 and extension.BUILT and not t.is_cuda),
+        ("cpp", lambda t, fp64: fp64 and extension.BUILT and t.device.type == "cpu"),
         ("torch", _always),
         ("triton", lambda t, fp64: _triton_here(t)),
+    ),
+    "product_gram": (
+        ("cpp", lambda t, fp64: fp64 and extension.BUILT and t.device.type == "cpu"),
+        ("torch", _always),
     ),
     "segment_tdot": (
         ("torch", _always),

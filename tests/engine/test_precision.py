@@ -43,10 +43,10 @@ def _worst_errors(scores, references) -> dict[str, float]:
 
 
 FP64_PATHS = [
-    pytest.param({"segment_gram": "cpp", "core": "cpp", "gram": "cpp"}, id="cpp",
+    pytest.param({"segment_gram": "cpp", "product_gram": "cpp", "core": "cpp", "gram": "cpp"}, id="cpp",
                  marks=pytest.mark.skipif(not extension.BUILT, reason="no _C")),
-    pytest.param({"segment_gram": "torch", "core": "torch", "gram": "torch"}, id="torch"),
-    pytest.param({"segment_gram": "torch", "core": "cupy", "gram": "cupy"}, id="cupy"),
+    pytest.param({"segment_gram": "torch", "product_gram": "torch", "core": "torch", "gram": "torch"}, id="torch"),
+    pytest.param({"segment_gram": "torch", "product_gram": "torch", "core": "cupy", "gram": "cupy"}, id="cupy"),
 ]
 
 

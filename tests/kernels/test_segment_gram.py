@@ -41,14 +41,14 @@ BACKENDS = ["torch", pytest.param("cpp", marks=pytest.mark.skipif(not extension.
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("threads", [1, 4], ids=["one-task-per-sample", "samples-split-in-blocks"])
+@pytest.mark.parametrize("threads", [1, 4])
 def test_cpu_paths_match_reference_in_fp64(backend, dtype, threads, monkeypatch):
-    """With fewer samples than threads the extension splits each sample's Gram into blocks."""
+    """The extension splits a sample of 64 rows or more (SPLIT_ROWS) into two tasks, a shorter one not."""
     monkeypatch.setenv("GRADSPEC_THREADS", str(threads))
     g = torch.Generator().manual_seed(1)
-    Y = torch.randn(3, 21, 7, 2, generator=g).to(dtype)[..., 0]  # strided, like a fused module's part
-    lengths = torch.tensor([21, 3, 0])
-    other = torch.randn(3, 21, 21, generator=g, dtype=torch.float64)  # not symmetric: both triangles count
+    Y = torch.randn(3, 70, 7, 2, generator=g).to(dtype)[..., 0]  # strided, like a fused module's part
+    lengths = torch.tensor([70, 21, 0])
+    other = torch.randn(3, 70, 70, generator=g, dtype=torch.float64)  # not symmetric: both triangles count
     gram, inner = grams.segment_gram(Y, lengths, other, backend)
     want, want_inner = segment_gram_torch(Y, lengths, other)
     assert gram.dtype == torch.float64
@@ -57,8 +57,31 @@ def test_cpu_paths_match_reference_in_fp64(backend, dtype, threads, monkeypatch)
     assert grams.segment_gram(Y, lengths, None, backend)[1] is None
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_picked_rows_give_the_gathered_samples_grams_bit_for_bit(backend):
+    """rows picks batch samples in place (the extension gathers nothing); a sample not picked may be
+    longer than Y's T, sliced to the picked ones' longest."""
+    g = torch.Generator().manual_seed(3)
+    Y = torch.randn(4, 90, 6, generator=g)
+    lengths, rows = torch.tensor([90, 70, 12, 40]), torch.tensor([3, 1, 2])
+    T = int(lengths[rows].max())
+    other = torch.randn(3, T, T, generator=g, dtype=torch.float64)
+    gram, inner = grams.segment_gram(Y[:, :T], lengths, other, backend, rows)
+    want, want_inner = grams.segment_gram(Y[rows][:, :T].contiguous(), lengths[rows], other, backend)
+    assert torch.equal(gram, want) and torch.equal(inner, want_inner)
+
+
 @pytest.mark.skipif(not extension.BUILT, reason="no _C")
-@pytest.mark.parametrize("threads", [1, 4], ids=["one-task-per-sample", "samples-split-in-blocks"])
+def test_a_picked_sample_longer_than_T_is_refused():
+    Y, lengths = torch.randn(2, 10, 3), torch.tensor([10, 4])
+    with pytest.raises(ValueError, match="lengths must lie in"):
+        extension.C.segment_gram(Y[:, :4].numpy(), lengths.numpy(), None, 1, torch.tensor([0]).numpy())
+    with pytest.raises(ValueError, match="rows must lie in"):
+        extension.C.segment_gram(Y.numpy(), lengths.numpy(), None, 1, torch.tensor([2]).numpy())
+
+
+@pytest.mark.skipif(not extension.BUILT, reason="no _C")
+@pytest.mark.parametrize("threads", [1, 4])
 def test_extension_writes_every_entry(threads):
     """The extension's output is not zero-filled up front: each sample's task writes its padding and
     mirrors its triangle. Memory freed full of NaN and handed out again must not show through."""
