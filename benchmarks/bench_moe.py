@@ -79,6 +79,7 @@ STAGES = {
     "backward, all of it": ("autograd/__init__.py", "backward"),
     "  of which the hooks: gathers, Grams (layers.hooks deliver)": ("hooks.py", "deliver"),
     "  of which the Grams themselves (segment_gram)": ("grams.py", "segment_gram"),
+    "  of which the Grams of G (product_gram: samples >= the smaller side)": ("grams.py", "product_gram"),
     "eigen stage and metrics (BatchCapture.reduce)": ("capture.py", "reduce"),
 }
 

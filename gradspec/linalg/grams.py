@@ -51,13 +51,21 @@ def _gathered(kernel: Callable) -> Callable:
 
 
 def _segment_gram_cpp(Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None, rows: torch.Tensor | None):
-    Y = Y.detach() if Y.dtype in (torch.float32, torch.float64) else Y.detach().float()
+    Y, lengths = Y.detach(), lengths.cpu()
+    if Y.dtype not in (torch.float32, torch.float64):  # the extension reads fp32/fp64: the picked samples converted
+        Y, lengths, rows = _picked(Y, lengths, rows)
+        Y = Y.float()
     with extension.ONE_BLAS_THREAD():
-        gram, inner = extension.C.segment_gram(Y.numpy(), lengths.cpu().to(torch.int64).numpy(),
+        gram, inner = extension.C.segment_gram(Y.numpy(), lengths.to(torch.int64).numpy(),
                                                None if other is None else extension.as_numpy(other),
                                                extension.default_threads(),
                                                None if rows is None else rows.to(torch.int64).numpy())
     return torch.from_numpy(gram), None if inner is None else torch.from_numpy(inner)
+
+
+def _picked(Y: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor | None):
+    """(Y, lengths, None) of the samples rows alone (None: all of them, as they are)."""
+    return (Y, lengths, None) if rows is None else (Y[rows], lengths[rows], None)
 
 
 def product_gram(
@@ -78,10 +86,14 @@ def product_gram(
 
 
 def _product_gram_cpp(D: torch.Tensor, X: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor | None):
-    D, X = D.detach(), X.detach()
+    D, X, lengths = D.detach(), X.detach(), lengths.cpu()
     dtype = torch.float64 if torch.float64 in (D.dtype, X.dtype) else torch.float32
+    if D.dtype != dtype or X.dtype != dtype:  # converted for the extension: the picked samples alone
+        D, _, _ = _picked(D, lengths, rows)
+        X, lengths, rows = _picked(X, lengths, rows)
+        D, X = D.to(dtype), X.to(dtype)
     with extension.ONE_BLAS_THREAD():
-        gram = extension.C.product_gram(D.to(dtype).numpy(), X.to(dtype).numpy(), lengths.cpu().to(torch.int64).numpy(),
+        gram = extension.C.product_gram(D.numpy(), X.numpy(), lengths.to(torch.int64).numpy(),
                                         None if rows is None else rows.to(torch.int64).numpy(),
                                         extension.default_threads())
     return torch.from_numpy(gram)

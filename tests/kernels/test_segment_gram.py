@@ -58,11 +58,12 @@ def test_cpu_paths_match_reference_in_fp64(backend, dtype, threads, monkeypatch)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_picked_rows_give_the_gathered_samples_grams_bit_for_bit(backend):
-    """rows picks batch samples in place (the extension gathers nothing); a sample not picked may be
-    longer than Y's T, sliced to the picked ones' longest."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_picked_rows_give_the_gathered_samples_grams_bit_for_bit(backend, dtype):
+    """rows picks batch samples in place (the extension reads fp32 in place, converts the picked samples of
+    other dtypes alone); a sample not picked may be longer than Y's T, sliced to the picked ones' longest."""
     g = torch.Generator().manual_seed(3)
-    Y = torch.randn(4, 90, 6, generator=g)
+    Y = torch.randn(4, 90, 6, generator=g).to(dtype)
     lengths, rows = torch.tensor([90, 70, 12, 40]), torch.tensor([3, 1, 2])
     T = int(lengths[rows].max())
     other = torch.randn(3, T, T, generator=g, dtype=torch.float64)

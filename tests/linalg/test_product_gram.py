@@ -55,12 +55,13 @@ def test_a_sample_s_gram_does_not_depend_on_the_batch_or_the_threads(p, q):
     stacked with others' or alone."""
     D, X, lengths = batch(p, q)
     C = extension.C
-    whole = {t: C.product_gram(D.numpy(), X.numpy(), lengths.numpy(), None, t) for t in (1, 4)}
+    with extension.ONE_BLAS_THREAD():  # SciPy's BLAS inside the extension's threads: one thread each
+        whole = {t: C.product_gram(D.numpy(), X.numpy(), lengths.numpy(), None, t) for t in (1, 4)}
+        alone = [C.product_gram(D.numpy(), X.numpy(), lengths.numpy(), torch.tensor([i]).numpy(), 2)[0]
+                 for i in range(4)]
     assert (whole[1] == whole[4]).all()
     for i in range(4):
-        alone = C.product_gram(D.numpy(), X.numpy(), lengths.numpy(), torch.tensor([i]).numpy(), 2)
-        assert (alone[0] == whole[1][i]).all()
-        assert (alone[0] == alone[0].T).all()
+        assert (alone[i] == whole[1][i]).all() and (alone[i] == alone[i].T).all()
 
 
 @needs_cpp
@@ -70,3 +71,5 @@ def test_bad_picks_are_refused():
         extension.C.product_gram(D.numpy(), X.numpy(), lengths.numpy(), torch.tensor([4]).numpy(), 1)
     with pytest.raises(ValueError, match="shapes"):
         extension.C.product_gram(D.numpy(), X[:, :5].contiguous().numpy(), lengths.numpy(), None, 1)
+    with pytest.raises(ValueError, match="lengths must lie in"):  # a picked sample longer than T
+        extension.C.product_gram(D[:, :40].numpy(), X[:, :40].numpy(), lengths.numpy(), torch.tensor([1]).numpy(), 1)
