@@ -195,12 +195,14 @@ class _Layout:
         self._stacked: dict[str, tuple] = {}
 
     def deliver(self, deliver: Callable, which: str, X: torch.Tensor, D: torch.Tensor) -> None:
-        """The up (gate and up) or down projection's parts, as stacks or per expert."""
+        """The up (gate and up) or down projection's parts: as stacks to the captures that take them
+        (deliver.stacked), per expert to the others (deliver.alone; a plain deliver: to every capture)."""
         Xz, Dz = (torch.cat([Y, Y.new_zeros(1, Y.shape[1])]) for Y in (X, D))
-        if getattr(deliver, "stacks", False):
-            self._deliver_stacks(deliver, which, Xz, Dz)
-        else:
-            self._deliver_per_expert(deliver, which, Xz, Dz)
+        stacked, alone = getattr(deliver, "stacked", None), getattr(deliver, "alone", deliver)
+        if stacked is not None:
+            self._deliver_stacks(stacked, which, Xz, Dz)
+        if alone is not None:
+            self._deliver_per_expert(alone, which, Xz, Dz)
 
     def _gather(self, pieces: list[np.ndarray]) -> torch.Tensor | None:
         return to_device(torch.from_numpy(np.concatenate(pieces)), self.device) if pieces else None

@@ -7,7 +7,7 @@ hooks per batch serves all of a pass's captures (``attached``).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -265,6 +265,18 @@ class Capture:
         pass
 
 
+def _delivery(captures: list[Capture]) -> Callable[[Part, Captured], None] | None:
+    """deliver(part, captured) to each of these captures in turn; None where there are none."""
+    if not captures:
+        return None
+
+    def deliver(part: Part, captured: Captured) -> None:
+        for capture in captures:
+            capture.on_part(part, captured)
+
+    return deliver
+
+
 @contextmanager
 def attached(model: nn.Module, captures: list[Capture]) -> Iterator[None]:
     """Every target's hooks on the model for one batch, delivering to each capture in turn; removed
@@ -276,12 +288,11 @@ def attached(model: nn.Module, captures: list[Capture]) -> Iterator[None]:
     if any(c.batch is not batch for c in captures):
         raise ValueError("the captures of one pass must share its BatchLayout")
 
-    def deliver(part: Part, captured: Captured) -> None:
-        for capture in captures:
-            capture.on_part(part, captured)
-
-    # A kind that can deliver its parts as Stacks (experts) does so where every capture takes them.
-    deliver.stacks = all(c.takes_stacks for c in captures)
+    deliver = _delivery(captures)
+    # A kind that can deliver its parts as Stacks (experts) hands them so to the captures that take them
+    # (deliver.stacked) and each part alone to the others (deliver.alone); either is None where no capture is such.
+    deliver.stacked = _delivery([c for c in captures if c.takes_stacks])
+    deliver.alone = _delivery([c for c in captures if not c.takes_stacks])
     handles = []
     try:
         for target in targets:

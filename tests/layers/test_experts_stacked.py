@@ -8,6 +8,7 @@ from conftest import MOE_KINDS, padded_batch, random_sequences, tiny_model
 from gradspec.kernels import segment_syrk64
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from gradspec.alignment.capture import AlignmentCapture
 from gradspec.engine import capture
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.layers.registry import Stack
@@ -20,15 +21,15 @@ def _per_expert(monkeypatch) -> None:
     monkeypatch.setattr(capture.BatchCapture, "takes_stacks", property(lambda self: False))
 
 
-def _deliveries(monkeypatch) -> list:
-    """(part, lengths) of every part the spectra's capture is handed, from now on."""
-    seen, on_part = [], capture.BatchCapture.on_part
+def _deliveries(monkeypatch, kind: type = capture.BatchCapture) -> list:
+    """(part, lengths) of every part a capture of this kind (the spectra's) is handed, from now on."""
+    seen, on_part = [], kind.on_part
 
     def spy(self, part, captured):
         seen.append((part, captured.lengths.clone()))
         on_part(self, part, captured)
 
-    monkeypatch.setattr(capture.BatchCapture, "on_part", spy)
+    monkeypatch.setattr(kind, "on_part", spy)
     return seen
 
 
@@ -53,6 +54,33 @@ def test_stacked_rows_equal_per_expert_rows_bit_for_bit(family, monkeypatch):
         for a, b in zip(stacked.spectra[name], alone.spectra[name], strict=True):
             assert (a == b).all() and a.shape == b.shape, name
     assert stacked.flags == alone.flags
+
+
+def test_beside_an_alignment_the_spectra_still_take_stacks(monkeypatch):
+    """score with a task: the spectra's capture gets stacks, the alignment's (which takes none) each
+    expert alone, in the same pass; every metric, cosine and flag as where every capture gets each expert alone."""
+    model = tiny_model("qwen3_moe", vocab=VOCAB)
+    seqs, task = random_sequences([5, 23, 70, 41], VOCAB, seed=4), random_sequences([9, 30], VOCAB, seed=5)
+
+    def run():
+        engine = SpectralEngine(model, "all")
+        engine.set_task([padded_batch(task)])
+        return engine.score(*padded_batch(seqs))
+
+    with monkeypatch.context() as patch:
+        spectra, alignment = _deliveries(patch), _deliveries(patch, AlignmentCapture)
+        mixed = run()
+    assert any(isinstance(p, Stack) for p, _ in spectra)
+    assert not any(isinstance(p, Stack) for p, _ in alignment)
+    assert {p.role for p, _ in alignment} >= {"expert_gate", "expert_up", "expert_down", "q"}
+    _per_expert(monkeypatch)
+    alone = run()
+    assert mixed.metrics.keys() == alone.metrics.keys() and mixed.alignment.keys() == alone.alignment.keys()
+    for name in alone.metrics:
+        torch.testing.assert_close(mixed.metrics[name], alone.metrics[name], rtol=0, atol=0, equal_nan=True)
+    for name in alone.alignment:
+        torch.testing.assert_close(mixed.alignment[name], alone.alignment[name], rtol=0, atol=0, equal_nan=True)
+    assert mixed.flags == alone.flags
 
 
 def test_each_bucket_pads_its_segments_less_than_twice(monkeypatch):
