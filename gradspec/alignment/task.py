@@ -90,17 +90,21 @@ class TaskGradients:
 
 class _Norms(KeptCapture):
     """First pass: each example's ||G_j||^2 per part (preconditioned where the task side is), from its
-    Grams where it can be (no G formed), read once at the end."""
+    Grams where it can be (no G formed), read once at the end; and its tokens there (an expert's: those
+    routed to it), which the cross route would hold."""
 
     def __init__(self, targets, batch: BatchLayout, dtype, rows: list[int], norms2: dict[str, dict[int, torch.Tensor]],
-                 preconditioner: Preconditioner):
+                 tokens: dict[str, dict[int, int]], preconditioner: Preconditioner):
         super().__init__(targets, batch)
-        self.dtype, self.rows, self.norms2, self.preconditioner = dtype, rows, norms2, preconditioner
+        self.dtype, self.rows, self.preconditioner = dtype, rows, preconditioner
+        self.norms2, self.tokens = norms2, tokens
 
     def on_part(self, part: Part, captured: Captured) -> None:
         for k, n in enumerate(captured.lengths.tolist()):
             x, d = captured.X[k, :n].to(self.dtype), captured.D[k, :n].to(self.dtype)
-            self.norms2[part.name][self.rows[captured.batch_row(k)]] = self.preconditioner.task_norm2(part.name, x, d)
+            example = self.rows[captured.batch_row(k)]
+            self.norms2[part.name][example] = self.preconditioner.task_norm2(part.name, x, d)
+            self.tokens[part.name][example] = n
 
 
 class _Directions(KeptCapture):
@@ -158,10 +162,11 @@ def collect_task(
     m = sum(len(b[0]) for b in batches)
     device = batches[0][0].device if batches else torch.device("cpu")
     found: dict[str, dict[int, torch.Tensor]] = {p.name: {} for p in parts}
+    tokens: dict[str, dict[int, int]] = {p.name: {} for p in parts}
     usable = torch.zeros(m, dtype=torch.bool)
     for rows, batch in _numbered(batches):
         layout = BatchLayout(batch[1].sum(1).cpu(), device)
-        _, _, finite, _ = backward_pass([_Norms(targets, layout, dtype, rows, found, preconditioner)], batch)
+        _, _, finite, _ = backward_pass([_Norms(targets, layout, dtype, rows, found, tokens, preconditioner)], batch)
         usable[rows] = finite.cpu()
     # An example a part never saw has no gradient there: a routed part (an expert) it did not reach,
     # or any part where it had no loss (then it is not usable anyway).
@@ -175,7 +180,8 @@ def collect_task(
     if not kept.all():
         log.warning("task examples %s have no usable gradient (no response tokens, non-finite or zero); "
                     "left out", torch.nonzero(~kept).flatten().tolist())
-    task_tokens = sum(int(b[1][k].sum()) for rows, b in _numbered(batches) for k, j in enumerate(rows) if kept[j])
+    # the task tokens each part's cross route would hold: every kept example's, an expert's routed ones alone
+    task_tokens = {name: sum(n for j, n in v.items() if kept[j]) for name, v in tokens.items()}
     per_example = "max" in aggregates or attribution
     coefficients = {p.name: _coefficients(norms2[p.name], model_norms2, kept, per_example) for p in parts}
     routes = _routes(parts, {n: len(c) for n, c in coefficients.items()}, task_tokens, route,
@@ -186,8 +192,9 @@ def collect_task(
         d = directions[p.name] = PartDirections(routes[p.name], C, norms2[p.name],
                                                 device_coefficients=C.to(device, dtype),
                                                 pool_gradient=preconditioner.pool_side(p.name))
-        if d.route == "dense":
+        if d.route == "dense":  # a NaN coefficient row (no example reached the part) is a NaN direction, as on cross
             d.W = torch.zeros(len(C), p.d_out, p.d_in, dtype=dtype, device=device)
+            d.W[torch.isnan(C).any(1).to(device)] = torch.nan
     kept_rows: dict[str, list] = {name: [] for name, d in directions.items() if d.route == "cross"}
     for rows, batch in _numbered(batches):
         if kept[rows].any():
@@ -195,9 +202,11 @@ def collect_task(
             backward_pass([_Directions(targets, layout, dtype, rows, kept, directions, kept_rows, preconditioner)],
                           batch)
     mean = (kept.double() / int(kept.sum())).to(device, dtype)
+    shapes = {p.name: (p.d_in, p.d_out) for p in parts}
     for name, d in directions.items():
         if d.route == "cross":
-            rows = kept_rows[name]
+            # no rows where no kept example reached the part (an expert): no task gradient there, as W = 0
+            rows = kept_rows[name] or [(0, *(torch.zeros(0, n, dtype=dtype, device=device) for n in shapes[name]))]
             d.X, d.D = torch.cat([x for _, x, _ in rows]), torch.cat([dd for _, _, dd in rows])
             d.owner = torch.cat([torch.full((len(x),), j, dtype=torch.long) for j, x, _ in rows]).to(d.X.device)
             inner = d.task_inner()
@@ -236,17 +245,17 @@ def _coefficients(norms2: torch.Tensor, model_norms2: torch.Tensor, kept: torch.
     ])
 
 
-def _routes(parts: list[Part], directions: dict[str, int], task_tokens: int, route: str, itemsize: int,
+def _routes(parts: list[Part], directions: dict[str, int], task_tokens: dict[str, int], route: str, itemsize: int,
             budget_bytes: int | None) -> dict[str, str]:
-    """Each part's route: the one given, or the cheaper one, moved to cross part by part where that
-    holds less (those that save the most first) while the directions would not fit in the budget."""
+    """Each part's route: the one given, or the cheaper one for its task tokens, moved to cross part by part
+    where that holds less (those that save the most first) while the directions would not fit in the budget."""
     if route != "auto":
         return {p.name: route for p in parts}
     budget = budget_bytes if budget_bytes is not None else int(os.environ.get("GRADSPEC_TASK_BYTES", 8 * 2**30))
-    routes = {p.name: route_for(p.d_in, p.d_out, task_tokens, directions[p.name]) for p in parts}
+    routes = {p.name: route_for(p.d_in, p.d_out, task_tokens[p.name], directions[p.name]) for p in parts}
 
     def held(p: Part, r: str) -> int:
-        return held_values(r, p.d_in, p.d_out, task_tokens, directions[p.name]) * itemsize
+        return held_values(r, p.d_in, p.d_out, task_tokens[p.name], directions[p.name]) * itemsize
 
     total = sum(held(p, routes[p.name]) for p in parts)
     for p in sorted((p for p in parts if routes[p.name] == "dense" and held(p, "cross") < held(p, "dense")),

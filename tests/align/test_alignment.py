@@ -7,7 +7,9 @@ import pytest
 import torch
 from conftest import materialised_gradients, padded_batch, random_sequences, tiny_model
 
+from gradspec.alignment.directions import route_for
 from gradspec.engine.spectral_engine import SpectralEngine
+from gradspec.layers.experts import ExpertsTarget
 
 VOCAB = 500
 POOL = [5, 17, 40, 90]
@@ -240,3 +242,55 @@ def test_re_ranking_inside_a_training_loop_follows_the_model():
             assert model.training
     for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def _routed_task_tokens(model, task) -> dict[str, int]:
+    """Each expert's task tokens ("<experts module>.<e>" -> count), from a scoring pass over the task."""
+    scores = SpectralEngine(model, "experts").score(*padded_batch(task))
+    return {name: int(n.sum()) for name, n in scores.routed_tokens.items()}
+
+
+def _expert_of(engine: SpectralEngine) -> dict[str, str]:
+    """Each expert part's routed-token name."""
+    return {p.name: f"{t.scored_as}.{t.expert_of(p)}" for t in engine.targets if isinstance(t, ExpertsTarget)
+            for p in t.parts}
+
+
+def test_an_expert_s_route_is_decided_by_the_task_tokens_routed_to_it():
+    """The cross route holds only an expert's own task rows: its cost is that of those tokens, not the task's."""
+    model = tiny_model("qwen3_moe", vocab=VOCAB)
+    task = random_sequences([12, 12], VOCAB, seed=6)
+    own = _routed_task_tokens(model, task)
+    engine = SpectralEngine(model, "all", spectra=False)
+    engine.set_task([padded_batch(task)])
+    directions = len(engine.task.parts[engine.parts[0].name].coefficients)
+    experts = _expert_of(engine)
+    parts = {p.name: p for p in engine.parts}
+    for name, expert in experts.items():
+        p = parts[name]
+        assert engine.task.parts[name].route == route_for(p.d_in, p.d_out, own[expert], directions), name
+    assert any(route_for(parts[n].d_in, parts[n].d_out, own[e], directions) !=
+               route_for(parts[n].d_in, parts[n].d_out, 24, directions) for n, e in experts.items())
+
+
+@pytest.mark.parametrize("route", ["dense", "cross", "auto"])
+def test_an_expert_the_task_never_reached_has_no_direction_on_any_route(route):
+    """A task of one short example leaves some experts unreached: no task gradient there (no crash on the
+    cross route, which has no task rows to hold); every value and status as on the dense route."""
+    model = tiny_model("qwen3_moe", vocab=VOCAB)
+    model.set_experts_implementation("eager")  # grouped_mm, the default, has no fp64 kernel
+    model = model.double()
+    pool, task = random_sequences(POOL, VOCAB, seed=1), random_sequences([3], VOCAB, seed=2)
+    assert 0 in _routed_task_tokens(model, task).values()  # the case under test: an expert it never reached
+
+    def scores(route):
+        engine = SpectralEngine(model, "all", spectra=False)
+        engine.set_task([padded_batch(task)], route=route)
+        return engine.score(*padded_batch(pool))
+
+    got, want = scores(route), scores("dense")
+    for name in want.metrics:
+        torch.testing.assert_close(got.metrics[name], want.metrics[name], rtol=1e-9, atol=1e-12, equal_nan=True)
+    for name in want.alignment:
+        torch.testing.assert_close(got.alignment[name], want.alignment[name], rtol=1e-9, atol=1e-12, equal_nan=True)
+    assert [got.status(i) for i in range(len(pool))] == [want.status(i) for i in range(len(pool))]
