@@ -48,7 +48,7 @@ class AlignmentCapture(KeptCapture):
 
     def on_part(self, part: Part, captured: Captured) -> None:
         directions = self.task.parts[part.name]
-        inner, norms2 = directions.inner(captured.X, captured.D, captured.mask, self.dtype)
+        inner, norms2 = directions.inner(captured.X, captured.D, captured.mask, captured.lengths.tolist(), self.dtype)
         unreached = directions.unreached() if part.routed else None
         fills = (None, None) if unreached is None else unreached
         self.kept[part.name] = (captured.scatter(inner, fills[0]), captured.scatter(norms2, fills[1]))

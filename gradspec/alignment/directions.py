@@ -77,19 +77,24 @@ class PartDirections:
             if t is not None and t.device != device:
                 setattr(self, name, t.to(device))
 
-    def inner(self, X: torch.Tensor, D: torch.Tensor, mask: torch.Tensor,
+    def inner(self, X: torch.Tensor, D: torch.Tensor, mask: torch.Tensor, lengths: list[int],
               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """A padded batch X (N, T, d_in), D (N, T, d_out) and its mask -> <G_i, W_k> (N, K) and ||G_i||^2
-        (N,), at dtype, on X's device; the cross route from the batch's cross-Grams at once (padding zeroed)."""
+        """A padded batch X (N, T, d_in), D (N, T, d_out), its mask and host lengths -> <G_i, W_k>
+        (N, K) and ||G_i||^2 (N,), at dtype, on X's device."""
         self.follow(X.device)
         if self.route == "dense":
             G = per_sample_gradients(X, D, mask, dtype)
             flat = (G if self.pool_gradient is None else self.pool_gradient(G)).flatten(1)
             return flat @ self.W.flatten(1).T, flat.pow(2).sum(1)
-        x, d = masked(X, mask, dtype), masked(D, mask, dtype)
-        per_row = ((x @ self.X.T) * (d @ self.D.T)).sum(1)  # (N, T_task): <G_i, each task row's rank-one part>
-        per_example = per_row.new_zeros(len(x), self.coefficients.shape[1]).index_add_(1, self.owner, per_row)
-        return per_example @ self.device_coefficients.T, ((x @ x.mT) * (d @ d.mT)).sum((1, 2))
+        C = self.device_coefficients
+        inner, norms2 = [], []
+        for i, n in enumerate(lengths):
+            x, d = X[i, :n].to(dtype), D[i, :n].to(dtype)
+            per_row = ((x @ self.X.T) * (d @ self.D.T)).sum(0)  # <G_i, the task row's rank-one part>
+            per_example = torch.zeros(C.shape[1], dtype=dtype, device=X.device).index_add_(0, self.owner, per_row)
+            inner.append(C @ per_example)
+            norms2.append(gram_norms2(x, d))
+        return torch.stack(inner), torch.stack(norms2)
 
     def unreached(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """With a pool-side preconditioner, what a sample that did not reach the part (a routed one) has
