@@ -12,7 +12,15 @@ BATCH_TOKENS = 4096  # padded tokens per batch (on a GPU, the default)
 CPU_BATCH_TOKENS = 1024  # score's default on the CPU: as fast as 4,096 there, a fraction of the memory
 CHUNK_ROWS = 1024  # input rows per part: the most a kill can cost per process
 
-MODULE_PRESETS = ("attn", "mlp", "experts", "router", "all", "lora")  # --modules' presets (gradspec.layers.roles)
+# --modules' presets, each the roles it scores (gradspec.layers.roles gives each module's roles, from its name)
+ATTENTION_ROLES = ("q", "k", "v", "o")
+MLP_ROLES = ("gate", "up", "down")
+EXPERT_ROLES = ("expert_gate", "expert_up", "expert_down")
+ROUTER_ROLES = ("router",)
+LORA_ROLES = ("lora_A", "lora_B")  # a PEFT adapter's two factors (gradspec.layers.lora)
+ALL_ROLES = ATTENTION_ROLES + MLP_ROLES + EXPERT_ROLES + ROUTER_ROLES
+MODULE_PRESETS = {"attn": ATTENTION_ROLES, "mlp": MLP_ROLES, "experts": EXPERT_ROLES, "router": ROUTER_ROLES,
+                  "all": ALL_ROLES, "lora": LORA_ROLES}
 # the built-in metrics, in column order (gradspec.linalg.metrics computes them): a score file's columns by name,
 # for the commands that read one without torch (select, report, merge)
 METRICS = ("nuclear_norm", "effective_rank", "spectral_norm", "frobenius_norm", "stable_rank", "sigma1_ratio")

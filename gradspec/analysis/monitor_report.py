@@ -25,8 +25,9 @@ import pyarrow.dataset as ds  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from gradspec.analysis.report import ROLE_ORDER, report_folder  # noqa: E402
+from gradspec.choices import ALL_ROLES  # noqa: E402
 from gradspec.data.errors import InputError  # noqa: E402
-from gradspec.layers.roles import ALL_ROLES, roles_of  # noqa: E402
+from gradspec.layers.roles import roles_of  # noqa: E402
 from gradspec.layers.targets import layer_index  # noqa: E402
 from gradspec.runs.score_files import complete, schema_metadata  # noqa: E402
 from gradspec.training.monitor_parts import parts_folder  # noqa: E402

@@ -56,13 +56,13 @@ def refuse_unused_options(args: argparse.Namespace, spectra: bool, project: int)
 
 
 def run(args: argparse.Namespace) -> int:
+    config = ScoreConfig(**options_from_args(ScoreConfig, args))  # every option checked before torch loads
+    refuse_unused_options(args, config.spectra, config.project)
+    settings = RunSettings(**options_from_args(RunSettings, args))
     from gradspec.runs.run_folder import INPUT_ERROR, RunFolder
     from gradspec.runs.scoring import run as run_scoring
     from gradspec.runs.summary import run_summary, written
 
-    config = ScoreConfig(**options_from_args(ScoreConfig, args))
-    refuse_unused_options(args, config.spectra, config.project)
-    settings = RunSettings(**options_from_args(RunSettings, args))
     finished = settings.resume and Path(args.out).is_file()  # a resume of a finished run does nothing (else refused)
     statuses = run_scoring(config, args.out, **asdict(settings), shard=args.shard, merge=args.merge)
     folder = RunFolder(args.out)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-LORA_ROLES = ("lora_A", "lora_B")
+from gradspec.choices import LORA_ROLES
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -8,9 +8,9 @@ import re
 
 from torch import nn
 
+from gradspec.choices import MODULE_PRESETS
 from gradspec.layers.lora import unwrap
 from gradspec.layers.registry import Part, Target, target_of
-from gradspec.layers.roles import PRESETS
 from gradspec.options import OptionError, mention
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
@@ -31,7 +31,7 @@ def select_targets(model: nn.Module, modules: str | list[str] = "attn") -> list[
     ('*.3.*q_proj'); a PEFT model's are those of the model it adapts (gradspec.layers.lora)."""
     model = unwrap(model)
     specs = modules.split(",") if isinstance(modules, str) else list(modules)
-    groups = {spec: PRESETS.get(spec, (spec,)) for spec in (s.strip() for s in specs if s.strip())}
+    groups = {spec: MODULE_PRESETS.get(spec, (spec,)) for spec in (s.strip() for s in specs if s.strip())}
     patterns: tuple[str, ...] = tuple(p for group in groups.values() for p in group)
     targets, candidates = [], []
     for name, module in model.named_modules():
@@ -51,7 +51,7 @@ def select_targets(model: nn.Module, modules: str | list[str] = "attn") -> list[
             raise OptionError((), f"no module matches {what}: this model has no layer of a kind gradspec scores "
                               "(gradspec.layers.registry lists them)")
         roles = ", ".join(dict.fromkeys(p.role for p in candidates))
-        raise OptionError((), f"no module matches {what}; pass a preset ({', '.join(PRESETS)}), a role of this model "
-                          f"({roles}) or a glob of its part names (e.g. {candidates[0].name!r}; "
-                          f"{len(candidates)} in all)")
+        raise OptionError((), f"no module matches {what}; pass a preset ({', '.join(MODULE_PRESETS)}), a role of "
+                              f"this model ({roles}) or a glob of its part names (e.g. {candidates[0].name!r}; "
+                              f"{len(candidates)} in all)")
     return targets

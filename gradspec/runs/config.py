@@ -49,7 +49,7 @@ from gradspec.data.shared_options import (
     max_length_option,
     template_option,
 )
-from gradspec.options import OptionError, check_options, mention, option, typed
+from gradspec.options import OptionError, check_options, mention, nearest, option, typed
 
 # align's options alone: score and project leave them out
 ALIGN_ONLY = ("attribution", "precondition", "damping", "factors", "fit_data", "fit_limit", "optimizer_state")
@@ -64,10 +64,19 @@ def _aggregates(name: str, value: Any) -> str:
     return ",".join(check_aggregates(typed(name, value, "strs")))
 
 
-def _modules(name: str, value: object) -> str:
-    from gradspec.layers.roles import check_modules
-
-    return check_modules(name, value)
+def check_modules(name: str, value: object) -> str:
+    """A --modules value (a str or a list of str, kept joined by commas), refused before any model loads where
+    a spec is a near miss of a preset (atn, mpl): roles, globs and names are only known against a model."""
+    text = typed(name, value, "strs")
+    roles = {role for group in MODULE_PRESETS.values() for role in group}
+    for spec in (s.strip() for s in text.split(",")):
+        if len(spec) < 3 or spec in MODULE_PRESETS or spec in roles or any(c in spec for c in "*?[."):
+            continue
+        near = nearest(spec, list(MODULE_PRESETS), edits=1)  # one edit: a longer miss may be a module's own name
+        if near is not None:
+            raise OptionError(name, f"{spec!r}: no preset of that name; did you mean {near!r}? (presets: "
+                              f"{', '.join(MODULE_PRESETS)}; or roles such as q,k, or globs of part names)")
+    return text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -83,7 +92,7 @@ class ScoreConfig:
                                kind="path?")
     template: str = template_option()
     modules: str = option("attn", f"a preset ({', '.join(MODULE_PRESETS)}; attn: q,k,v,o), role names (q,k) or name "
-                          "globs", kind="strs", convert=_modules)
+                          "globs", kind="strs", convert=check_modules)
     max_length: int = max_length_option(2048)
     dtype: str = option("float32", "the model's weights and activations", choices=tuple(sorted(DTYPES)))
     method: str = option("exact", "lowrank: approximate top rank singular values (nuclear norm and effective rank "

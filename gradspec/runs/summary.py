@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from gradspec.layers.targets import PRESETS
+from gradspec.choices import MODULE_PRESETS
 from gradspec.runs.score_files import complete, read_metadata, read_scores
 
 MAIN_METRICS = ("nuclear_norm", "effective_rank", "spectral_norm", "align_mean", "align_mean_gradient", "align_max")
@@ -23,7 +23,8 @@ def _means(wide: pd.DataFrame, long: pd.DataFrame) -> pd.DataFrame:
     scored = wide.loc[complete(wide["status"]), "index"]
     long = long[long["index"].isin(scored) & long["metric"].isin(MAIN_METRICS)]
     table = long.groupby(["module", "metric"])["value"].mean().unstack("metric")
-    order = [r for r in PRESETS["all"] if r in table.index] + [r for r in table.index if r not in PRESETS["all"]]
+    every = MODULE_PRESETS["all"]
+    order = [r for r in every if r in table.index] + [r for r in table.index if r not in every]
     return table.reindex(index=order, columns=[m for m in MAIN_METRICS if m in table.columns])
 
 

@@ -170,11 +170,13 @@ def test_small_mistakes_say_what_to_pass(capsys, tmp_path, nothing_loads):
 
 
 @pytest.mark.parametrize("argv", [["score", "--bogus"], ["align", "--modle", "m"], ["project", "--k", "x"], ["scor"],
-                                  ["trian", "--epochs", "1"]])
+                                  ["trian", "--epochs", "1"], ["score", "--modules", "atn"]])
 def test_an_argument_error_comes_before_torch_loads(argv):
-    """A mistyped option of a scoring command, or a mistyped command, is named at once: 2.4 s of
-    imports (torch, pandas, SciPy) came before it, which the parser never needed (gradspec.choices)."""
-    code = (f"import sys\nfrom gradspec.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit as e:\n"
-            "    print(e.code, sorted(m for m in ('torch', 'pandas', 'scipy', 'numpy') if m in sys.modules))")
+    """A mistyped option of a scoring command, a mistyped command or a near miss of a --modules preset is
+    named at once: 2.4 s of imports (torch, pandas, SciPy) came before it, which the parser never needed
+    (gradspec.choices)."""
+    code = (f"import sys\nfrom gradspec.cli import main\ntry:\n    code = main({argv!r})\nexcept SystemExit as e:\n"
+            "    code = e.code\n"
+            "print(code, sorted(m for m in ('torch', 'pandas', 'scipy', 'numpy') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "2 []", done.stdout + done.stderr
