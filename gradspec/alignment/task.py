@@ -30,24 +30,14 @@ from gradspec.alignment.directions import (
     route_for,
 )
 from gradspec.alignment.preconditioner import Preconditioner
-from gradspec.choices import AGGREGATES, DEFAULT_AGGREGATES
+from gradspec.choices import DEFAULT_AGGREGATES, check_aggregates
 from gradspec.layers.hooks import BatchLayout, Captured
 from gradspec.layers.registry import Part, Target
 from gradspec.linalg.host_copies import to_device
-from gradspec.options import OptionError
 
 log = logging.getLogger("gradspec")
 # A backward pass over one padded batch with these hooks: (captures, batch) -> (loss, count, finite, stats)
 Pass = Callable[[list[KeptCapture], tuple[torch.Tensor, torch.Tensor, torch.Tensor]], tuple]
-
-
-def check_aggregates(aggregates: Sequence[str] | str) -> tuple[str, ...]:
-    names = tuple(a.strip() for a in aggregates.split(",")) if isinstance(aggregates, str) else tuple(aggregates)
-    unknown = [a for a in names if a not in AGGREGATES]
-    if unknown or not names:
-        raise OptionError("aggregate", f"takes one or more of {', '.join(AGGREGATES)} (comma-separated), got "
-                         f"{','.join(names) or 'nothing'}")
-    return tuple(a for a in AGGREGATES if a in names)
 
 
 def alignment_metrics(aggregates: Sequence[str]) -> tuple[str, ...]:

@@ -25,6 +25,8 @@ from gradspec.choices import (
     MODULE_PRESETS,
     PRECISIONS,
     PRECONDITIONERS,
+    check_aggregates,
+    check_modules,
 )
 from gradspec.data.hub import is_dataset_name
 from gradspec.data.in_memory import check_held, is_label
@@ -49,7 +51,7 @@ from gradspec.data.shared_options import (
     max_length_option,
     template_option,
 )
-from gradspec.options import OptionError, check_options, mention, nearest, option, typed
+from gradspec.options import OptionError, check_options, mention, option, typed
 
 # align's options alone: score and project leave them out
 ALIGN_ONLY = ("attribution", "precondition", "damping", "factors", "fit_data", "fit_limit", "optimizer_state")
@@ -59,24 +61,7 @@ ALIGN_ONLY = ("attribution", "precondition", "damping", "factors", "fit_data", "
 # needs torch is imported where it is called.
 
 def _aggregates(name: str, value: Any) -> str:
-    from gradspec.alignment.task import check_aggregates
-
     return ",".join(check_aggregates(typed(name, value, "strs")))
-
-
-def check_modules(name: str, value: object) -> str:
-    """A --modules value (a str or a list of str, kept joined by commas), refused before any model loads where
-    a spec is a near miss of a preset (atn, mpl): roles, globs and names are only known against a model."""
-    text = typed(name, value, "strs")
-    roles = {role for group in MODULE_PRESETS.values() for role in group}
-    for spec in (s.strip() for s in text.split(",")):
-        if len(spec) < 3 or spec in MODULE_PRESETS or spec in roles or any(c in spec for c in "*?[."):
-            continue
-        near = nearest(spec, list(MODULE_PRESETS), edits=1)  # one edit: a longer miss may be a module's own name
-        if near is not None:
-            raise OptionError(name, f"{spec!r}: no preset of that name; did you mean {near!r}? (presets: "
-                              f"{', '.join(MODULE_PRESETS)}; or roles such as q,k, or globs of part names)")
-    return text
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,8 +17,8 @@ import torch
 
 from gradspec.alignment.cosines import projected_cosines
 from gradspec.alignment.projection import ProjectionCapture
-from gradspec.alignment.task import alignment_metrics, check_aggregates
-from gradspec.choices import DEFAULT_AGGREGATES
+from gradspec.alignment.task import alignment_metrics
+from gradspec.choices import DEFAULT_AGGREGATES, check_aggregates
 from gradspec.data.batching import batch_tokens_for
 from gradspec.data.models import fit_to_context, load_model
 from gradspec.data.readers import Fields

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gradspec.choices import check_modules
 from gradspec.data.errors import InputError, check_at_least, check_covers, check_writable
 from gradspec.data.models import check_device, check_model
 from gradspec.data.readers import Fields, Sample, data_samples
 from gradspec.data.shared_options import device_option, fields_option, limit_option, max_length_option, template_option
 from gradspec.data.templates import NO_RESPONSE, check_response_tokens, tokenize
 from gradspec.options import OptionError, OptionExists, check_options, mention, nearest, option
-from gradspec.runs.config import check_modules
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments

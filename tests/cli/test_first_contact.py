@@ -170,11 +170,12 @@ def test_small_mistakes_say_what_to_pass(capsys, tmp_path, nothing_loads):
 
 
 @pytest.mark.parametrize("argv", [["score", "--bogus"], ["align", "--modle", "m"], ["project", "--k", "x"], ["scor"],
-                                  ["trian", "--epochs", "1"], ["score", "--modules", "atn"]])
+                                  ["trian", "--epochs", "1"], ["score", "--modules", "atn"],
+                                  ["align", "--aggregate", "meen", "--target", "t.jsonl"]])
 def test_an_argument_error_comes_before_torch_loads(argv):
-    """A mistyped option of a scoring command, a mistyped command or a near miss of a --modules preset is
-    named at once: 2.4 s of imports (torch, pandas, SciPy) came before it, which the parser never needed
-    (gradspec.choices)."""
+    """A mistyped option of a scoring command, a mistyped command, a near miss of a --modules preset or an
+    unknown --aggregate is named at once: 2.4 s of imports (torch, pandas, SciPy) came before it, which the
+    parser never needed (gradspec.choices)."""
     code = (f"import sys\nfrom gradspec.cli import main\ntry:\n    code = main({argv!r})\nexcept SystemExit as e:\n"
             "    code = e.code\n"
             "print(code, sorted(m for m in ('torch', 'pandas', 'scipy', 'numpy') if m in sys.modules))")
