@@ -324,6 +324,16 @@ def test_merge_writes_the_parts_rows_in_row_groups_of_many_parts(run, tmp_path, 
     assert score_files.schema_metadata(merged.schema) == described
 
 
+def test_a_merge_loads_no_torch(run, tmp_path):
+    """A merge rebuilds the run's config from its manifest (every option's check): none of them needs torch."""
+    shutil.copytree(run / "run" / "s.parquet.parts", tmp_path / "s.parquet.parts")
+    out = str(tmp_path / "s.parquet")
+    code = (f"import sys\nfrom gradspec.cli import main\ncode = main(['merge', '--out', {out!r}])\n"
+            "print(code, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "0 False", done.stdout + done.stderr
+
+
 def test_the_commands_that_read_score_files_load_no_torch():
     """select, report and merge read a file's numbers: torch, 225 MB and seconds to load, stays out."""
     code = ("import sys, gradspec.cli.select, gradspec.cli.report, gradspec.cli.merge, gradspec.analysis.select, "
