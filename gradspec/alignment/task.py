@@ -195,7 +195,8 @@ def collect_task(
     shapes = {p.name: (p.d_in, p.d_out) for p in parts}
     for name, d in directions.items():
         if d.route == "cross":
-            # no rows where no kept example reached the part (an expert): no task gradient there, as W = 0
+            # no rows where no kept example reached the part (an expert): a zero task gradient there, as on the
+            # dense route (whose W rows are zero, or NaN where the coefficients are)
             rows = kept_rows[name] or [(0, *(torch.zeros(0, n, dtype=dtype, device=device) for n in shapes[name]))]
             d.X, d.D = torch.cat([x for _, x, _ in rows]), torch.cat([dd for _, _, dd in rows])
             d.owner = torch.cat([torch.full((len(x),), j, dtype=torch.long) for j, x, _ in rows]).to(d.X.device)
