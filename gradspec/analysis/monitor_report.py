@@ -93,7 +93,7 @@ def read_drawn(path: str | Path, metrics: tuple[str, ...] = METRICS) -> tuple[pd
 
 
 def _role_order(roles) -> list[str]:
-    order = {r: i for i, r in enumerate((*ROLE_ORDER, *ALL_ROLES))}
+    order = {r: i for i, r in enumerate(ROLE_ORDER)}
     return sorted(set(roles), key=lambda r: (order.get(r, len(order)), r))
 
 

@@ -29,7 +29,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from scipy import stats  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from gradspec.choices import METRICS  # noqa: E402
+from gradspec.choices import ALL_ROLES, LORA_ROLES, METRICS  # noqa: E402
 from gradspec.data.errors import InputError, check_writable  # noqa: E402
 from gradspec.options import OptionError, OptionExists, mention  # noqa: E402
 from gradspec.runs.score_files import column, complete, read_batches, read_metadata  # noqa: E402
@@ -37,7 +37,7 @@ from gradspec.runs.score_files import column, complete, read_batches, read_metad
 CURVE_METRICS = ("nuclear_norm", "effective_rank")
 FRACTION = "effective_rank_fraction"  # effective rank over its ceiling min(T, d_in, d_out)
 CURVE_BYTES = 64 << 20  # about this much of the curves' columns is read at once (whole columns: quantiles)
-ROLE_ORDER = ("q", "k", "v", "o", "gate", "up", "down")
+ROLE_ORDER = (*ALL_ROLES, *LORA_ROLES)  # the per-layer figures' panels: every role a run can score, in this order
 LENGTH = "num_response_tokens"
 LENGTH_RATIO = 1.5  # groups whose median response lengths differ by more: the length-adjusted d leads
 # Columns of a score file that are not sample properties to correlate with.

@@ -110,3 +110,19 @@ def test_the_length_adjusted_effect_of_rows_without_a_length_leaves_them_out():
                                      index=index)
         wides[label] = pd.DataFrame({"sample": index, "status": "ok", "num_response_tokens": lengths})
     assert np.isfinite(summary_table(frames, wides).loc[0, "d after length"])
+
+
+def test_the_per_layer_curves_of_an_moe_run_have_its_experts_and_routers(tmp_path, tiny_moe_dir):
+    """Every scored role gets its per-layer panel, the experts' (the mean over a layer's experts) and the routers'."""
+    from gradspec.analysis.report import check_group, layer_curves
+
+    out = tmp_path / "moe.parquet"
+    assert main(["score", "--model", str(tiny_moe_dir), "--limit", "8", "--out", str(out), "--modules", "all",
+                 "--quiet"]) == 0
+    curves = layer_curves(check_group("moe", out))
+    roles = {role for (_, role), frame in curves.items() if len(frame)}
+    assert roles == {"q", "k", "v", "o", "expert_gate", "expert_up", "expert_down", "router"}
+    experts = curves[("nuclear_norm", "expert_up")]
+    assert len(experts) == 2 and np.isfinite(experts["mean"]).all()  # 2 layers, a finite mean over experts
+    report = tmp_path / "report"
+    assert main(["report", f"moe={out}", "--out", str(report)]) == 0
