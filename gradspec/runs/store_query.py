@@ -82,6 +82,7 @@ def query_store(
                            batch_tokens or batch_tokens_for(device), next(engine.model.parameters()).device)
     task_values = task_vectors(engine, batches)
     names = [p.name for p in engine.projection.parts]
+    routed = {p.name for p in engine.projection.parts if p.routed}
     metrics = alignment_metrics(aggregates)
     reader = pq.ParquetFile(store)
     kept = [f.name for f in reader.schema_arrow if f.name != PROJECTION and "/" not in f.name
@@ -96,7 +97,7 @@ def query_store(
         nonlocal schema
         writer = None
         for batch in reader.iter_batches(batch_size=READ_ROWS):
-            table = _aligned(batch, kept, names, metrics, task_values, aggregates)
+            table = _aligned(batch, kept, names, metrics, task_values, aggregates, routed)
             statuses.update(table["status"].to_pylist())
             if writer is None:
                 schema = table.schema.with_metadata({METADATA_KEY: json.dumps(info).encode()})
@@ -110,7 +111,9 @@ def query_store(
 
 
 def _aligned(batch: pa.RecordBatch, kept: list[str], names: list[str], metrics: tuple[str, ...],
-             task_values: torch.Tensor, aggregates: tuple[str, ...]) -> pa.Table:
+             task_values: torch.Tensor, aggregates: tuple[str, ...], routed: set[str]) -> pa.Table:
+    """The batch's rows with their cosines; a NaN one flags the row alignment_undefined, except in a routed
+    part (an expert the sample or the task did not reach), as the exact alignment flags (flag_alignment)."""
     values = batch.column(PROJECTION)
     present = ~np.asarray(values.is_null().to_numpy(zero_copy_only=False), dtype=bool)
     dims = task_values.shape[1]
@@ -121,8 +124,9 @@ def _aligned(batch: pa.RecordBatch, kept: list[str], names: list[str], metrics: 
     per_part, model = projected_cosines(pool, task_values, names, aggregates)
     columns = {name: batch.column(name) for name in kept}
     undefined = torch.from_numpy(present) & torch.isnan(model).any(1)
-    for v in per_part.values():
-        undefined |= torch.from_numpy(present) & torch.isnan(v).any(1)
+    for name, v in per_part.items():
+        if name not in routed:
+            undefined |= torch.from_numpy(present) & torch.isnan(v).any(1)
     columns["status"] = pa.array([("alignment_undefined" if s == "ok" else f"{s};alignment_undefined") if u else s
                                   for s, u in zip(batch.column("status").to_pylist(), undefined.tolist(), strict=True)])
     for k, metric in enumerate(metrics):

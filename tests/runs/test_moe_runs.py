@@ -50,3 +50,20 @@ def test_presets_experts_and_router(tiny_moe_dir):
     # a glob of the router's name is the router's alone: an expert's gate half is its gate_proj, as a dense MLP's
     assert [p.name for p in gradspec.SpectralEngine(model, "*.gate").parts] == [
         "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+
+
+def test_a_store_query_flags_as_the_exact_alignment_does(tmp_path, tiny_moe_dir):
+    """An expert a pool sample did not reach has no cosine there (NaN), which is no fault of the row: the store's
+    query leaves it ok, as the exact alignment does, and flags only what that flags."""
+    task = tmp_path / "t.jsonl"
+    task.write_text("".join(json.dumps({"instruction": f"Say {i}", "output": f"{i} {i} {i}"}) + "\n" for i in range(3)))
+    store, queried, exact = tmp_path / "p.parquet", tmp_path / "q.parquet", tmp_path / "a.parquet"
+    model = ["--model", str(tiny_moe_dir), "--modules", "all", "--limit", "6", "--quiet"]
+    assert main(["project", *model, "--k", "4", "--out", str(store)]) == 0
+    assert main(["align", "--store", str(store), "--target", str(task), "--out", str(queried), "--quiet"]) == 0
+    assert main(["align", *model, "--target", str(task), "--out", str(exact)]) == 0
+    rows = pq.read_table(queried).to_pandas()
+    unreached = [c for c in rows.columns if c.startswith(f"{EXPERTS}.") and c.endswith("/align_mean")
+                 and rows[c].isna().any()]
+    assert unreached  # the case under test: a sample that did not reach an expert
+    assert rows["status"].tolist() == pq.read_table(exact).to_pandas()["status"].tolist() == ["ok"] * 6
