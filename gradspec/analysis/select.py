@@ -109,7 +109,8 @@ def choose(
 ) -> pd.DataFrame:
     """The chosen rows of a score table (the rows that compete: ``competing``), with their selection score in
     ``gradspec_score``: exactly count rows (or the fraction of the competing rows, rounded), or every
-    competing row where there are fewer (said in the log).
+    competing row where there are fewer (said in the log). A competing row without a finite score (an expert
+    it did not reach) does not compete; ``attrs["valued"]`` says how many rows had one.
 
     With length_buckets > 0 the rows are shared out over quantile buckets of num_tokens, so that a criterion
     correlated with length does not select by length alone (balanced_order).
@@ -131,7 +132,9 @@ def choose(
     ranked = ok.sort_values("gradspec_score", ascending=not top, kind="stable")
     if length_buckets > 0:
         ranked = balanced_order(ranked, min(length_buckets, len(ok)))
-    return ranked.head(wanted).sort_values("index")
+    chosen = ranked.head(wanted).sort_values("index")
+    chosen.attrs["valued"] = len(ok)
+    return chosen
 
 
 def check_size(fraction: float | None, count: int | None, length_buckets: int = 0) -> None:

@@ -70,8 +70,12 @@ def run(args: argparse.Namespace) -> int:
                     length_buckets=args.length_buckets)
     columns = ["gradspec_score", *dict.fromkeys(name for name, _ in criteria(args.by)), "loss", "num_tokens"]
     n = write_selection(data, chosen, args.out, columns, Hub(**meta.get("hub", {})))
-    left_out = scores.loc[~competing(scores, args.by), "status"].value_counts()
-    why = ", ".join(f"{count} {status}" for status, count in left_out.items()) or "none"
+    competes = competing(scores, args.by)
+    left_out = [f"{count} {status}" for status, count in scores.loc[~competes, "status"].value_counts().items()]
+    valueless = int(competes.sum()) - chosen.attrs["valued"]
+    if valueless:  # complete rows with no value of the criterion: NaN there (an expert the row did not reach)
+        left_out.append(f"{valueless} without a value of {args.by}")
+    why = ", ".join(left_out) or "none"
     short = f"; --count {args.count} asked for more" if args.count is not None and n < args.count else ""
     print(f"wrote {n} of {len(scores)} rows to {args.out} (only complete rows compete; left out: {why}{short})")
     return 0

@@ -67,3 +67,24 @@ def test_a_store_query_flags_as_the_exact_alignment_does(tmp_path, tiny_moe_dir)
                  and rows[c].isna().any()]
     assert unreached  # the case under test: a sample that did not reach an expert
     assert rows["status"].tolist() == pq.read_table(exact).to_pandas()["status"].tolist() == ["ok"] * 6
+
+
+def test_select_by_an_expert_s_column_says_which_rows_had_no_value(tmp_path, tiny_moe_dir, capsys):
+    """A row that did not reach the expert has no value in its columns (NaN, status ok): it does not compete,
+    and select says how many rows that left out instead of 'none'."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"Write about {i}.", "output": "word " * (1 + i)}) + "\n"
+                            for i in range(8)))
+    out = tmp_path / "s.parquet"
+    assert main(["score", "--data", str(data), "--model", str(tiny_moe_dir), "--out", str(out), "--modules", "experts",
+                 "--quiet"]) == 0
+    df = pq.read_table(out).to_pandas()
+    column = next(c for c in df.columns if c.endswith("/nuclear_norm") and df[c].isna().any())
+    missing = int(df[column].isna().sum())
+    capsys.readouterr()
+    chosen_file = tmp_path / "x.jsonl"
+    assert main(["select", "--scores", str(out), "--by", column, "--count", "8", "--out", str(chosen_file)]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote {8 - missing} of 8 rows" in printed and f"left out: {missing} without a value of {column}" in printed
+    chosen = [json.loads(line)["instruction"] for line in chosen_file.read_text().splitlines()]
+    assert chosen == [f"Write about {i}." for i in range(8) if df[column].notna()[i]]
