@@ -29,7 +29,9 @@ def _means(wide: pd.DataFrame, long: pd.DataFrame) -> pd.DataFrame:
 
 
 def written(statuses: Counter[str], where: str | Path) -> str:
-    """'wrote 10 rows to where: 9 ok, 1 truncated'."""
+    """'wrote 10 rows to where: 9 ok, 1 truncated' ('wrote no rows to where' where there were none)."""
+    if not statuses:
+        return f"wrote no rows to {where}"
     counts = ", ".join(f"{n} {status}" for status, n in statuses.most_common())
     return f"wrote {sum(statuses.values())} rows to {where}: {counts}"
 

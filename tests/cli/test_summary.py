@@ -36,6 +36,11 @@ def test_a_shard_says_how_to_merge(tmp_path, tiny_model_dir, capsys):
     assert main(["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--quiet",
                  "--shard", "0/2", "--chunk-rows", "1"]) == 0
     assert f"when all are done: gradspec merge --out {out}" in capsys.readouterr().out
+    # a shard none of whose chunks holds a row (shards take whole chunks) says so plainly
+    other = tmp_path / "t.parquet"
+    assert main(["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(other), "--quiet",
+                 "--shard", "1/2"]) == 0
+    assert f"wrote no rows to {other}.parts; when all are done" in capsys.readouterr().out
 
 
 def test_the_summary_after_a_resume_counts_the_whole_file(tmp_path, tiny_model_dir, capsys):
