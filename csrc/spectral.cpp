@@ -202,6 +202,24 @@ std::vector<int> longest_first(const std::vector<int>& picked, const int64_t* le
   return order;
 }
 
+// A sample of SPLIT_ROWS rows or more is two tasks of about equal time (where splittable), finished by whichever
+// ends second: decided by its length alone, so that its rounding does not depend on the samples beside it.
+constexpr int SPLIT_ROWS = 64;
+
+// (output entry, part) per task, longest samples first: part -1 the whole sample, else 0 and 1 (its two halves).
+std::vector<std::pair<int, int>> split_tasks(const std::vector<int>& picked, const int64_t* len, bool splittable) {
+  std::vector<std::pair<int, int>> tasks;
+  for (int k : longest_first(picked, len)) {
+    if (splittable && len[picked[k]] >= SPLIT_ROWS) {
+      tasks.emplace_back(k, 0);
+      tasks.emplace_back(k, 1);
+    } else {
+      tasks.emplace_back(k, -1);
+    }
+  }
+  return tasks;
+}
+
 // One Gram's singular values (sigma, length n) from its n x n matrix a.
 void gram_sample(const double* a, int n, double eps, int terms, double* sigma, SymmetricEigen& eig) {
   eig.scratch.assign(a, a + static_cast<size_t>(n) * n);
@@ -460,7 +478,6 @@ double finish_gram(double* g, int n, int T, const double* other) {
 // inner product. A sample of SPLIT_ROWS rows or more is two tasks of about equal time (below), finished
 // by whichever ends second: decided by its length alone, so that its Gram's rounding does not depend on the
 // samples beside it (an expert's segment scores the same stacked with others' or alone).
-constexpr int SPLIT_ROWS = 64;
 template <typename Scalar>
 py::tuple segment_gram(py::array_t<Scalar> Y, Lengths lengths, py::object other, int threads, py::object rows) {
   require_bound();
@@ -482,15 +499,7 @@ py::tuple segment_gram(py::array_t<Scalar> Y, Lengths lengths, py::object other,
   py::array_t<double> inners(K);
   double* in_out = inners.mutable_data();
   const double* oth = other.is_none() ? nullptr : others.data();
-  std::vector<std::pair<int, int>> tasks;  // (output entry, part): -1 the whole sample, else 0 and 1
-  for (int k : longest_first(picked, len)) {
-    if (len[picked[k]] >= SPLIT_ROWS) {
-      tasks.emplace_back(k, 0);
-      tasks.emplace_back(k, 1);
-    } else {
-      tasks.emplace_back(k, -1);
-    }
-  }
+  const auto tasks = split_tasks(picked, len, true);
   std::vector<std::atomic<int>> done(K);
   for (auto& count : done) count = 0;
   parallel_for(static_cast<int>(tasks.size()), threads, [&](int task, SymmetricEigen& scratch) {
@@ -551,15 +560,7 @@ py::array_t<double> product_gram(py::array_t<Scalar> D, py::array_t<Scalar> X, L
   const std::vector<int> picked = picked_samples(lengths, rows, N, T);
   const int K = static_cast<int>(picked.size());
   const int64_t* len = lengths.data();
-  std::vector<std::pair<int, int>> tasks;  // (output entry, part): -1 the whole sample, else 0 and 1
-  for (int k : longest_first(picked, len)) {
-    if (len[picked[k]] >= SPLIT_ROWS && m >= 2) {
-      tasks.emplace_back(k, 0);
-      tasks.emplace_back(k, 1);
-    } else {
-      tasks.emplace_back(k, -1);
-    }
-  }
+  const auto tasks = split_tasks(picked, len, m >= 2);
   std::vector<std::vector<double>> shared(K);  // a split sample's H, written by both of its tasks
   for (const auto& [k, part] : tasks)
     if (part == 0) shared[k].resize(static_cast<size_t>(m) * w);

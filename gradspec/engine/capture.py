@@ -191,8 +191,8 @@ class BatchCapture(Capture):
     def _materialised_gram(self, part: Part, captured: Captured, samples: _Samples, D: torch.Tensor) -> torch.Tensor:
         """The smaller Gram of G = D^T X per sample, at the policy's precision (grams.product_gram). The
         torch path forms it from the input's X X^T where that holds these samples (each shorter than d_in)."""
-        x_gram = partial(self._x_gram, captured, samples, part.d_in) if samples.T < part.d_in else None
-        return product_gram(D, captured.X, captured.device_lengths, samples.index, samples.T, self.policy, x_gram)
+        return product_gram(D, captured.X, captured.device_lengths, samples.index, samples.T, self.policy,
+                            partial(self._x_gram, captured, samples, part.d_in))
 
     def _x_gram(self, captured: Captured, core: _Samples, d_in: int) -> torch.Tensor:
         """X X^T for these samples, from one Gram per input shared by all parts that read it (over

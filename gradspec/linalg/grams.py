@@ -40,20 +40,25 @@ def segment_gram(
     return stages.run("segment_gram", Y, policy, (size_bucket(Y.shape[1]), Y.shape[2], other is not None), calls)
 
 
+def _rows(rows: torch.Tensor | None, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """These per-sample tensors' entries of the batch samples rows (host indices; None: the tensors as they are)."""
+    if rows is None:
+        return tensors
+    index = to_device(rows, tensors[0].device)
+    return tuple(t[index] for t in tensors)
+
+
 def _gathered(kernel: Callable) -> Callable:
     """kernel(Y, lengths, other, *args) over the samples rows of Y and lengths (None: all of them)."""
     def call(Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None, rows: torch.Tensor | None, *args):
-        if rows is not None:
-            index = to_device(rows, Y.device)
-            Y, lengths = Y[index], lengths[index]
-        return kernel(Y, lengths, other, *args)
+        return kernel(*_rows(rows, Y, lengths), other, *args)
     return call
 
 
 def _segment_gram_cpp(Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None, rows: torch.Tensor | None):
     Y, lengths = Y.detach(), lengths.cpu()
     if Y.dtype not in (torch.float32, torch.float64):  # the extension reads fp32/fp64: the picked samples converted
-        Y, lengths, rows = _picked(Y, lengths, rows)
+        (Y, lengths), rows = _rows(rows, Y, lengths), None
         Y = Y.float()
     with extension.ONE_BLAS_THREAD():
         gram, inner = extension.C.segment_gram(Y.numpy(), lengths.to(torch.int64).numpy(),
@@ -63,11 +68,6 @@ def _segment_gram_cpp(Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tenso
     return torch.from_numpy(gram), None if inner is None else torch.from_numpy(inner)
 
 
-def _picked(Y: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor | None):
-    """(Y, lengths, None) of the samples rows alone (None: all of them, as they are)."""
-    return (Y, lengths, None) if rows is None else (Y[rows], lengths[rows], None)
-
-
 def product_gram(
     D: torch.Tensor, X: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor | None, T: int,
     policy: Policy | str = "auto", x_gram: Callable[[], torch.Tensor] | None = None,
@@ -75,8 +75,9 @@ def product_gram(
     """Per-sample Gram of G_i = D_i^T X_i over valid tokens, G G^T where D is the narrower (else G^T G),
     (K, m, m) with m = min(p, q), in the policy's precision, for the batch samples rows (K,) on the
     host (None: all of them); T is their longest length, lengths (N,) lie on D's device. x_gram gives
-    those samples' X X^T where the caller holds it: the torch path then forms D^T (X X^T) D, T x T
-    products, about half the work of G at T = q / 2."""
+    those samples' X X^T (asked for only where each is shorter than q, so that the caller's one X X^T per
+    input holds it): the torch path then forms D^T (X X^T) D, T x T products, about half the work of G at
+    T = q / 2."""
     policy = Policy.of(policy)
     calls = {
         "cpp": partial(_product_gram_cpp, D, X, lengths, rows),
@@ -89,8 +90,7 @@ def _product_gram_cpp(D: torch.Tensor, X: torch.Tensor, lengths: torch.Tensor, r
     D, X, lengths = D.detach(), X.detach(), lengths.cpu()
     dtype = torch.float64 if torch.float64 in (D.dtype, X.dtype) else torch.float32
     if D.dtype != dtype or X.dtype != dtype:  # converted for the extension: the picked samples alone
-        D, _, _ = _picked(D, lengths, rows)
-        X, lengths, rows = _picked(X, lengths, rows)
+        (D, X, lengths), rows = _rows(rows, D, X, lengths), None
         D, X = D.to(dtype), X.to(dtype)
     with extension.ONE_BLAS_THREAD():
         gram = extension.C.product_gram(D.numpy(), X.numpy(), lengths.to(torch.int64).numpy(),
@@ -101,9 +101,7 @@ def _product_gram_cpp(D: torch.Tensor, X: torch.Tensor, lengths: torch.Tensor, r
 
 def _product_gram_torch(D: torch.Tensor, X: torch.Tensor, lengths: torch.Tensor, rows: torch.Tensor | None, T: int,
                         dtype: torch.dtype, x_gram: Callable[[], torch.Tensor] | None) -> torch.Tensor:
-    if rows is not None:
-        index = to_device(rows, D.device)
-        D, X, lengths = D[index], X[index], lengths[index]
+    D, X, lengths = _rows(rows, D, X, lengths)
     p, q = D.shape[2], X.shape[2]
     Ds = D[:, :T].to(dtype)
     if p <= q and T < q and x_gram is not None:

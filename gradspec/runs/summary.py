@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from gradspec.choices import MODULE_PRESETS
+from gradspec.choices import ALL_ROLES
 from gradspec.runs.score_files import complete, read_metadata, read_scores
 
 MAIN_METRICS = ("nuclear_norm", "effective_rank", "spectral_norm", "align_mean", "align_mean_gradient", "align_max")
@@ -23,8 +23,7 @@ def _means(wide: pd.DataFrame, long: pd.DataFrame) -> pd.DataFrame:
     scored = wide.loc[complete(wide["status"]), "index"]
     long = long[long["index"].isin(scored) & long["metric"].isin(MAIN_METRICS)]
     table = long.groupby(["module", "metric"])["value"].mean().unstack("metric")
-    every = MODULE_PRESETS["all"]
-    order = [r for r in every if r in table.index] + [r for r in table.index if r not in every]
+    order = [r for r in ALL_ROLES if r in table.index] + [r for r in table.index if r not in ALL_ROLES]
     return table.reindex(index=order, columns=[m for m in MAIN_METRICS if m in table.columns])
 
 
