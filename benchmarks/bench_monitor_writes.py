@@ -32,8 +32,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import MEDIANS
 
+from gradspec.files import atomic_write
 from gradspec.linalg.metrics import metric_names
-from gradspec.runs.score_files import atomic_write
 from gradspec.training.monitor import COLUMN_TYPES, SpectralMonitor
 
 POINTS = (10, 100, 1_000, 10_000)

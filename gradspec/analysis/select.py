@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 from gradspec.data.errors import check_at_least
 from gradspec.data.in_memory import plain_value
 from gradspec.data.readers import Hub, InputError, read_records
+from gradspec.files import atomic_write
 from gradspec.options import OptionError
 from gradspec.runs.score_files import (
-    atomic_write,
     complete,
     module_columns,
     module_mean,

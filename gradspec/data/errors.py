@@ -4,15 +4,11 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from gradspec.errors import InputError, OptionInputError
 from gradspec.options import OptionError, mention
 
-
-class InputError(ValueError):
-    """Bad input, with the file and line or row it came from."""
-
-
-class OptionInputError(InputError, OptionError):
-    """Bad input in a file an option gives, the option named as the caller names it."""
+__all__ = ["InputError", "OptionInputError", "check_at_least", "check_share", "check_covers", "check_parquet_out",
+           "check_writable"]
 
 
 def check_at_least(values: dict[str, float | None], low: float = 1) -> None:

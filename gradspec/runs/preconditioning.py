@@ -4,16 +4,15 @@ later runs), or a Trainer checkpoint's AdamW state."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from pathlib import Path
 
 from gradspec.alignment.adam import read_adam_state
 from gradspec.alignment.kfac import KFACFactors, fit_factors
 from gradspec.alignment.preconditioner import Preconditioner
+from gradspec.files import atomic_write, sha256
 from gradspec.options import OptionError, mention
 from gradspec.runs.run_folder import model_identity
-from gradspec.runs.score_files import atomic_write
 from gradspec.runs.task_set import task_batches
 
 log = logging.getLogger("gradspec")
@@ -30,7 +29,7 @@ def run_preconditioner(config, engine, net, tokenizer, max_length: int, batch_to
     factors = _factors(config, engine, tokenizer, max_length, batch_tokens, device)
     described = {"damping": config.damping, "fitted_on": factors.provenance}
     if config.factors is not None:
-        described["factors"] = {"path": str(Path(config.factors).resolve()), "sha256": _sha256(config.factors)}
+        described["factors"] = {"path": str(Path(config.factors).resolve()), "sha256": sha256(config.factors)}
     return Preconditioner(config.precondition, factors.inverses(config.damping), described)
 
 
@@ -69,10 +68,3 @@ def _factors(config, engine, tokenizer, max_length: int, batch_tokens: int, devi
         log.info("K-FAC factors written to %s", path)
     return factors
 
-
-def _sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -49,8 +49,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from gradspec.files import atomic_write, sha256
 from gradspec.options import OptionError, OptionExists, mention
-from gradspec.runs.score_files import METADATA_KEY, atomic_write, read_batches, schema_metadata, write_parquet
+from gradspec.runs.score_files import METADATA_KEY, read_batches, schema_metadata, write_parquet
 
 log = logging.getLogger("gradspec")
 
@@ -511,7 +512,7 @@ class RunFolder:
         index = table["index"]
         held = {"chunk": chunk, "first_row": index[0].as_py(), "last_row": index[-1].as_py()}
         write_parquet(table, self.part(chunk), {**metadata, FINGERPRINT: self._run_fingerprint(), PART: held})
-        digest = _sha256(self.part(chunk))  # after the part: a part without one is a write cut short
+        digest = sha256(self.part(chunk))  # after the part: a part without one is a write cut short
         atomic_write(self._digest(chunk), lambda f: f.write(digest.encode()))
         self.partial(chunk).unlink(missing_ok=True)  # its rows are in the part
 
@@ -526,7 +527,7 @@ class RunFolder:
             return "damaged, no checksum beside it (its write was stopped, or an earlier gradspec wrote it)"
         except (OSError, UnicodeDecodeError) as e:
             return f"damaged, its checksum cannot be read ({e})"
-        if _sha256(self.part(chunk)) != expected:
+        if sha256(self.part(chunk)) != expected:
             return "damaged, its bytes differ from those written (checksum mismatch)"
         return None
 
@@ -898,14 +899,6 @@ def _beat(lock: _Lock) -> None:
             os.utime(lock.path)
         except OSError:
             return
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class _MergedSchema:

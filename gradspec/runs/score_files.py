@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -18,6 +17,7 @@ from tqdm import tqdm
 from gradspec.choices import METRICS
 from gradspec.data.errors import InputError
 from gradspec.data.templates import SCORED
+from gradspec.files import atomic_write
 from gradspec.options import OptionError
 
 if TYPE_CHECKING:  # torch loads only where a file is written: select, report and merge read without it (225 MB)
@@ -78,29 +78,6 @@ def file_metadata(parts: list[Part], metrics: tuple[str, ...], run_info: dict[st
     modules = [{"name": p.name, "role": p.role, "layer": layer_index(p.name), "d_in": p.d_in, "d_out": p.d_out}
                for p in parts]
     return {"parts": modules, "metrics": list(metrics), **run_info}
-
-
-def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
-    """write(file) into a temporary file beside path, flushed to disk, then renamed onto path: the
-    file at path is either the old one or the whole new one, never part of it."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:  # a full disk says only "[Errno 28] No space left on device": name the file
-        tmp.unlink(missing_ok=True)
-        if e.filename is not None:
-            raise
-        if e.errno:
-            raise OSError(e.errno, f"{os.strerror(e.errno)} (writing it)", str(path)) from e
-        raise OSError(f"{path}: {' '.join(str(e).split())} (writing it)") from e
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def write_parquet(table: pa.Table | pd.DataFrame, path: str | Path, metadata: dict[str, Any] | None = None) -> None:

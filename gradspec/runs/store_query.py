@@ -23,10 +23,11 @@ from gradspec.data.batching import batch_tokens_for
 from gradspec.data.models import fit_to_context, load_model
 from gradspec.data.readers import Fields
 from gradspec.engine.spectral_engine import SpectralEngine
+from gradspec.files import atomic_write
 from gradspec.layers.hooks import BatchLayout
 from gradspec.options import OptionExists, mention
 from gradspec.runs.config import ScoreConfig
-from gradspec.runs.score_files import METADATA_KEY, PROJECTION, atomic_write, column, read_metadata
+from gradspec.runs.score_files import METADATA_KEY, PROJECTION, column, read_metadata
 from gradspec.runs.task_set import task_batches
 
 READ_ROWS = 4096  # store rows per streamed batch

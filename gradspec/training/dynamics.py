@@ -35,7 +35,8 @@ from gradspec.data.errors import InputError
 from gradspec.data.readers import Sample
 from gradspec.data.templates import check_response_tokens, tokenize
 from gradspec.engine.loss import item_losses
-from gradspec.runs.score_files import atomic_write, parquet_schema, schema_metadata, write_parquet
+from gradspec.files import atomic_write
+from gradspec.runs.score_files import parquet_schema, schema_metadata, write_parquet
 
 log = logging.getLogger("gradspec")
 

@@ -78,11 +78,12 @@ from gradspec.data.errors import check_parquet_out
 from gradspec.data.templates import IGNORE_INDEX
 from gradspec.engine.capture import BatchCapture
 from gradspec.engine.loss import next_token_nll
+from gradspec.files import atomic_write
 from gradspec.layers.hooks import BatchLayout, PackedLayout, attached, token_mask
 from gradspec.layers.targets import select_targets
 from gradspec.linalg.metrics import metric_names
 from gradspec.linalg.policy import Policy
-from gradspec.runs.score_files import atomic_write, column, metric_columns
+from gradspec.runs.score_files import column, metric_columns
 from gradspec.training.monitor_parts import compact, keep_steps, part_files, part_path, parts_folder, remove_parts
 from gradspec.training.wit import WITLoss, next_token_targets
 

@@ -23,8 +23,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gradspec.data.errors import InputError
+from gradspec.files import atomic_write
 from gradspec.runs.run_folder import conformed
-from gradspec.runs.score_files import atomic_write
 
 _PART = re.compile(r"^(\d{8,})\.parquet$")
 _TEMPORARY = re.compile(r"^\d{8,}\.parquet\.tmp\d+$")  # a part whose write was killed (atomic_write's temporary)

@@ -4,7 +4,6 @@ run's manifest: a resume continues only the same one) and how the command runs a
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import os
@@ -20,6 +19,7 @@ from gradspec.data.hub import is_dataset_name
 from gradspec.data.models import DEFAULT_MODEL, check_device, check_model
 from gradspec.data.readers import Fields
 from gradspec.data.shared_options import device_option, fields_option, limit_option, max_length_option, template_option
+from gradspec.files import sha256
 from gradspec.options import OptionError, check_options, mention, option, typed
 from gradspec.validation.lm_eval_metric import is_lm_eval, lm_eval_metric
 
@@ -181,6 +181,6 @@ def metric_function(spec: str, limit: int | None = None) -> Callable[[Any, Any],
 
 def _sha256(path: str) -> str | None:
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+        return sha256(path)[:16]
     except OSError:
         return None

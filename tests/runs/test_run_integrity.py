@@ -510,7 +510,7 @@ def test_a_full_disk_is_named_and_leaves_no_temporary(tmp_path, tiny_model_dir, 
             raise OSError(errno.ENOSPC, "No space left on device")
         return f
 
-    monkeypatch.setattr("gradspec.runs.score_files.open", full, raising=False)
+    monkeypatch.setattr("gradspec.files.open", full, raising=False)
     capsys.readouterr()
     assert main(_args(tiny_model_dir, data, out)) == 2
     assert _error(capsys) == f"[Errno 28] No space left on device (writing it): '{parts / '00000002.parquet'}'"

@@ -1,0 +1,161 @@
+"""What gradspec does to the disk, once: every file it reads is opened as a regular file or refused
+before anything blocks (a FIFO, a device or a socket where a file should be would hang the command);
+every file it writes is written aside and renamed (a kill leaves the old file or the whole new one);
+checksums are streamed; a name written "only if absent" is taken by a hard link, atomically.
+
+Temporaries are named ``<name>.tmp<pid>`` (``temporary``), and ``is_temporary`` is their one matcher:
+what a killed write leaves is recognised the same way wherever it is tidied up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import stat
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from gradspec.errors import InputError
+
+CHECKSUM = ".sha256"  # beside a checksummed file (<name>.sha256): the SHA-256 of its bytes, in hex
+_TEMPORARY = re.compile(r"(.+)\.tmp\d+")
+_KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+          stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder", stat.S_IFLNK: "a symbolic link"}
+
+
+class NotRegularFile(InputError, OSError):
+    """A path that should be a file is a FIFO, a device, a socket or a folder: refused before it is opened
+    (reading a FIFO blocks until someone writes to it, past any signal)."""
+
+
+def refusal(path: str | Path, mode: int, what: str = "") -> NotRegularFile:
+    kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    return NotRegularFile(f"{path}: {kind}, not a regular file{'; ' + what if what else ''}")
+
+
+def regular(path: str | Path, what: str = "") -> Path:
+    """path, checked to be a regular file (through links) for a library that opens it by name itself:
+    NotRegularFile (naming what was expected, what) where it is something else. A missing file raises
+    FileNotFoundError, as open would."""
+    path = Path(path)
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise refusal(path, mode, what)
+    return path
+
+
+def open_regular(path: str | Path, what: str = "") -> IO[bytes]:
+    """path opened for reading in binary, or NotRegularFile where it is not a regular file: it is opened
+    without blocking and checked on the open descriptor, so nothing swapped in between is read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise refusal(path, mode, what)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bytes(path: str | Path, what: str = "") -> bytes:
+    with open_regular(path, what) as f:
+        return f.read()
+
+
+def read_text(path: str | Path, what: str = "", encoding: str = "utf-8") -> str:
+    return read_bytes(path, what).decode(encoding)
+
+
+def sha256(path: str | Path) -> str:
+    """The SHA-256 of a regular file's bytes, in hex, read a block at a time (never whole into memory)."""
+    digest = hashlib.sha256()
+    with open_regular(path) as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checksum_path(path: str | Path) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + CHECKSUM)
+
+
+def write_checksum(path: str | Path) -> None:
+    """path's SHA-256 beside it (<name>.sha256), written after it: a file without one is a write cut short."""
+    digest = sha256(path)
+    atomic_write(checksum_path(path), lambda f: f.write(digest.encode()))
+
+
+def checksum_problem(path: str | Path) -> str | None:
+    """Why path's bytes are not those written (\"damaged, ...\"), or None. FileNotFoundError where path
+    itself is gone."""
+    try:
+        expected = read_text(checksum_path(path)).strip()
+    except FileNotFoundError:
+        return "damaged, no checksum beside it (its write was stopped, or an earlier gradspec wrote it)"
+    except (OSError, UnicodeDecodeError) as e:
+        return f"damaged, its checksum cannot be read ({e})"
+    try:
+        actual = sha256(path)
+    except NotRegularFile as e:
+        return f"damaged, {str(e).partition(': ')[2]}"
+    if actual != expected:
+        return "damaged, its bytes differ from those written (checksum mismatch)"
+    return None
+
+
+def temporary(path: str | Path) -> Path:
+    """Where this process writes path before renaming it into place: <name>.tmp<pid>."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.tmp{os.getpid()}")
+
+
+def is_temporary(name: str, of: re.Pattern[str] | str | None = None) -> bool:
+    """Whether a file name is a temporary of ``temporary``'s (of a name that ``of`` matches in full, or
+    equals; None: of any name)."""
+    found = _TEMPORARY.fullmatch(name)
+    if found is None or of is None:
+        return found is not None
+    return (of.fullmatch(found[1]) if isinstance(of, re.Pattern) else found[1] == of) is not None
+
+
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
+    """write(file) into a temporary file beside path, flushed to disk, then renamed onto path: the
+    file at path is either the old one or the whole new one, never part of it."""
+    path = Path(path)
+    tmp = temporary(path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk says only "[Errno 28] No space left on device": name the file
+        tmp.unlink(missing_ok=True)
+        if e.filename is not None:
+            raise
+        if e.errno:
+            raise OSError(e.errno, f"{os.strerror(e.errno)} (writing it)", str(path)) from e
+        raise OSError(f"{path}: {' '.join(str(e).split())} (writing it)") from e
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def create_new(path: str | Path, data: bytes) -> bool:
+    """data written to path only if nothing is there (written aside, then hard-linked: atomic, and never
+    half a file); returns whether this call created it."""
+    path = Path(path)
+    tmp = temporary(path)
+    try:
+        tmp.write_bytes(data)
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink(missing_ok=True)
