@@ -30,6 +30,7 @@ from gradspec.data import in_memory
 from gradspec.data.errors import InputError
 from gradspec.data.hub import Hub
 from gradspec.data.templates import CONTEXT, JOINED
+from gradspec.files import open_regular, read_bytes, regular
 from gradspec.options import check_options, option
 
 ON_ERROR = ("fail", "skip")  # what a malformed row does: stop the run, or skip and report the row
@@ -121,6 +122,7 @@ def check_readable(path: str | Path) -> None:
     path = Path(path)
     if not path.exists():
         raise InputError(f"{path}: no such file or folder (nor a Hub dataset name: org/name)")
+    regular(path, "give a JSON, JSONL or Parquet file, or a dataset folder")
     if path.suffix not in (".jsonl", ".json", ".parquet"):
         raise InputError(f"{path}: unknown format (expected .json, .jsonl, .parquet, a datasets folder "
                          "or a Hub dataset name)")
@@ -138,7 +140,7 @@ def count_records(path: str | Path, hub: Hub = Hub()) -> int:
         return hub_datasets.size(str(path), hub)
     path = Path(path)
     if path.suffix == ".jsonl" and path.is_file():
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             return sum(1 for line in f if line.strip())
     if path.suffix == ".parquet" and path.is_file():
         return open_parquet(path).metadata.num_rows
@@ -147,7 +149,7 @@ def count_records(path: str | Path, hub: Hub = Hub()) -> int:
 
 def _read_jsonl(path: Path, wanted: Callable[[int], bool]) -> Iterator[tuple[str, Record]]:
     index = 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
@@ -179,7 +181,7 @@ def _parse_json(raw: bytes, where: str, whole_file: bool = False) -> Any:
 
 
 def _read_json(path: Path) -> Iterator[tuple[str, Record]]:
-    data = _parse_json(path.read_bytes(), str(path), whole_file=True)
+    data = _parse_json(read_bytes(path), str(path), whole_file=True)
     if isinstance(data, dict):
         data = [data]
     if not isinstance(data, list):
@@ -206,7 +208,7 @@ def open_parquet(path: str | Path) -> Any:
     """The Parquet file at path opened (a pyarrow ParquetFile), or an InputError naming it."""
     import pyarrow.parquet as pq
 
-    return _parquet_read(path, pq.ParquetFile, path)
+    return _parquet_read(path, lambda: pq.ParquetFile(open_regular(path)))
 
 
 def _parquet_batches(path: Path) -> Iterator[Any]:

@@ -18,12 +18,8 @@ in place leaves parts that the next command on the run removes (the file's finge
 An --overwrite deletes only what gradspec writes in the folder (parts, checksums, manifest, locks,
 temporaries), and no run folder is followed through a symbolic link.
 
-Each process holds a lock file for the chunks it scores: run.lock for a whole run (one process,
-torchrun's rank 0 for all its ranks, a merge), shard-I-of-N.lock for --shard I/N. A lock refuses
-any other process whose chunks overlap its own (shards i/N and j/M overlap when i = j mod gcd(N, M);
-the whole run overlaps every shard) while its owner lives, and an --overwrite or a merge (they touch
-every chunk) while any owner lives; the lock of a process that is gone (its pid no longer running on
-its host, or, seen from another host, not refreshed for LOCK_STALE_S) is taken over with a warning.
+The folder's locks and what guards it (no link followed, only gradspec's own files deleted):
+gradspec.files.locks.
 """
 
 from __future__ import annotations
@@ -35,13 +31,8 @@ import logging
 import math
 import os
 import re
-import socket
-import threading
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import suppress
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +40,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from gradspec.files import atomic_write, sha256
+from gradspec.files import (
+    CHECKSUM,
+    atomic_write,
+    checksum_path,
+    checksum_problem,
+    create_new,
+    is_temporary,
+    open_regular,
+    read_text,
+    write_checksum,
+)
+from gradspec.files.locks import LOCK_STALE_S, LockedFolder, RunLocked, Shard  # noqa: F401  (imported from here)
 from gradspec.options import OptionError, OptionExists, mention
 from gradspec.runs.score_files import METADATA_KEY, read_batches, schema_metadata, write_parquet
 
@@ -66,17 +68,9 @@ _INPUT_SIZES = ("data_bytes", "task_bytes")
 NUMERICS = "numerics"  # in the manifest: what the rows' last bits depend on beside the config (runs.numerics)
 FINGERPRINT = "config_fingerprint"  # in each part's metadata (and the merged file's): the run's config, hashed
 PART = "part"  # in each part's metadata: {"chunk", "first_row", "last_row"}
-LOCK_BEAT_S = 30.0  # a lock's owner refreshes its file's time this often
-LOCK_STALE_S = 600.0  # a lock on another host not refreshed for this long: its owner is gone
 _MANIFEST = "manifest.json"
 _INPUT_END = "input_end.json"  # {"rows": n}: the input (a stream shorter than the limit) held n rows
 _SHARDS = "shards"  # the manifest's record of how many --shard processes split the run
-_WHOLE = "run.lock"
-_SHARD_LOCK = re.compile(r"shard-(\d+)-of-(\d+)\.lock")
-_DIGEST = ".sha256"  # beside each part (NNNNNNNN.parquet.sha256): the SHA-256 of its bytes, in hex
-# the files a run writes here (NNNNNNNN.partial.parquet: the rows of an unfinished chunk, written every --flush-minutes)
-_OURS = re.compile(r"(\d{8}\.(partial\.)?parquet(\.sha256)?|manifest\.json|input_end\.json)")
-_TEMPORARY = re.compile(rf"({_OURS.pattern}|.+\.lock)\.(tmp|stale)\d+")  # a killed write's leftovers
 _MODEL_SUFFIXES = {".json", ".safetensors", ".bin", ".pt", ".pth", ".model", ".txt", ".gguf", ".py", ".tiktoken"}
 _SAMPLE = 1 << 16  # bytes read at each of a model file's start, middle and end for its fingerprint
 # A merged file's row groups hold about this much data each, not a part each: each column of a row group has an
@@ -84,36 +78,6 @@ _SAMPLE = 1 << 16  # bytes read at each of a model file's start, middle and end 
 # million rows); and a reader of all columns holds a row group about 4 times over (pyarrow 26)
 ROW_GROUP_BYTES = 64 << 20
 
-
-@dataclass(frozen=True)
-class Shard:
-    """This process's share of the chunks: chunk c belongs to shard c mod count."""
-
-    index: int = 0
-    count: int = 1
-
-    @classmethod
-    def parse(cls, text: str) -> Shard:
-        """'i/N' as given to --shard."""
-        i, sep, n = text.partition("/")
-        try:
-            shard = cls(int(i), int(n))
-        except ValueError:
-            shard = None
-        if not sep or shard is None or not 0 <= shard.index < shard.count:
-            raise ValueError(f"--shard {text!r}: expected i/N with 0 <= i < N, e.g. 0/8")
-        return shard
-
-    def owns(self, chunk: int) -> bool:
-        return chunk % self.count == self.index
-
-    def overlaps(self, other: Shard) -> bool:
-        """Whether some chunk belongs to both."""
-        return (self.index - other.index) % math.gcd(self.count, other.count) == 0
-
-
-class RunLocked(FileExistsError):
-    """A live process owns the chunks this one would score, merge or remove."""
 
 
 def config_fingerprint(config: dict[str, Any]) -> str:
@@ -139,13 +103,13 @@ def model_identity(model: str | None) -> dict[str, str] | None:
                 continue
             size = f.stat().st_size
             digest.update(f"{f.name}\0{size}\0".encode())
-            with open(f, "rb") as handle:
+            with open_regular(f) as handle:
                 for at in sorted({0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)}):
                     handle.seek(at)
                     digest.update(handle.read(_SAMPLE))
         adapter = folder / "adapter_config.json"
         if adapter.is_file():
-            base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+            base = json.loads(read_text(adapter)).get("base_model_name_or_path")
             inner = model_identity(base) if base else None
             if inner is None:
                 return None
@@ -173,21 +137,17 @@ def _model_folder(model: str | None) -> Path | None:
     return Path(found).parent if isinstance(found, str) else None
 
 
-@dataclass
-class _Lock:
-    path: Path
-    text: str
-    stop: threading.Event = field(default_factory=threading.Event)
 
-
-class RunFolder:
+class RunFolder(LockedFolder):
     """``<out>.parts/``: manifest.json (the run's config), NNNNNNNN.parquet (one per chunk) and the
     lock files of the processes working in it."""
 
+    OURS = re.compile(r"\d{8}\.(partial\.)?parquet(\.sha256)?|manifest\.json|input_end\.json")
+    CLEARED_LAST = ("manifest.json",)  # until it goes, tidy_merged recognises what is left as the merged run's
+
     def __init__(self, out: str | Path) -> None:
         self.out = Path(out)
-        self.path = self.out.with_name(self.out.name + ".parts")
-        self._lock: _Lock | None = None
+        super().__init__(self.out.with_name(self.out.name + ".parts"))
         self._fingerprint: str | None = None
 
     @property
@@ -199,6 +159,9 @@ class RunFolder:
     def damaged_path(self) -> Path:
         """Where a resume moves the parts it cannot read before it scores their chunks again."""
         return self.out.with_name(self.out.name + ".damaged")
+
+    def guarded(self) -> tuple[Path, ...]:
+        return (self.path, self.damaged_path)
 
     def part(self, chunk: int) -> Path:
         return self.path / f"{chunk:08d}.parquet"
@@ -214,24 +177,35 @@ class RunFolder:
         return self.path / f"{chunk:08d}.partial.parquet"
 
     def write_partial(self, chunk: int, rows: list[dict[str, Any]]) -> None:
-        """The rows of an unfinished chunk scored so far, with the run's config fingerprint: what a kill
-        costs is then the time since this write, not the whole chunk's."""
-        write_parquet(_rows_table(rows), self.partial(chunk), {FINGERPRINT: self._run_fingerprint()})
+        """The rows of an unfinished chunk scored so far, with the run's config fingerprint and its chunk,
+        checksummed as a part is: what a kill costs is then the time since this write, not the whole chunk's."""
+        path = self.partial(chunk)
+        write_parquet(_rows_table(rows), path, {FINGERPRINT: self._run_fingerprint(), PART: {"chunk": chunk}})
+        write_checksum(path)
 
     def partial_rows(self, chunk: int) -> list[dict[str, Any]]:
-        """The rows a killed run scored of a chunk before it could finish it (none where it left none, or
-        left them under another config, or damaged: those are removed)."""
+        """The rows a killed run scored of a chunk before it could finish it, vetted as a part is (its
+        checksum, its config fingerprint, its chunk): none where it left none; one of another config is
+        removed, a damaged one moved aside to damaged_path, and their rows are scored again."""
         path = self.partial(chunk)
-        try:
-            table = pq.read_table(path)
-            meta = json.loads((table.schema.metadata or {}).get(METADATA_KEY, b"{}"))
-        except FileNotFoundError:
+        if not os.path.lexists(path):
             return []
-        except (pa.ArrowException, OSError, ValueError) as e:
-            log.warning("%s: unreadable (%s); its rows are scored again", path, " ".join(str(e).split()))
-            meta = None
-        if not isinstance(meta, dict) or meta.get(FINGERPRINT) != self._run_fingerprint():
-            path.unlink(missing_ok=True)
+        why, table = checksum_problem(path), None
+        if why is None:
+            try:
+                with open_regular(path) as f:
+                    table = pq.read_table(f)
+                meta = json.loads((table.schema.metadata or {}).get(METADATA_KEY, b"{}"))
+            except (pa.ArrowException, OSError, ValueError) as e:
+                why = f"damaged, not a readable Parquet file ({' '.join(str(e).split())})"
+        if why is None and (not isinstance(meta, dict) or meta.get(FINGERPRINT) != self._run_fingerprint()
+                            or (meta.get(PART) or {}).get("chunk") != chunk):
+            path.unlink(missing_ok=True)  # another config's, or another chunk's: not this run's rows
+            checksum_path(path).unlink(missing_ok=True)
+            return []
+        if why is not None:
+            aside = self._move_aside(path)
+            log.warning("%s: %s; moved to %s, its rows are scored again", path, why, aside)
             return []
         rows = table.to_pylist()
         for name in table.column_names:  # a list column as the arrays it was written from (their dtype kept)
@@ -252,7 +226,7 @@ class RunFolder:
         against the run's config by their own fingerprints, so none is lost)."""
         path = self.path / _MANIFEST
         try:
-            manifest = json.loads(path.read_text())
+            manifest = json.loads(read_text(path))
             if isinstance(manifest, dict):
                 return manifest
             why = f"a JSON {type(manifest).__name__}, not a mapping"
@@ -277,9 +251,9 @@ class RunFolder:
         this machine), not compared; the parts are then left to start. member: the locks and the parts
         are not checked here (a torchrun rank other than 0: rank 0 holds the lock and checks the parts;
         or start, which does both itself)."""
-        self._refuse_links()
+        self.refuse_links()
         if not member:
-            self._refuse_live_owner(Shard() if overwrite or shard is None else shard)
+            self.refuse_live_owner(Shard() if overwrite or shard is None else shard)
         self.tidy_merged()
         if overwrite:
             return
@@ -327,7 +301,8 @@ class RunFolder:
     def _out_metadata(self) -> dict[str, Any] | str:
         """What out records of its run, or why it records nothing readable."""
         try:
-            recorded = schema_metadata(pq.read_schema(self.out))
+            with open_regular(self.out) as f:
+                recorded = schema_metadata(pq.read_schema(f))
         except (pa.ArrowException, OSError, ValueError) as e:
             return f"not a score file gradspec wrote ({' '.join(str(e).split())})"
         return recorded if isinstance(recorded, dict) else "its gradspec metadata is not a mapping"
@@ -342,8 +317,8 @@ class RunFolder:
         if manifest is None or isinstance(merged, str) or \
                 merged.get(FINGERPRINT) != config_fingerprint({k: v for k, v in manifest.items() if k != _SHARDS}):
             return False
-        self._refuse_live_owner(Shard())
-        self._clear()
+        self.refuse_live_owner(Shard())
+        self.clear()
         with suppress(OSError):
             self.path.rmdir()
         log.warning("%s: removed the parts of %s, which a merge stopped before it removed them", self.path, self.out)
@@ -366,7 +341,7 @@ class RunFolder:
         if not member:
             self.acquire(shard, whole=overwrite)
         if overwrite:
-            self._clear()
+            self.clear()
             self.out.unlink(missing_ok=True)
             self.errors_path.unlink(missing_ok=True)
         if not member and shard.count == 1:  # a whole run's lock: no other process writes the output
@@ -380,15 +355,9 @@ class RunFolder:
             self.path.mkdir(parents=True, exist_ok=True)
             if resume:
                 (self.path / _MANIFEST).unlink(missing_ok=True)  # a damaged one (manifest): written again
-            tmp = self.path / f"{_MANIFEST}.tmp{os.getpid()}"
-            try:
-                tmp.write_text(json.dumps({**config, _SHARDS: shards}, indent=1))
-                os.link(tmp, self.path / _MANIFEST)  # fails if another shard got there first
+            if create_new(self.path / _MANIFEST, json.dumps({**config, _SHARDS: shards}, indent=1)):
                 return True
-            except FileExistsError:
-                self._same_config(self.manifest(), config)
-            finally:
-                tmp.unlink(missing_ok=True)
+            self._same_config(self.manifest(), config)  # another shard wrote it first
         return False
 
     def _same_config(self, old: dict[str, Any], config: dict[str, Any], unknown: tuple[str, ...] = ()) -> None:
@@ -417,7 +386,7 @@ class RunFolder:
     def _rows(self, records: int | None) -> int | None:
         """The run's rows: records (planned), or fewer where the input was found to end sooner."""
         try:
-            ended = json.loads((self.path / _INPUT_END).read_text())["rows"]
+            ended = json.loads(read_text(self.path / _INPUT_END))["rows"]
         except (FileNotFoundError, ValueError, KeyError, TypeError):
             return records
         return records if records is None or not isinstance(ended, int) else min(records, ended)
@@ -436,7 +405,7 @@ class RunFolder:
                 continue
             if why.startswith("damaged"):
                 if shard is not None and shard.owns(chunk) and chunks is not None and chunk < chunks:
-                    aside = self._move_aside(chunk)
+                    aside = self._move_aside(self.part(chunk))
                     if aside is not None:
                         log.warning("%s: %s; moved to %s, its chunk is scored again", self.part(chunk), why, aside)
                 continue  # another shard's, or found before the run starts: its owner moves it
@@ -456,7 +425,7 @@ class RunFolder:
         parses each part's footer once for its checks and schema, once to read it)."""
         path = self.part(chunk)
         try:
-            with pq.ParquetFile(path) as file:
+            with open_regular(path) as handle, pq.ParquetFile(handle) as file:
                 footer = file.metadata
                 arrow = file.schema_arrow if schema is not None else None
             meta = json.loads((footer.metadata or {}).get(METADATA_KEY, b"{}"))
@@ -485,22 +454,25 @@ class RunFolder:
         if schema is not None:
             schema(arrow)
         try:  # last: a part of another run is named as such, not as damaged
-            return self._digest_problem(chunk) if verify else None
+            return checksum_problem(self.part(chunk)) if verify else None
         except FileNotFoundError:
             return None  # moved aside by its owner meanwhile
 
-    def _move_aside(self, chunk: int) -> Path | None:
+    def _move_aside(self, path: Path) -> Path | None:
+        """A damaged part (or partial part) and its checksum moved to damaged_path, under a name not taken
+        there; None where it was gone already."""
         self.damaged_path.mkdir(exist_ok=True)
-        name, k = self.part(chunk).name, 0
-        while (self.damaged_path / name).exists():
+        stem, suffix = path.name.split(".", 1)
+        name, k = path.name, 0
+        while os.path.lexists(self.damaged_path / name):
             k += 1
-            name = f"{chunk:08d}.{k}.parquet"
+            name = f"{stem}.{k}.{suffix}"
         try:
-            os.rename(self.part(chunk), self.damaged_path / name)
+            os.rename(path, self.damaged_path / name)
         except FileNotFoundError:
             return None
         with suppress(FileNotFoundError):
-            os.rename(self._digest(chunk), self.damaged_path / (name + _DIGEST))
+            os.rename(checksum_path(path), self.damaged_path / (name + CHECKSUM))
         return self.damaged_path / name
 
     def write_part(self, chunk: int, rows: list[dict[str, Any]], metadata: dict[str, Any]) -> None:
@@ -512,24 +484,9 @@ class RunFolder:
         index = table["index"]
         held = {"chunk": chunk, "first_row": index[0].as_py(), "last_row": index[-1].as_py()}
         write_parquet(table, self.part(chunk), {**metadata, FINGERPRINT: self._run_fingerprint(), PART: held})
-        digest = sha256(self.part(chunk))  # after the part: a part without one is a write cut short
-        atomic_write(self._digest(chunk), lambda f: f.write(digest.encode()))
+        write_checksum(self.part(chunk))  # after the part: a part without one is a write cut short
         self.partial(chunk).unlink(missing_ok=True)  # its rows are in the part
-
-    def _digest(self, chunk: int) -> Path:
-        return self.path / f"{chunk:08d}.parquet{_DIGEST}"
-
-    def _digest_problem(self, chunk: int) -> str | None:
-        """Why a part's bytes are not those written (damaged: ...), or None."""
-        try:
-            expected = self._digest(chunk).read_text().strip()
-        except FileNotFoundError:
-            return "damaged, no checksum beside it (its write was stopped, or an earlier gradspec wrote it)"
-        except (OSError, UnicodeDecodeError) as e:
-            return f"damaged, its checksum cannot be read ({e})"
-        if sha256(self.part(chunk)) != expected:
-            return "damaged, its bytes differ from those written (checksum mismatch)"
-        return None
+        checksum_path(self.partial(chunk)).unlink(missing_ok=True)
 
     def merge(self, records: int, chunk_rows: int, progress: bool = False) -> int:
         """Writes all parts into the output file (and the skipped rows into the errors file), then
@@ -544,7 +501,7 @@ class RunFolder:
             self._remove_output_temporaries()
             parts, schema = self._mergeable(self._rows(records), chunk_rows, progress)
             rows = self._write_merged(parts, schema, chunk_rows, progress)
-            self._clear()  # the parts merged, their checksums, the manifest, killed writes' temporaries
+            self.clear()  # the parts merged, their checksums, the manifest, killed writes' temporaries
         finally:
             self.release()  # the run is over (or refused): its lock goes, and the folder if it is empty
         if self.path.exists():
@@ -594,7 +551,8 @@ class RunFolder:
                     first, n = chunk * chunk_rows, 0
                     for table in self._part_batches(p, schema):
                         if table["index"].to_pylist() != list(range(first + n, first + n + table.num_rows)):
-                            last = first + pq.read_metadata(p).num_rows - 1
+                            with open_regular(p) as handle:
+                                last = first + pq.read_metadata(handle).num_rows - 1
                             raise ValueError(f"cannot merge {self.path}: {p.name}: its index column is not rows "
                                              f"{first}-{last}; nothing was written or deleted")
                         n += table.num_rows
@@ -619,8 +577,9 @@ class RunFolder:
         """A part's rows in batches (read_batches), with the merged schema's columns; a part that cannot
         be read is refused as damaged."""
         try:
-            for table in read_batches(part, None):
-                yield conformed(table, schema)
+            with open_regular(part) as handle, pq.ParquetFile(handle) as file:
+                for table in read_batches(file, None):
+                    yield conformed(table, schema)
         except (pa.ArrowException, OSError) as e:
             raise OptionError((), f"cannot merge {self.path}: {part.name}: damaged ({' '.join(str(e).split())}); "
                               f"nothing was written or deleted: move it out of the folder, then "
@@ -631,134 +590,17 @@ class RunFolder:
         folder (and the folder, if that leaves it empty), so the corrected command starts afresh;
         kept if it holds a part or another process's lock. A user's own files there stay."""
         own = None if self._lock is None else self._lock.path
-        if self.done() or any(self.path.glob("*.partial.parquet")) or any(p != own for p in self._lock_files()):
+        if self.done() or any(self.path.glob("*.partial.parquet")) or any(p != own for p in self.lock_files()):
             return
-        self._clear()
+        self.clear()
         self.release()
-
-    # Locks.
-
-    def acquire(self, shard: Shard = Shard(), whole: bool = False) -> None:
-        """Takes this process's lock file for shard's chunks (whole: checked against every other lock,
-        as for an overwrite or a merge, which touch all chunks). Raises RunLocked while a live process
-        holds an overlapping lock; an overlapping lock whose owner is gone is taken over, with a warning."""
-        if self._lock is not None:
-            return
-        self._refuse_links()
-        path = self.path / (_WHOLE if shard.count == 1 else f"shard-{shard.index}-of-{shard.count}.lock")
-        text = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), **_machine(),
-                           "started": _process_start(os.getpid()), "shard": f"{shard.index}/{shard.count}",
-                           "token": uuid.uuid4().hex})
-        for _ in range(10):
-            self.path.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-            try:
-                tmp.write_text(text)
-                os.link(tmp, path)
-                break
-            except FileExistsError:
-                self._remove_stale(path)
-            except FileNotFoundError:  # the folder was removed meanwhile: make it again
-                continue
-            finally:
-                tmp.unlink(missing_ok=True)
-        else:
-            raise RunLocked(f"{path}: could not take this lock (other processes keep taking it)")
-        self._lock = _Lock(path, text)
-        threading.Thread(target=_beat, args=(self._lock,), name="gradspec-lock", daemon=True).start()
-        try:
-            scope = Shard() if whole else shard
-            for other in self._lock_files():
-                theirs = _lock_shard(other)
-                if other != path and theirs is not None and theirs.overlaps(scope):
-                    self._remove_stale(other)
-        except BaseException:
-            self.release()
-            raise
-
-    def release(self) -> None:
-        """Gives up this process's lock (and removes the folder if nothing else is left in it)."""
-        lock, self._lock = self._lock, None
-        if lock is None:
-            return
-        lock.stop.set()
-        if _read(lock.path) == lock.text:  # still ours
-            lock.path.unlink(missing_ok=True)
-        with suppress(OSError):
-            self.path.rmdir()
-
-    def _lock_files(self) -> list[Path]:
-        if not self.path.is_dir():
-            return []
-        return sorted(p for p in self.path.glob("*.lock") if _lock_shard(p) is not None)
-
-    def _refuse_live_owner(self, scope: Shard) -> None:
-        own = None if self._lock is None else self._lock.path
-        for path in self._lock_files():
-            text, theirs = _read(path), _lock_shard(path)
-            if path != own and text is not None and theirs is not None and theirs.overlaps(scope) and \
-                    _alive(text, path):
-                raise RunLocked(self._live_message(text, path))
-
-    def _remove_stale(self, path: Path) -> None:
-        """Removes the lock at path if its owner is gone, with a warning; raises RunLocked if it lives."""
-        text = _read(path)
-        if text is None:
-            return  # released meanwhile
-        if _alive(text, path):
-            raise RunLocked(self._live_message(text, path))
-        aside = path.with_name(f"{path.name}.stale{os.getpid()}")
-        try:
-            os.rename(path, aside)
-        except FileNotFoundError:
-            return
-        if _read(aside) != text:  # another process took it over between the read and the rename: put it back
-            with suppress(OSError):
-                os.link(aside, path)
-            aside.unlink(missing_ok=True)
-            return
-        aside.unlink(missing_ok=True)
-        owner = _record(text)
-        log.warning("took over %s: its lock %s was left by pid %s on host %s, which is no longer running", self.path,
-                    path.name, owner.get("pid"), owner.get("host"))
-
-    def _live_message(self, text: str, path: Path) -> str:
-        owner = _record(text)
-        which = "the whole run" if path.name == _WHOLE else f"shard {owner.get('shard', '?')}"
-        elsewhere = not _pid_here(owner)
-        hint = (f"; if no such process runs on {owner.get('host')}, delete {path} (a lock not refreshed for "
-                f"{LOCK_STALE_S:.0f} s is taken over by itself)") if elsewhere else ""
-        return (f"a live run (pid {owner.get('pid')} on host {owner.get('host')}, {which}) owns {self.path}: wait "
-                f"for it to finish or stop it, then run again{hint}")
-
-    def _clear(self) -> None:
-        """What gradspec wrote in the folder (parts, checksums, manifest, temporaries, the locks of
-        processes that are gone), but this process's lock: a user's own files there are kept."""
-        own = None if self._lock is None else self._lock.path
-        entries = list(self.path.iterdir()) if self.path.is_dir() and not self.path.is_symlink() else []
-        # The manifest last: until it goes, tidy_merged recognises what is left as the merged run's
-        for p in sorted(entries, key=lambda p: p.name == _MANIFEST):
-            lock = _lock_shard(p) is not None
-            if p == own or (lock and (text := _read(p)) is not None and _alive(text, p)):
-                continue
-            if (lock or _OURS.fullmatch(p.name) or _TEMPORARY.fullmatch(p.name)) and not p.is_dir():
-                p.unlink(missing_ok=True)
-
-    def _refuse_links(self) -> None:
-        """The run folder and the damaged parts' folder are real folders: gradspec deletes in them,
-        and a link would lead it into someone else's."""
-        for path in (self.path, self.damaged_path):
-            if path.is_symlink():
-                raise OptionError((), f"{path}: a symbolic link; gradspec writes and deletes in its run folders and "
-                                  "follows no link to them: remove the link (what it points to is left as it is) "
-                                  f"or choose another {mention('out')}")
 
     def _remove_output_temporaries(self) -> None:
         """The temporaries of the output and errors files that a killed merge left (atomic_write's
         <name>.tmp<pid>): called under a whole run's lock, so no live process is writing them."""
         for target in (self.out, self.errors_path):
             for p in target.parent.glob(f"{glob.escape(target.name)}.tmp*"):
-                if re.fullmatch(re.escape(target.name) + r"\.tmp\d+", p.name) and p.is_file():
+                if is_temporary(p.name, target.name) and p.is_file():
                     p.unlink(missing_ok=True)
                     log.warning("removed %s, left by a merge that was stopped while writing it", p)
 
@@ -814,91 +656,6 @@ def _other_model(a: dict[str, Any], b: dict[str, Any]) -> bool:
 def _parts(problems: list[str]) -> str:
     return "1 part is" if len(problems) == 1 else f"{len(problems)} parts are"
 
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except (OSError, UnicodeDecodeError):
-        return ""
-
-
-def _record(text: str) -> dict[str, Any]:
-    try:
-        record = json.loads(text)
-    except ValueError:
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
-def _lock_shard(path: Path) -> Shard | None:
-    """The chunks a lock file's name claims (None: not a lock file)."""
-    if path.name == _WHOLE:
-        return Shard()
-    found = _SHARD_LOCK.fullmatch(path.name)
-    if found is None or not 0 <= int(found[1]) < int(found[2]):
-        return None
-    return Shard(int(found[1]), int(found[2]))
-
-
-def _process_start(pid: int) -> str | None:
-    """When a process started (Linux: clock ticks since boot), to tell it from a later one with its pid."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _machine() -> dict[str, str]:
-    """What tells this host's pids from others' beyond its name: its boot and its pid namespace (a
-    container's pids are its own)."""
-    found = {}
-    with suppress(OSError):
-        found["boot"] = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    with suppress(OSError):
-        found["pid_namespace"] = os.readlink("/proc/self/ns/pid")
-    return found
-
-
-def _pid_here(owner: dict[str, Any]) -> bool:
-    """Whether a lock's owner's pid is one of this host's (its name, boot and pid namespace; a record
-    without the last two: its name alone)."""
-    return owner.get("host") == socket.gethostname() and \
-        all(owner[k] == v for k, v in _machine().items() if k in owner)
-
-
-def _alive(text: str, path: Path) -> bool:
-    """Whether a lock's owner still runs: on this host (its name, boot and pid namespace), by its pid
-    and start time; elsewhere (another host, container or boot), by whether its file was refreshed in
-    the last LOCK_STALE_S."""
-    owner = _record(text)
-    pid = owner.get("pid")
-    if _pid_here(owner) and isinstance(pid, int) and pid > 0:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # another user's process: alive
-            pass
-        except OSError:
-            return False
-        started = owner.get("started")
-        now = _process_start(pid)
-        return started is None or now is None or now == started
-    try:
-        return time.time() - path.stat().st_mtime < LOCK_STALE_S
-    except FileNotFoundError:
-        return False
-
-
-def _beat(lock: _Lock) -> None:
-    """Refreshes a held lock's time, so that other hosts see its owner alive."""
-    while not lock.stop.wait(LOCK_BEAT_S):
-        try:
-            os.utime(lock.path)
-        except OSError:
-            return
 
 
 class _MergedSchema:

@@ -68,7 +68,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -78,13 +77,12 @@ from gradspec.data.errors import check_parquet_out
 from gradspec.data.templates import IGNORE_INDEX
 from gradspec.engine.capture import BatchCapture
 from gradspec.engine.loss import next_token_nll
-from gradspec.files import atomic_write
 from gradspec.layers.hooks import BatchLayout, PackedLayout, attached, token_mask
 from gradspec.layers.targets import select_targets
 from gradspec.linalg.metrics import metric_names
 from gradspec.linalg.policy import Policy
 from gradspec.runs.score_files import column, metric_columns
-from gradspec.training.monitor_parts import compact, keep_steps, part_files, part_path, parts_folder, remove_parts
+from gradspec.training.monitor_parts import MonitorParts, parts_folder
 from gradspec.training.wit import WITLoss, next_token_targets
 
 log = logging.getLogger("gradspec")
@@ -171,7 +169,7 @@ class SpectralMonitor:
         self.out, self.overwrite, self.index_column = None if out is None else Path(out), overwrite, index_column
         self.summary: dict[str, float] = {}  # per-role means of the last step's rows
         self._steps = 0  # steps seen by step() without a number
-        self._next = 0  # the number of the next part of <out>.parts/
+        self._parts: MonitorParts | None = None  # <out>.parts/, held from a run's first monitored step to close
         self._started = False
         # a resumed run's checkpoint step: the rows up to it are kept (inf: all, steps after a close go on)
         self._resumed_at: float | None = None
@@ -344,10 +342,10 @@ class SpectralMonitor:
                 return
             self._start()
         try:
-            compact(self.out)
+            self._parts.compact()
         except OSError as error:  # the training is done: its rows stay in the parts
             log.error("SpectralMonitor: the parts in %s not compacted into %s (%s); read them with read_monitor",
-                      parts_folder(self.out), self.out, error)
+                      self._parts.path, self.out, error)
         self._started, self._resumed_at = False, math.inf
 
     def _start(self) -> None:
@@ -359,16 +357,10 @@ class SpectralMonitor:
             rank = f".rank{dist.get_rank()}"
             if not self.out.stem.endswith(rank):
                 self.out = self.out.with_name(f"{self.out.stem}{rank}{self.out.suffix}")
-        self._next = 0
-        if self.out is not None and self._resumed_at is not None:  # the rows up to the checkpoint go on; later
-            self._next = keep_steps(self.out, self._resumed_at)       # ones are trained again
-        elif self.out is not None and (self.out.exists() or part_files(parts_folder(self.out))):
-            if not self.overwrite:  # and the run stays unstarted: the next step is refused too, nothing overwritten
-                what = "exists (a previous run's rows)" if self.out.exists() else \
-                    f"has parts in {parts_folder(self.out)} (an unfinished run's rows)"
-                raise ValueError(f"out {self.out}: {what}; give another path or overwrite=True")
-            self.out.unlink(missing_ok=True)
-            remove_parts(parts_folder(self.out))
+        if self.out is not None:  # a resumed run's rows up to its checkpoint go on; later ones are trained again
+            self._parts = MonitorParts(self.out)
+            self._parts.open(self.overwrite, self._resumed_at)
+            weakref.finalize(self, self._parts.release)  # a monitor dropped unclosed holds its folder no longer
         self._started = True
 
     def restart(self, resumed_at: int | None = None) -> None:
@@ -379,6 +371,8 @@ class SpectralMonitor:
             resumed_at: The step of the checkpoint a resumed run continues from; None: a new run.
         """
         self.abort()
+        if self._parts is not None:  # a run not closed: its parts stay, its lock goes
+            self._parts.release()
         self._started, self._resumed_at = False, resumed_at
 
     def _call_begins(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -531,10 +525,7 @@ class SpectralMonitor:
         other modules) are joined by whoever reads them."""
         schema = pa.schema([(name, COLUMN_TYPES.get(name, pa.float64())) for name in rows[0]])  # typed if all null
         table = pa.Table.from_pylist(rows, schema=schema)
-        folder = parts_folder(self.out)
-        folder.mkdir(parents=True, exist_ok=True)
-        atomic_write(part_path(folder, self._next), lambda f: pq.write_table(table, f))
-        self._next += 1
+        self._parts.write(table)
 
 
 def monitored_model(model: nn.Module) -> nn.Module:

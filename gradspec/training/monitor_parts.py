@@ -2,11 +2,14 @@
 (``NNNNNNNN.parquet``, numbered in the order written, as a scoring run's folder is) while the run goes on,
 compacted into ``out`` at its end.
 
-Each part is written aside and renamed (atomic_write), so a run killed at any moment leaves whole parts:
-it loses at most the step it was writing. Each step costs the same write whatever the run's length, and
-nothing of earlier steps is held in memory (the whole-file rewrite this replaces grew quadratically in
-I/O and linearly in memory). ``read_monitor`` reads either form as one table; parts whose columns differ
-(a resumed run with other modules) are joined, a column a part lacks null in its rows.
+Each part is written aside and renamed (atomic_write), then its checksum beside it, so a run killed at any
+moment leaves whole parts: it loses at most the step it was writing. Each step costs the same write whatever
+the run's length, and nothing of earlier steps is held in memory. The folder is guarded as a scoring run's
+(gradspec.files.locks): one writer holds its run.lock (a live scoring run or another monitor on the same
+``out`` is refused), no link is followed to it, and only the monitor's own files are deleted there.
+``read_monitor`` reads either form as one table; parts whose columns differ (a resumed run with other
+modules) are joined, a column a part lacks null in its rows; a part whose bytes are not those written is
+refused, naming it.
 """
 
 from __future__ import annotations
@@ -23,11 +26,18 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gradspec.data.errors import InputError
-from gradspec.files import atomic_write
+from gradspec.files import (
+    atomic_write,
+    checksum_path,
+    checksum_problem,
+    is_temporary,
+    open_regular,
+    write_checksum,
+)
+from gradspec.files.locks import LockedFolder
 from gradspec.runs.run_folder import conformed
 
 _PART = re.compile(r"^(\d{8,})\.parquet$")
-_TEMPORARY = re.compile(r"^\d{8,}\.parquet\.tmp\d+$")  # a part whose write was killed (atomic_write's temporary)
 # Compaction writes its row groups at about this size: a row group per part would give a run of 10,000
 # steps a footer of 10,000 groups' column statistics, slow to open.
 GROUP_BYTES = 64 << 20
@@ -52,24 +62,6 @@ def part_files(folder: Path) -> list[Path]:
     return [p for _, p in sorted(numbered)]
 
 
-def next_part(folder: Path) -> int:
-    """The number of the next part to write in the folder."""
-    parts = part_files(folder)
-    return int(_PART.match(parts[-1].name)[1]) + 1 if parts else 0
-
-
-def remove_parts(folder: Path) -> None:
-    """The parts and killed writes' temporaries gone, and the folder with them if nothing else is in it:
-    a user's own files there stay, and no folder is followed through a symbolic link."""
-    if folder.is_symlink() or not folder.is_dir():
-        return
-    for p in folder.iterdir():
-        if _PART.match(p.name) or _TEMPORARY.match(p.name):
-            p.unlink(missing_ok=True)
-    if not any(folder.iterdir()):
-        folder.rmdir()
-
-
 def read_monitor(path: str | Path) -> pd.DataFrame:
     """A spectral monitor's rows as one table, whether its run has ended (the file) or not (the parts
     written so far: a run killed, or not closed yet).
@@ -87,7 +79,7 @@ def read_monitor(path: str | Path) -> pd.DataFrame:
     """
     path = Path(path)
     if path.is_file():  # a finished run's (a compaction cut short before its parts were removed: the file has them)
-        return pq.read_table(path).to_pandas()
+        return _read(path).to_pandas()
     folder = path if path.is_dir() else parts_folder(path)
     parts = part_files(folder)
     if not parts:
@@ -96,29 +88,11 @@ def read_monitor(path: str | Path) -> pd.DataFrame:
     return pa.concat_tables(list(_groups(parts, _schema(parts)))).to_pandas()
 
 
-def compact(out: Path) -> None:
-    """The parts into ``out`` (written aside, then renamed), streamed part by part in row groups of
-    about GROUP_BYTES, never all in memory; then the parts removed. Without parts: nothing."""
-    folder = parts_folder(out)
-    parts = part_files(folder)
-    if not parts:
-        return
-    schema = _schema(parts)
-
-    def write(f) -> None:
-        with pq.ParquetWriter(f, schema) as writer:
-            for group in _groups(parts, schema):
-                writer.write_table(group)
-
-    atomic_write(out, write)
-    remove_parts(folder)  # a kill before this leaves parts the file holds: read_monitor and a resume take the file
-
-
 def _schema(parts: list[Path]) -> pa.Schema:
     """Every part's columns, in the order they first appear (parts of a resumed run may have others)."""
-    schema = pq.read_schema(parts[0])
+    schema = _read(parts[0], schema_only=True)
     for p in parts[1:]:  # one at a time: 10,000 schemas of 100 columns held at once are 250 MB
-        other = pq.read_schema(p)
+        other = _read(p, schema_only=True)
         if not other.equals(schema):
             schema = pa.unify_schemas([schema, other], promote_options="permissive")
     return schema
@@ -132,7 +106,7 @@ def _groups(parts: list[Path], schema: pa.Schema) -> Iterator[pa.Table]:
     read: list[pa.Table] = []
     size = 0
     for i, p in enumerate(parts, 1):
-        read.append(conformed(pq.ParquetFile(p).read(), schema))
+        read.append(conformed(_read(p), schema))
         if len(read) < READ_TOGETHER and i < len(parts):
             continue
         blocks.append(pa.concat_tables(read).combine_chunks())
@@ -142,47 +116,118 @@ def _groups(parts: list[Path], schema: pa.Schema) -> Iterator[pa.Table]:
             blocks, size = [], 0
 
 
-def keep_steps(out: Path, upto: float) -> int:
-    """A resumed run's rows: those of steps up to ``upto`` kept, later ones dropped (they are trained
-    again). A finished run's file goes back into the folder as its first part, so the run goes on
-    adding parts. Returns the number of the next part.
-
-    Raises:
-        ValueError: out or a part is not a monitor's (no step column).
-    """
-    folder = parts_folder(out)
-    if out.exists():
-        _check_monitor_file(out)
-        remove_parts(folder)  # left by a compaction cut short after its file was in place: the file has their rows
-        folder.mkdir(parents=True, exist_ok=True)
-        os.replace(out, part_path(folder, 0))
-    for p in part_files(folder):
-        _check_monitor_file(p)
-        if math.isinf(upto):
-            continue
-        steps = pc.min_max(pq.read_table(p, columns=["step"])["step"])
-        if steps["min"].as_py() is None or steps["max"].as_py() <= upto:
-            continue
-        if steps["min"].as_py() > upto:
-            p.unlink()
-        else:  # the finished run's file: filtered row group by row group
-            atomic_write(p, lambda f, p=p: _write_steps_upto(p, f, upto))
-    if folder.is_dir():
-        for p in folder.iterdir():
-            if _TEMPORARY.match(p.name):
-                p.unlink(missing_ok=True)
-    return next_part(folder)
-
-
 def _write_steps_upto(path: Path, f, upto: float) -> None:
-    source = pq.ParquetFile(path)
-    with pq.ParquetWriter(f, source.schema_arrow) as writer:
+    with open_regular(path) as handle, pq.ParquetFile(handle) as source, \
+            pq.ParquetWriter(f, source.schema_arrow) as writer:
         for i in range(source.num_row_groups):
             group = source.read_row_group(i)
             writer.write_table(group.filter(pc.less_equal(group["step"], upto)))
 
 
 def _check_monitor_file(path: Path) -> None:
-    if "step" not in pq.read_schema(path).names:
+    if "step" not in _read(path, schema_only=True).names:
         raise ValueError(f"out {path}: not a monitor file (no step column); give the resumed run's own monitor "
                          "file, or another path")
+
+
+def _read(path: Path, columns: list[str] | None = None, schema_only: bool = False) -> pa.Table | pa.Schema:
+    """A monitor file or part (its schema alone with schema_only), read as a regular file; a part whose
+    bytes are not those written (its checksum beside it differs) is refused. A part without a checksum
+    (a run killed between the two writes, or an earlier gradspec's) is read."""
+    if checksum_path(path).exists() and (why := checksum_problem(path)) is not None:
+        raise InputError(f"{path}: {why}; move it out of {path.parent} to read the other parts")
+    with open_regular(path) as f:
+        return pq.read_schema(f) if schema_only else pq.read_table(f, columns=columns)
+
+
+class MonitorParts(LockedFolder):
+    """A monitor's ``<out>.parts/``: its numbered parts and their checksums, held by one writer."""
+
+    OURS = re.compile(r"\d{8,}\.parquet(\.sha256)?")
+
+    def __init__(self, out: str | Path) -> None:
+        self.out = Path(out)
+        super().__init__(parts_folder(self.out))
+        self.next = 0  # the number of the next part
+
+    def open(self, overwrite: bool, resumed_at: float | None) -> None:
+        """Takes the folder's lock (RunLocked while a live scoring run or monitor holds it; a link to the
+        folder is refused), then starts a run's parts: an existing file or parts refused unless overwrite
+        (then removed: only the monitor's own files); a resumed run's rows up to its checkpoint step
+        resumed_at kept."""
+        self.acquire()
+        try:
+            if resumed_at is not None:
+                self.next = self._keep_steps(resumed_at)
+                return
+            if self.out.exists() or part_files(self.path):
+                if not overwrite:
+                    what = "exists (a previous run's rows)" if self.out.exists() else \
+                        f"has parts in {self.path} (an unfinished run's rows)"
+                    raise ValueError(f"out {self.out}: {what}; give another path or overwrite=True")
+                self.out.unlink(missing_ok=True)
+                self.clear()
+            self.next = 0
+        except BaseException:
+            self.release()
+            raise
+
+    def write(self, table: pa.Table) -> None:
+        """A step's rows as the next part, then its checksum."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        path = part_path(self.path, self.next)
+        atomic_write(path, lambda f: pq.write_table(table, f))
+        write_checksum(path)
+        self.next += 1
+
+    def compact(self) -> None:
+        """The parts into ``out`` (written aside, then renamed), streamed part by part in row groups of
+        about GROUP_BYTES, never all in memory; then the parts removed and the lock given up. Without
+        parts: the lock given up."""
+        try:
+            parts = part_files(self.path)
+            if parts:
+                schema = _schema(parts)
+
+                def write(f) -> None:
+                    with pq.ParquetWriter(f, schema) as writer:
+                        for group in _groups(parts, schema):
+                            writer.write_table(group)
+
+                atomic_write(self.out, write)
+                self.clear()  # a kill before this leaves parts the file holds: read_monitor and a resume take the file
+        finally:
+            self.release()
+
+    def _keep_steps(self, upto: float) -> int:
+        """A resumed run's rows: those of steps up to ``upto`` kept, later ones dropped (they are trained
+        again). A finished run's file goes back into the folder as its first part, so the run goes on
+        adding parts. Returns the number of the next part.
+
+        Raises:
+            ValueError: out or a part is not a monitor's (no step column).
+        """
+        if self.out.exists():
+            _check_monitor_file(self.out)
+            self.clear()  # left by a compaction cut short after its file was in place: the file has their rows
+            self.path.mkdir(parents=True, exist_ok=True)
+            os.replace(self.out, part_path(self.path, 0))
+            write_checksum(part_path(self.path, 0))
+        for p in part_files(self.path):
+            _check_monitor_file(p)
+            if math.isinf(upto):
+                continue
+            steps = pc.min_max(_read(p, columns=["step"])["step"])
+            if steps["min"].as_py() is None or steps["max"].as_py() <= upto:
+                continue
+            if steps["min"].as_py() > upto:
+                p.unlink()
+                checksum_path(p).unlink(missing_ok=True)
+            else:  # the finished run's file: filtered row group by row group
+                atomic_write(p, lambda f, p=p: _write_steps_upto(p, f, upto))
+                write_checksum(p)
+        for p in self.path.iterdir() if self.path.is_dir() else ():
+            if is_temporary(p.name, self.OURS):
+                p.unlink(missing_ok=True)
+        parts = part_files(self.path)
+        return int(_PART.match(parts[-1].name)[1]) + 1 if parts else 0

@@ -399,7 +399,7 @@ def test_a_resume_under_other_threads_is_refused_with_the_way_to_continue(tmp_pa
 
 def _merge_stopped_after_its_file(monkeypatch, deleted: int):
     """merge stopped (a kill) after its file is in place, having deleted `deleted` of the parts."""
-    real = run_folder.RunFolder._clear
+    real = run_folder.RunFolder.clear
 
     def clear(self):
         if self.out.exists():
@@ -408,7 +408,7 @@ def _merge_stopped_after_its_file(monkeypatch, deleted: int):
             raise KeyboardInterrupt
         real(self)
 
-    monkeypatch.setattr(run_folder.RunFolder, "_clear", clear)
+    monkeypatch.setattr(run_folder.RunFolder, "clear", clear)
 
 
 @pytest.mark.parametrize("then", ["resume", "merge", "score"])
@@ -510,7 +510,7 @@ def test_a_full_disk_is_named_and_leaves_no_temporary(tmp_path, tiny_model_dir, 
             raise OSError(errno.ENOSPC, "No space left on device")
         return f
 
-    monkeypatch.setattr("gradspec.files.open", full, raising=False)
+    monkeypatch.setattr("gradspec.files.primitives.open", full, raising=False)
     capsys.readouterr()
     assert main(_args(tiny_model_dir, data, out)) == 2
     assert _error(capsys) == f"[Errno 28] No space left on device (writing it): '{parts / '00000002.parquet'}'"
@@ -541,16 +541,16 @@ def test_a_merge_stopped_before_its_file_is_in_place_loses_no_skipped_row(tmp_pa
     assert json.loads(out.with_suffix(".errors.jsonl").read_text())["index"] == ROWS
 
 
-def test_a_stopped_run_loses_at_most_its_flush_minutes_and_resumes_to_the_same_file(tmp_path, tiny_model_dir, data,
-                                                                                     monkeypatch):
-    """One chunk of 24 rows in many batches: a run stopped within it had written the rows scored so far (every
-    --flush-minutes; here every batch, the clock pushed on); the resume scores only the others, in the batches
-    they had, and the file equals the uninterrupted run's, bit for bit."""
+FLUSHED = ["--chunk-rows", "24", "--batch-tokens", "48", "--flush-minutes", "0.01"]  # one chunk, many batches
+
+
+def _stopped_within_a_chunk(tmp_path, model, data, monkeypatch):
+    """The uninterrupted run's file, and a run of one chunk stopped at its 5th batch having written the rows of
+    its first 3 (every --flush-minutes: here every batch, the clock pushed on); the batch sizes submitted."""
     from gradspec.runs import chunks
 
-    args = ["--chunk-rows", "24", "--batch-tokens", "48", "--flush-minutes", "0.01"]
     whole, stopped = tmp_path / "whole.parquet", tmp_path / "stopped.parquet"
-    assert main(_args(tiny_model_dir, data, whole, *args)) == 0
+    assert main(_args(model, data, whole, *FLUSHED)) == 0
     clock = iter(range(0, 10**6, 60))
     monkeypatch.setattr(chunks.time, "monotonic", lambda: next(clock))
     submitted = []
@@ -563,17 +563,52 @@ def test_a_stopped_run_loses_at_most_its_flush_minutes_and_resumes_to_the_same_f
         return real_submit(self, ids, *rest)
 
     monkeypatch.setattr(gradspec.SpectralEngine, "submit", submit)
-    assert main(_args(tiny_model_dir, data, stopped, *args)) == 130
+    assert main(_args(model, data, stopped, *FLUSHED)) == 130
+    monkeypatch.setattr(gradspec.SpectralEngine, "submit", real_submit)
+    return whole, stopped, submitted
+
+
+def test_a_stopped_run_loses_at_most_its_flush_minutes_and_resumes_to_the_same_file(tmp_path, tiny_model_dir, data,
+                                                                                     monkeypatch):
+    """A run stopped within a chunk had written the rows scored so far; the resume scores only the others, in the
+    batches they had, and the file equals the uninterrupted run's, bit for bit."""
+    whole, stopped, submitted = _stopped_within_a_chunk(tmp_path, tiny_model_dir, data, monkeypatch)
     parts = tmp_path / "stopped.parquet.parts"
     partial = pq.read_table(parts / "00000000.partial.parquet")
     assert partial.num_rows == sum(submitted[:3]) and not (parts / "00000000.parquet").exists()
+    assert (parts / "00000000.partial.parquet.sha256").exists()
     resumed = []
+    real_submit = gradspec.SpectralEngine.submit
     monkeypatch.setattr(gradspec.SpectralEngine, "submit", lambda self, ids, *rest: resumed.append(ids.shape[0])
                         or real_submit(self, ids, *rest))
-    assert main(_args(tiny_model_dir, data, stopped, *args, "--resume")) == 0
+    assert main(_args(tiny_model_dir, data, stopped, *FLUSHED, "--resume")) == 0
     assert sum(resumed) == ROWS - partial.num_rows
     assert pq.read_table(stopped).equals(pq.read_table(whole), check_metadata=True)
     assert not (tmp_path / "stopped.parquet.parts").exists()
+
+
+@pytest.mark.parametrize("damage", ["a value's bit flipped", "no checksum"])
+def test_a_damaged_partial_part_is_set_aside_and_its_rows_scored_again(tmp_path, tiny_model_dir, data, monkeypatch,
+                                                                       caplog, damage):
+    """A partial part is a part: a bit flipped in one of its values (Parquet still reads it) or a write cut short
+    before its checksum is damaged; the resume moves it to <out>.damaged/, scores its rows again, and the file
+    equals the uninterrupted run's."""
+    whole, stopped, _ = _stopped_within_a_chunk(tmp_path, tiny_model_dir, data, monkeypatch)
+    partial = tmp_path / "stopped.parquet.parts" / "00000000.partial.parquet"
+    if damage == "no checksum":
+        (tmp_path / "stopped.parquet.parts" / "00000000.partial.parquet.sha256").unlink()
+    else:
+        table = pq.read_table(partial)
+        raw = bytearray(partial.read_bytes())
+        loss = table.column("loss")[0].as_py()
+        at = bytes(raw).index(__import__("struct").pack("<d", loss))  # the first row's loss, as stored
+        raw[at] ^= 0x10  # its lowest byte: still a valid double
+        partial.write_bytes(bytes(raw))
+        assert pq.read_table(partial).column("loss")[0].as_py() != loss  # still reads, with another value
+    assert main(_args(tiny_model_dir, data, stopped, *FLUSHED, "--resume")) == 0
+    assert pq.read_table(stopped).equals(pq.read_table(whole), check_metadata=True)
+    assert (tmp_path / "stopped.parquet.damaged" / "00000000.partial.parquet").exists()
+    assert "00000000.partial.parquet: damaged" in caplog.text and "its rows are scored again" in caplog.text
 
 
 def test_rows_taken_back_from_a_partial_write_are_the_rows_that_were_written(tmp_path):
@@ -589,3 +624,39 @@ def test_rows_taken_back_from_a_partial_write_are_the_rows_that_were_written(tmp
     back = folder.partial_rows(0)
     assert back[0]["projected_gradient"].dtype == np.float32 and "a/m" not in back[1]
     assert run_folder._rows_table(back).equals(run_folder._rows_table(rows))
+
+
+def _finished(proc, timeout=300):
+    """proc's exit code and stderr; a process still running after timeout (blocked) is killed and fails the test."""
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"still running after {timeout} s: {proc.args[3:]}")
+    return proc.returncode, err
+
+
+def test_a_fifo_where_a_part_should_be_is_refused_not_waited_on(tmp_path, tiny_model_dir, data, reference):
+    """A FIFO in a part's place would block its reader past any signal: merge names it damaged (exit 2), and
+    --resume moves it aside and scores its chunk again."""
+    out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
+    assert main(_args(tiny_model_dir, data, out, "--no-merge")) == 0
+    fifo = parts / "00000002.parquet"
+    fifo.unlink()
+    os.mkfifo(fifo)
+    code, err = _finished(_cli(["merge", "--out", str(out)]))
+    assert code == 2 and f"00000002.parquet: damaged, not a readable Parquet file ({fifo}: a FIFO (named pipe), " \
+        "not a regular file)" in err, err
+    code, err = _finished(_cli(_args(tiny_model_dir, data, out, "--resume")))
+    assert code == 0, err
+    _same(out, reference)
+    assert (tmp_path / "s.parquet.damaged" / "00000002.parquet").is_fifo()
+
+
+def test_a_fifo_given_as_data_is_refused_before_it_is_opened(tmp_path, tiny_model_dir):
+    fifo = tmp_path / "rows.jsonl"
+    os.mkfifo(fifo)
+    code, err = _finished(_cli(_args(tiny_model_dir, fifo, tmp_path / "s.parquet")), timeout=120)
+    assert code == 2 and err.strip().splitlines() == [
+        f"gradspec: error: {fifo}: a FIFO (named pipe), not a regular file; give a JSON, JSONL or Parquet file, or a "
+        "dataset folder"], err

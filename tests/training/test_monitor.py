@@ -12,7 +12,7 @@ from gradspec.layers import checkpointing
 from gradspec.linalg.metrics import METRICS, metrics_from_singular_values
 from gradspec.training.monitor import COLUMN_TYPES, SpectralMonitor
 from gradspec.training.monitor_callback import SpectralMonitorCallback
-from gradspec.training.monitor_parts import read_monitor
+from gradspec.training.monitor_parts import part_files, read_monitor
 from gradspec.training.sample_index import with_sample_index
 from gradspec.training.wit import WITCollator, WITLoss, use_wit_loss, wit_loss
 
@@ -584,6 +584,7 @@ def test_a_resumed_run_with_other_modules_keeps_both_columns(tokenizer, tmp_path
     for step in (1, 2):
         with first.step(model, step):
             model(**batch).loss.backward()
+    del first  # its process killed: its folder's lock goes with it
     resumed = SpectralMonitor(every=1, modules="k", out=tmp_path / "m.parquet")
     resumed.restart(resumed_at=1)
     with resumed.step(model, 2):
@@ -634,7 +635,7 @@ def test_a_multi_step_run_s_file_has_the_rows_the_whole_file_rewrite_wrote(token
     _steps(_WholeFile(every=1, modules="all", out=tmp_path / "whole.parquet"), model, tokenizer, [1, 2, 3])
     monitor = SpectralMonitor(every=1, modules="all", out=out)
     _steps(monitor, model, tokenizer, [1, 2, 3])
-    assert not out.exists() and len(list((tmp_path / "m.parquet.parts").iterdir())) == 3
+    assert not out.exists() and len(part_files(tmp_path / "m.parquet.parts")) == 3
     monitor.close()
     assert not (tmp_path / "m.parquet.parts").exists()
     got, want = pq.read_table(out), pq.read_table(tmp_path / "whole.parquet")
@@ -648,15 +649,15 @@ def test_each_step_writes_a_part_of_its_own_rows_alone(tokenizer, tmp_path, monk
     """A monitored step's cost stays one step's: each write gets that step's rows alone, as a new part, and
     no earlier row is held (the file was rewritten whole at each step: I/O quadratic in the run's length,
     every row held in memory)."""
-    from gradspec.training import monitor as monitor_module
+    from gradspec.training import monitor_parts
 
-    written, write = [], monitor_module.atomic_write
+    written, write = [], monitor_parts.atomic_write
 
     def spy(path, rows):
         write(path, rows)
         written.append((path.relative_to(tmp_path).as_posix(), pq.read_table(path)["step"].to_pylist()))
 
-    monkeypatch.setattr(monitor_module, "atomic_write", spy)
+    monkeypatch.setattr(monitor_parts, "atomic_write", spy)
     monitor = SpectralMonitor(every=1, modules="q", out=tmp_path / "m.parquet")
     _steps(monitor, tiny_model("llama"), tokenizer, [1, 2, 3])
     assert written == [(f"m.parquet.parts/0000000{i}.parquet", [i + 1] * 2) for i in range(3)]
@@ -693,11 +694,12 @@ def test_a_resumed_run_keeps_the_rows_up_to_its_checkpoint(tokenizer, tmp_path, 
     whole = [r for step in _steps(first, model, tokenizer, [1, 2, 3, 4]) for r in step]
     if closed:
         first.close()
+    del first  # killed, or closed: its folder's lock is gone
     resumed = SpectralMonitor(every=1, modules="q", out=out)
     resumed.restart(resumed_at=2)
     _steps(resumed, model, tokenizer, [3])
     assert read_monitor(out)["step"].tolist() == [1, 1, 2, 2, 3, 3]
-    assert sorted(p.name for p in (tmp_path / "m.parquet.parts").iterdir()) == \
+    assert [p.name for p in part_files(tmp_path / "m.parquet.parts")] == \
         [f"0000000{i}.parquet" for i in range(2 if closed else 3)]  # the closed run's file is its first part
     _steps(resumed, model, tokenizer, [4])
     resumed.close()
@@ -734,7 +736,7 @@ def test_compaction_writes_the_parts_concatenated_part_by_part(tokenizer, tmp_pa
     resumed = SpectralMonitor(every=1, modules="k", out=out)
     resumed.restart(resumed_at=2)
     _steps(resumed, model, tokenizer, [3])
-    parts = [pq.read_table(p) for p in sorted((tmp_path / "m.parquet.parts").iterdir())]
+    parts = [pq.read_table(p) for p in part_files(tmp_path / "m.parquet.parts")]
     monkeypatch.setattr(monitor_parts, "GROUP_BYTES", 1)  # a row group per part
     monkeypatch.setattr(monitor_parts, "READ_TOGETHER", 1)
     resumed.close()

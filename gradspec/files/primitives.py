@@ -9,6 +9,7 @@ what a killed write leaves is recognised the same way wherever it is tidied up.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
@@ -49,7 +50,12 @@ def regular(path: str | Path, what: str = "") -> Path:
 def open_regular(path: str | Path, what: str = "") -> IO[bytes]:
     """path opened for reading in binary, or NotRegularFile where it is not a regular file: it is opened
     without blocking and checked on the open descriptor, so nothing swapped in between is read."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno != errno.ENXIO:  # what opening a socket (or a device without its driver) says
+            raise
+        raise refusal(path, os.stat(path).st_mode, what) from None
     try:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
@@ -120,7 +126,7 @@ def is_temporary(name: str, of: re.Pattern[str] | str | None = None) -> bool:
     found = _TEMPORARY.fullmatch(name)
     if found is None or of is None:
         return found is not None
-    return (of.fullmatch(found[1]) if isinstance(of, re.Pattern) else found[1] == of) is not None
+    return of.fullmatch(found[1]) is not None if isinstance(of, re.Pattern) else found[1] == of
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -146,13 +152,13 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
         raise
 
 
-def create_new(path: str | Path, data: bytes) -> bool:
-    """data written to path only if nothing is there (written aside, then hard-linked: atomic, and never
+def create_new(path: str | Path, text: str) -> bool:
+    """text written to path only if nothing is there (written aside, then hard-linked: atomic, and never
     half a file); returns whether this call created it."""
     path = Path(path)
     tmp = temporary(path)
     try:
-        tmp.write_bytes(data)
+        tmp.write_text(text)
         os.link(tmp, path)
         return True
     except FileExistsError:

@@ -1,0 +1,24 @@
+"""Everything gradspec does to the disk, once: reading only regular files, atomic writes and their
+temporaries, checksums, and the folders it writes and deletes in (locks, no link followed, only its own
+files deleted). Score runs, the monitor, training, dynamics, validation and model conversion use these."""
+
+from gradspec.files.primitives import (
+    CHECKSUM,
+    NotRegularFile,
+    atomic_write,
+    checksum_path,
+    checksum_problem,
+    create_new,
+    is_temporary,
+    open_regular,
+    read_bytes,
+    read_text,
+    regular,
+    sha256,
+    temporary,
+    write_checksum,
+)
+
+__all__ = ["CHECKSUM", "NotRegularFile", "atomic_write", "checksum_path", "checksum_problem", "create_new",
+           "is_temporary", "open_regular", "read_bytes", "read_text", "regular", "sha256", "temporary",
+           "write_checksum"]

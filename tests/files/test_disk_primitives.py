@@ -1,0 +1,94 @@
+"""gradspec.files: what is not a regular file is refused before it is opened (a FIFO would block the
+reader past any signal), checksums name what changed, temporaries are recognised by one matcher, and a
+name taken only if absent is taken once."""
+
+import os
+import re
+import socket
+import threading
+
+import pytest
+
+from gradspec.errors import InputError
+from gradspec.files import (
+    NotRegularFile,
+    checksum_problem,
+    create_new,
+    is_temporary,
+    open_regular,
+    read_bytes,
+    regular,
+    sha256,
+    temporary,
+    write_checksum,
+)
+
+
+def _special(tmp_path, kind):
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(str(path))
+        server.close()
+    return path
+
+
+@pytest.mark.parametrize("kind,named", [("fifo", "a FIFO"), ("folder", "a folder"), ("socket", "a socket")])
+def test_what_is_not_a_regular_file_is_refused_without_blocking(tmp_path, kind, named):
+    path = _special(tmp_path, kind)
+    done = []
+
+    def read_it():
+        for read in (open_regular, read_bytes, regular, sha256):
+            with pytest.raises(NotRegularFile) as refused:
+                read(path)
+            done.append(str(refused.value))
+
+    reader = threading.Thread(target=read_it, daemon=True)
+    reader.start()
+    reader.join(timeout=30)  # a blocking open would still be waiting for a writer
+    assert not reader.is_alive(), "a read blocked"
+    assert len(done) == 4 and all(d.startswith(f"{path}: {named}") for d in done)
+    assert issubclass(NotRegularFile, InputError) and issubclass(NotRegularFile, OSError)
+
+
+def test_a_link_to_a_regular_file_reads_and_a_missing_file_is_file_not_found(tmp_path):
+    target = tmp_path / "t.txt"
+    target.write_bytes(b"abc")
+    (tmp_path / "link").symlink_to(target)
+    assert read_bytes(tmp_path / "link") == b"abc"
+    with pytest.raises(FileNotFoundError):
+        open_regular(tmp_path / "missing")
+
+
+def test_a_checksum_names_a_changed_byte_a_missing_checksum_and_a_fifo(tmp_path):
+    path = tmp_path / "p.parquet"
+    path.write_bytes(b"x" * 5000)
+    write_checksum(path)
+    assert checksum_problem(path) is None
+    path.write_bytes(b"x" * 4999 + b"y")
+    assert checksum_problem(path) == "damaged, its bytes differ from those written (checksum mismatch)"
+    (tmp_path / "p.parquet.sha256").unlink()
+    assert checksum_problem(path).startswith("damaged, no checksum beside it")
+    write_checksum(path)
+    path.unlink()
+    os.mkfifo(path)
+    assert checksum_problem(path).startswith("damaged, a FIFO")
+
+
+def test_temporaries_are_matched_by_their_name_and_pid_alone(tmp_path):
+    part = re.compile(r"\d{8}\.parquet")
+    assert temporary(tmp_path / "a.parquet").name == f"a.parquet.tmp{os.getpid()}"
+    assert is_temporary("00000001.parquet.tmp42", part) and is_temporary("out.parquet.tmp7", "out.parquet")
+    assert not is_temporary("00000001.parquet.tmp", part) and not is_temporary("notes.parquet.tmp1", part)
+    assert not is_temporary("out.parquet.tmp7x", "out.parquet") and not is_temporary("xout.parquet.tmp7", "out.parquet")
+
+
+def test_a_name_taken_only_if_absent_is_taken_once_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "manifest.json"
+    assert create_new(path, "one") and not create_new(path, "two")
+    assert path.read_text() == "one" and sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
