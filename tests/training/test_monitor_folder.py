@@ -14,7 +14,6 @@ from conftest import tiny_model
 from gradspec.errors import InputError
 from gradspec.files.locks import RunLocked
 from gradspec.options import OptionError
-from gradspec.runs.run_folder import RunFolder
 from gradspec.training.monitor import SpectralMonitor
 from gradspec.training.monitor_parts import read_monitor
 from gradspec.training.wit import WITCollator
@@ -91,7 +90,8 @@ def test_two_monitors_on_one_out_the_second_is_refused(tokenizer, tmp_path):
     model, out = tiny_model("llama"), tmp_path / "m.parquet"
     first, second = (SpectralMonitor(every=1, modules="q", out=out) for _ in range(2))
     _steps(first, model, tokenizer, [1])
-    with pytest.raises(RunLocked, match=r"this process \(pid \d+, the whole run\) already writes in .*m\.parquet\.parts"):
+    mine = r"this process \(pid \d+, the whole run\) already writes in .*m\.parquet\.parts"
+    with pytest.raises(RunLocked, match=mine):
         _steps(second, model, tokenizer, [1])
     _steps(first, model, tokenizer, [2])
     first.close()
