@@ -81,6 +81,9 @@ class Option:
         python_flat: a group that Python callers also give option by option (split=, not hub=).
         from_file: whether a --config file may give it; False for what decides which code runs or what
             is deleted (trust_remote_code, overwrite): a file is data, never authority.
+        writes: for a path a run reads where it exists and writes where nothing is there yet, what it
+            writes there (factors: "the factors it fits"): a --config file may name only one that exists,
+            since where a run writes is the command line's alone (as --out).
     """
 
     help: str = ""
@@ -95,6 +98,7 @@ class Option:
     group: bool = False
     python_flat: bool = False
     from_file: bool = True
+    writes: str | None = None
 
 
 def option(default: Any, help: str = "", **what: Any) -> Any:

@@ -16,20 +16,30 @@ and every ranking (the damping is relative).
 from __future__ import annotations
 
 import json
+import logging
+import reprlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from gradspec.alignment.capture import KeptCapture
 from gradspec.alignment.directions import masked
 from gradspec.choices import DAMPING
+from gradspec.errors import OptionInputError
+from gradspec.files import NotRegularFile, checksum_path, checksum_problem, create_new, regular, write_checksum
 from gradspec.layers.hooks import BatchLayout, Captured
 from gradspec.layers.registry import Part, Target
+from gradspec.options import OptionError, mention
 
 KINDS = ("kfac", "ekfac")
 _FORMAT = "gradspec-kfac-1"
+DTYPES = (torch.float32, torch.float64)  # what a factors file may hold; gradspec writes float64
+SYMMETRY = 1e-6  # the most a factor may differ from its transpose, relative to its largest entry
+REFIT = f"fit them again (another {mention('factors')} path)"
+log = logging.getLogger("gradspec")
 
 
 def _cached(held: dict, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> dict:
@@ -40,13 +50,17 @@ def _cached(held: dict, tensors: dict[str, torch.Tensor], device: torch.device, 
     return held[key]
 
 
-def damped_inverse(F: torch.Tensor, damping: float) -> torch.Tensor:
+def damped_inverse(F: torch.Tensor, damping: float) -> torch.Tensor | None:
     """(F + damping * mean eigenvalue * I)^-1 of a symmetric PSD factor, fp64: the mean eigenvalue is the
     trace over the size, and the damped factor is positive definite, so a Cholesky inverse (several times
-    faster than an eigendecomposition) does."""
+    faster than an eigendecomposition) does. None where the damped factor is not positive definite after
+    all (the Cholesky fails, or gives values that are not finite)."""
     F = F.double()
     damped = F + damping * torch.trace(F) / len(F) * torch.eye(len(F), dtype=F.dtype)
-    return torch.cholesky_inverse(torch.linalg.cholesky(damped))
+    lower, info = torch.linalg.cholesky_ex(damped)
+    if info or not torch.isfinite(lower).all():
+        return None
+    return torch.cholesky_inverse(lower)
 
 
 def shared(factors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -97,13 +111,15 @@ class EigenCorrectedInverse:
 
 @dataclass
 class KFACFactors:
-    """Per part, A and S (fp64, host); with EK-FAC also Λ (d_out, d_in). provenance: what they were
-    fitted on (recorded with them and in the score file)."""
+    """Per part, A and S (fp64, host; float32 where a file holds them so); with EK-FAC also Λ (d_out, d_in).
+    provenance: what they were fitted on (recorded with them and in the score file). source: the file they
+    were read from (named in errors), None for factors fitted here."""
 
     A: dict[str, torch.Tensor]
     S: dict[str, torch.Tensor]
     eigenvalues: dict[str, torch.Tensor] | None = None
     provenance: dict = field(default_factory=dict)
+    source: str | None = None
     _decomposed: dict = field(default_factory=dict, repr=False)  # id(factor) -> (factor, values, vectors)
 
     def __post_init__(self) -> None:
@@ -126,22 +142,37 @@ class KFACFactors:
         return self.eigh(self.A[name])[1], self.eigh(self.S[name])[1]
 
     def inverses(self, damping: float = DAMPING) -> dict[str, KroneckerInverse | EigenCorrectedInverse]:
-        """Each part's damped inverse, as align applies it to the task's gradients."""
+        """Each part's damped inverse, as align applies it to the task's gradients; a factor (or EK-FAC's
+        eigenvalues) that is not positive definite even damped is refused, naming its key and the damping."""
         if self.eigenvalues is None:
             inverted: dict[int, torch.Tensor] = {}
 
-            def inverse(F: torch.Tensor) -> torch.Tensor:
+            def inverse(key: str, F: torch.Tensor) -> torch.Tensor:
                 if id(F) not in inverted:
-                    inverted[id(F)] = damped_inverse(F, damping)
+                    found = damped_inverse(F, damping)
+                    if found is None:
+                        raise self._not_definite(key, damping)
+                    inverted[id(F)] = found
                 return inverted[id(F)]
 
-            return {name: KroneckerInverse(inverse(self.A[name]), inverse(self.S[name])) for name in self.A}
+            return {name: KroneckerInverse(inverse(f"{name}.A", self.A[name]), inverse(f"{name}.S", self.S[name]))
+                    for name in self.A}
         out = {}
         for name in self.A:
             Q_A, Q_S = self.bases(name)
             L = self.eigenvalues[name].double()
-            out[name] = EigenCorrectedInverse(Q_A, Q_S, L + damping * L.mean())
+            denominator = L + damping * L.mean()
+            if not (torch.isfinite(denominator).all() and (denominator > 0).all()):
+                raise self._not_definite(f"{name}.eigenvalues", damping)
+            out[name] = EigenCorrectedInverse(Q_A, Q_S, denominator)
         return out
+
+    def _not_definite(self, key: str, damping: float) -> OptionError:
+        if self.source is None:
+            return OptionError("damping", f"{damping:g}: the fitted {key} is not positive definite even damped: raise "
+                               f"{mention('damping')}, or fit on other data")
+        return OptionInputError("factors", f"{self.source}: {key}: not positive definite even damped "
+                                f"({mention('damping')} {damping:g}): raise {mention('damping')}, or {REFIT}")
 
     def to_bytes(self) -> bytes:
         """The factors as safetensors: <part>.A, <part>.S (and <part>.eigenvalues), fp64; a factor several
@@ -158,35 +189,120 @@ class KFACFactors:
         return save(tensors, metadata={"format": _FORMAT, "kind": self.kind, "provenance": json.dumps(self.provenance),
                                        "aliases": json.dumps(aliases)})
 
+    def save(self, path: str | Path) -> bool:
+        """The factors written to path (to_bytes) with their checksum beside it (<path>.sha256, which load
+        checks), only where nothing is there yet: an existing file is never replaced. Whether this call
+        wrote it."""
+        if not create_new(path, self.to_bytes()):
+            return False
+        write_checksum(path)
+        return True
+
     @classmethod
     def load(cls, path: str | Path, parts: Sequence[Part]) -> KFACFactors:
-        """The factors in path for these parts; a file of another kind, or one missing a part or
-        holding it at another shape, is refused naming the file and the part."""
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(str(path), "pt") as f:
-                meta, keys = f.metadata() or {}, set(f.keys())
-                if meta.get("format") != _FORMAT:
-                    raise ValueError(f"{path}: not a factors file gradspec wrote (format {meta.get('format')!r})")
-                tensors = {k: f.get_tensor(k) for k in keys}
-                tensors |= {k: tensors[v] for k, v in json.loads(meta.get("aliases", "{}")).items() if v in tensors}
-        except (SafetensorError, OSError) as error:
-            raise ValueError(f"{path}: cannot read the K-FAC factors ({error})") from error
-        ekfac = meta.get("kind") == "ekfac"
+        """The factors in path for these parts, each checked as align will use it. Refused
+        (OptionInputError, one line naming the file and the field or tensor): a file that is not safetensors
+        or whose bytes differ from those its checksum beside it (<path>.sha256, written by save) records;
+        of another format or kind; metadata that is not the JSON objects save writes; a part missing or at
+        another shape; a tensor not float32 or float64, not finite, not symmetric (within SYMMETRY of its
+        largest entry), with a negative diagonal (or, EK-FAC, a negative eigenvalue). A file without a
+        checksum beside it (an earlier gradspec's, or another tool's) is read with a warning, not refused."""
+        tensors, meta = _read(path)
+        kind = meta.get("kind", "kfac")
+        if kind not in KINDS:
+            raise _refused(path, f"metadata 'kind': {reprlib.repr(kind)}, not one of {', '.join(KINDS)}")
+        provenance = _metadata_object(path, meta, "provenance")
+        for alias, key in _metadata_object(path, meta, "aliases").items():
+            if alias in tensors or not isinstance(key, str) or key not in tensors:
+                why = "is a tensor of the file itself" if alias in tensors else \
+                    f"-> {reprlib.repr(key)}, not a tensor of the file"
+                raise _refused(path, f"metadata 'aliases': {reprlib.repr(alias)} {why}: damaged or not gradspec's; "
+                               f"{REFIT}")
+            tensors[alias] = tensors[key]
+        ekfac = kind == "ekfac"
+        checked: set[int] = set()
         for p in parts:
             shapes = {"A": (p.d_in, p.d_in), "S": (p.d_out, p.d_out)} | ({"eigenvalues": (p.d_out, p.d_in)}
                                                                          if ekfac else {})
             for what, shape in shapes.items():
                 got = tensors.get(f"{p.name}.{what}")
                 if got is None or tuple(got.shape) != shape:
-                    raise ValueError(f"{path}: no {what} of shape {shape} for {p.name} "
-                                     f"({'missing' if got is None else tuple(got.shape)}): factors fitted for "
-                                     "another model or other modules; fit them again (another --factors path)")
+                    raise _refused(path, f"no {what} of shape {shape} for {p.name} "
+                                   f"({'missing' if got is None else tuple(got.shape)}): factors fitted for "
+                                   f"another model or other modules; {REFIT}")
+                if id(got) not in checked:
+                    _check_tensor(path, f"{p.name}.{what}", got)
+                    checked.add(id(got))
         names = [p.name for p in parts]
         return cls({n: tensors[f"{n}.A"] for n in names}, {n: tensors[f"{n}.S"] for n in names},
-                   {n: tensors[f"{n}.eigenvalues"] for n in names} if ekfac else None,
-                   json.loads(meta.get("provenance", "{}")))
+                   {n: tensors[f"{n}.eigenvalues"] for n in names} if ekfac else None, provenance, str(path))
+
+
+def _refused(path: str | Path, text: str) -> OptionInputError:
+    return OptionInputError("factors", f"{path}: {text}")
+
+
+def _read(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A factors file's tensors and metadata, its bytes checked against the checksum beside it where there is
+    one (a warning where there is none)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        regular(path, "a K-FAC factors file (.safetensors)")
+        if not checksum_path(path).exists():
+            log.warning("%s: no checksum beside it (%s): read unchecked (an earlier gradspec or another tool wrote "
+                        "it)", path, checksum_path(path).name)
+        else:
+            problem = checksum_problem(path)
+            if problem is not None:
+                raise _refused(path, f"{problem}; {REFIT}")
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != _FORMAT:
+                raise _refused(path, f"not a factors file gradspec wrote (format {reprlib.repr(meta.get('format'))})")
+            return {k: f.get_tensor(k) for k in f.keys()}, meta
+    except NotRegularFile as error:
+        raise _refused(path, str(error).partition(": ")[2]) from None
+    except (SafetensorError, OSError) as error:
+        raise _refused(path, f"cannot read the K-FAC factors ({' '.join(str(error).split())})") from error
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _metadata_object(path: str | Path, meta: dict[str, str], name: str) -> dict[str, Any]:
+    """A metadata field of a factors file, a JSON object as save writes it ({} where the field is absent)."""
+    try:
+        value = json.loads(meta.get(name, "{}"), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as error:
+        raise _refused(path, f"metadata {name!r}: not valid JSON ({' '.join(str(error).split())})") from None
+    if not isinstance(value, dict):
+        raise _refused(path, f"metadata {name!r}: expected a JSON object, got {type(value).__name__} "
+                       f"{reprlib.repr(value)}")
+    return value
+
+
+def _check_tensor(path: str | Path, key: str, t: torch.Tensor) -> None:
+    """One factor (or EK-FAC's eigenvalues, key *.eigenvalues) as align can use it: float, finite,
+    symmetric and with a non-negative diagonal (eigenvalues: non-negative)."""
+    if t.dtype not in DTYPES:
+        raise _refused(path, f"{key}: {str(t.dtype).removeprefix('torch.')}, not float32 or float64 (gradspec "
+                       f"writes float64): {REFIT}, or write its tensors as float64")
+    problem = None
+    if not torch.isfinite(t).all():
+        problem = "holds NaN or infinite values"
+    elif key.endswith(".eigenvalues"):
+        problem = "a negative eigenvalue (second moments are never negative)" if (t < 0).any() else None
+    else:
+        scale, asymmetry = float(t.abs().max()), float((t - t.T).abs().max())
+        if asymmetry > SYMMETRY * scale:
+            problem = (f"not symmetric (it differs from its transpose by up to {asymmetry:.3g}, beyond {SYMMETRY:g} "
+                       f"of its largest entry, {scale:.3g})")
+        elif (t.diagonal() < 0).any():
+            problem = "not positive semi-definite (a negative diagonal entry)"
+    if problem is not None:
+        raise _refused(path, f"{key}: {problem}: damaged or not gradspec's; {REFIT}")
 
 
 # A backward pass over one padded batch with these captures: (captures, batch) -> (loss, count, finite, stats)

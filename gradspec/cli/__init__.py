@@ -161,11 +161,13 @@ def _main(argv: list[str] | None) -> int:
     args = _parse(parser, sub, argv)
     try:
         command_parser, from_config = sub.choices[args.command], {}
+        own = argv[argv.index(args.command) + 1:]
         if getattr(args, "config", None):  # the file's options as defaults; the flags given win
-            from_config = config_values(args.config, command_parser, args.command)
+            from_config = config_values(args.config, command_parser, args.command,
+                                        set(given_options(command_parser, own)))
             command_parser.set_defaults(**from_config)
             args = _parse(parser, sub, argv)
-        args.given = given_options(command_parser, argv[argv.index(args.command) + 1:], set(from_config))
+        args.given = given_options(command_parser, own, set(from_config))
         return COMMANDS[args.command].run(args)
     except OptionError as e:  # named as the command line names it
         print(f"gradspec: error: {e.named(_flags(sub.choices[args.command]))}", file=sys.stderr)

@@ -4,7 +4,8 @@ metadata holds the same) replays that run. Flags given on the command line overr
 
 A file is data, never authority: it sets what a run computes and how, never where the output goes
 or what runs code or deletes (--out, --overwrite, --trust-remote-code: the command line's alone),
-since a run's record can be crafted, and replaying one is what the docs teach."""
+since a run's record can be crafted, and replaying one is what the docs teach. A path a run reads
+where it exists and writes otherwise (--factors) a file may give only where it exists, to be read."""
 
 from __future__ import annotations
 
@@ -69,8 +70,10 @@ def _read(path: Path) -> dict[str, Any]:
     return raw
 
 
-def config_values(path: str | Path, parser: argparse.ArgumentParser, command: str) -> dict[str, Any]:
-    """The file's options as parser defaults, each checked as its flag would be."""
+def config_values(path: str | Path, parser: argparse.ArgumentParser, command: str,
+                  command_line: Collection[str] = ()) -> dict[str, Any]:
+    """The file's options as parser defaults, each checked as its flag would be. command_line: the dests
+    the command line gives (whose values win over the file's)."""
     path = Path(path)
     raw = _read(path)
     is_run = "version" in raw and isinstance(raw.get("fields"), dict)  # describe's output: a manifest or a score file
@@ -83,7 +86,7 @@ def config_values(path: str | Path, parser: argparse.ArgumentParser, command: st
             raise ValueError(f"--config {path}: not a run's record as gradspec writes it: {e}") from None
     by_dest = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
     by_flag = {o.lstrip("-").replace("-", "_"): a for a in by_dest.values() for o in a.option_strings}
-    values = {}
+    values, written = {}, _written_paths()
     for key, value in raw.items():
         name = str(key).lstrip("-").replace("-", "_")
         action = by_dest.get(name) or by_flag.get(name)
@@ -96,6 +99,12 @@ def config_values(path: str | Path, parser: argparse.ArgumentParser, command: st
             raise ValueError(f"--config {path}: {key!r} is not an option of gradspec {command}{hint}")
         as_flag = name not in by_dest  # e.g. no_merge: true, for the dest merge
         value = _value(action, value, f"--config {path}: {key}", as_flag)
+        if action.dest in written and action.dest not in command_line and value is not None and \
+                not Path(value).exists():
+            raise ValueError(f"--config {path}: {key!r}: {value}: no such file; a file may name one for the run to "
+                             "read, never one for it to write (where a run writes is the command line's alone): "
+                             f"pass {action.option_strings[0]} on the command line to have it write "
+                             f"{written[action.dest]} there")
         if not (is_run and value == action.default):  # a run's record gives only what differs from the defaults
             values[action.dest] = value
     return values
@@ -106,6 +115,14 @@ def _command_line_only() -> set[str]:
     from gradspec.runs.config import RunSettings, ScoreConfig
 
     return {"out"} | {d.name for cls in (ScoreConfig, RunSettings) for d in declared(cls) if not d.option.from_file}
+
+
+def _written_paths() -> dict[str, str]:
+    """dest -> what a run writes there where nothing is there yet, of the options declared with writes: a
+    file may name only a path that exists."""
+    from gradspec.runs.config import RunSettings, ScoreConfig
+
+    return {d.name: d.option.writes for cls in (ScoreConfig, RunSettings) for d in declared(cls) if d.option.writes}
 
 
 def _value(action: argparse.Action, value: Any, where: str, as_flag: bool) -> Any:

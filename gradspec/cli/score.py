@@ -59,12 +59,17 @@ def run(args: argparse.Namespace) -> int:
     config = ScoreConfig(**options_from_args(ScoreConfig, args))  # every option checked before torch loads
     refuse_unused_options(args, config.spectra, config.project)
     settings = RunSettings(**options_from_args(RunSettings, args))
+    from gradspec.runs.preconditioning import factors_to_write
     from gradspec.runs.run_folder import INPUT_ERROR, RunFolder
     from gradspec.runs.scoring import run as run_scoring
     from gradspec.runs.summary import run_summary, written
 
     finished = settings.resume and Path(args.out).is_file()  # a resume of a finished run does nothing (else refused)
+    factors = factors_to_write(config)
     statuses = run_scoring(config, args.out, **asdict(settings), shard=args.shard, merge=args.merge)
+    if factors is not None and Path(factors).is_file():
+        print(f"wrote the {config.precondition} factors it fitted to {factors}: a later run given --factors "
+              f"{factors} reads them")
     folder = RunFolder(args.out)
     if finished:
         print(f"{args.out} was already complete: nothing to resume")

@@ -108,7 +108,7 @@ class ScoreConfig:
                                choices=PRECONDITIONERS)
     damping: float = option(DAMPING, "K-FAC/EK-FAC damping, relative to the mean eigenvalue", kind="float")
     factors: str | None = option(None, "K-FAC/EK-FAC factors file (.safetensors): read where it exists, else fitted "
-                                 "and written there for later runs", kind="path?")
+                                 "and written there for later runs", kind="path?", writes="the factors it fits")
     fit_data: str | None = option(None, "training data the K-FAC/EK-FAC factors are fitted on (default: data)",
                                   kind="path?")
     fit_limit: int | None = option(None, "fit on the first N rows of fit_data only", kind="int?", at_least=1)

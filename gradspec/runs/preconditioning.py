@@ -10,7 +10,7 @@ from pathlib import Path
 from gradspec.alignment.adam import read_adam_state
 from gradspec.alignment.kfac import KFACFactors, fit_factors
 from gradspec.alignment.preconditioner import Preconditioner
-from gradspec.files import atomic_write, sha256
+from gradspec.files import sha256
 from gradspec.options import OptionError, mention
 from gradspec.runs.run_folder import model_identity
 from gradspec.runs.task_set import task_batches
@@ -44,10 +44,11 @@ def _provenance(config, max_length: int) -> dict:
 
 def _factors(config, engine, tokenizer, max_length: int, batch_tokens: int, device) -> KFACFactors:
     """The factors file's, where it exists and was fitted as this run would fit them; else fitted now
-    (and written to the factors file where one is named)."""
+    (and written to the factors file where one is named, its checksum beside it: KFACFactors.save, which
+    never replaces a file)."""
     wanted = _provenance(config, max_length)
     path = config.factors
-    if path is not None and Path(path).exists():
+    if path is not None and factors_to_write(config) is None:
         factors = KFACFactors.load(path, engine.parts)
         if config.precondition == "ekfac" and factors.kind == "kfac":
             raise OptionError("factors", f"{path}: K-FAC factors only; EK-FAC needs the eigenvalue correction too: "
@@ -63,8 +64,16 @@ def _factors(config, engine, tokenizer, max_length: int, batch_tokens: int, devi
     batches = task_batches(config.fit_data or config.data, tokenizer, config.fields, config.template, max_length,
                            batch_tokens, device, limit=config.fit_limit)
     factors = fit_factors(engine.backward_pass, engine.targets, batches, config.precondition, wanted)
-    if path is not None:
-        atomic_write(path, lambda f: f.write(factors.to_bytes()))
+    if path is not None and factors.save(path):
         log.info("K-FAC factors written to %s", path)
+    elif path is not None:
+        log.warning("%s: written by another process while this one fitted its factors: left as it is, and this run "
+                    "uses those it fitted", path)
     return factors
+
+
+def factors_to_write(config) -> str | None:
+    """The factors file a run of config fits and writes (None: it reads its factors file, or names none)."""
+    fitted = config.precondition in ("kfac", "ekfac") and config.factors is not None
+    return config.factors if fitted and not Path(config.factors).exists() else None
 
