@@ -152,13 +152,16 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
         raise
 
 
-def create_new(path: str | Path, text: str) -> bool:
-    """text written to path only if nothing is there (written aside, then hard-linked: atomic, and never
+def create_new(path: str | Path, data: str | bytes) -> bool:
+    """data written to path only if nothing is there (written aside, then hard-linked: atomic, and never
     half a file); returns whether this call created it."""
     path = Path(path)
     tmp = temporary(path)
     try:
-        tmp.write_text(text)
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data)
         os.link(tmp, path)
         return True
     except FileExistsError:
