@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from gradspec.cli.options import run_flags
+from gradspec.files import NotRegularFile, read_text, regular
 from gradspec.options import declared
 
 
@@ -40,9 +41,13 @@ def _model_found(record: dict[str, Any]) -> dict[str, Any]:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ValueError(f"--config {path}: {'a folder' if path.is_dir() else 'no such file'}; pass a YAML or JSON "
-                         "file, a run's manifest.json or a score file")
+    what = "pass a YAML or JSON file, a run's manifest.json or a score file"
+    try:
+        regular(path, what)
+    except FileNotFoundError:
+        raise ValueError(f"--config {path}: no such file; {what}") from None
+    except NotRegularFile as e:  # a FIFO would block the read past any signal
+        raise ValueError(f"--config {e}") from None
     if path.suffix == ".parquet":
         from gradspec.runs.score_files import read_metadata
 
@@ -50,7 +55,7 @@ def _read(path: Path) -> dict[str, Any]:
         if not raw:
             raise ValueError(f"--config {path}: a Parquet file without gradspec's metadata (not a score file)")
         return raw
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)
     if path.suffix == ".json":
         try:
             raw = json.loads(text)

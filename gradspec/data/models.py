@@ -21,6 +21,7 @@ import torch
 from gradspec.choices import DEFAULT_MODEL, DEVICE_MAPS
 from gradspec.choices import DTYPES as DTYPE_NAMES
 from gradspec.data.hub import HUB_ID, hub_reachable
+from gradspec.files import read_text
 from gradspec.options import OptionError, mention
 
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default's own repository on the Hub
@@ -272,7 +273,7 @@ def _load_adapter(path: Path, device: str, dtype: str, trust_remote_code: bool, 
         from peft import PeftModel
     except ImportError:
         raise OptionError("model", f"{path} is a PEFT adapter: loading it needs pip install peft") from None
-    base_name = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    base_name = json.loads(read_text(path / "adapter_config.json")).get("base_model_name_or_path")
     if not base_name:
         raise ValueError(f"{path / 'adapter_config.json'}: no base_model_name_or_path: which model does it adapt?")
     base, tokenizer = load_model(base_name, device, dtype, trust_remote_code, device_map=device_map)
