@@ -12,11 +12,13 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import pickle
 import re
 import stat
+import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from gradspec.errors import InputError
 
@@ -74,6 +76,33 @@ def read_bytes(path: str | Path, what: str = "") -> bytes:
 
 def read_text(path: str | Path, what: str = "", encoding: str = "utf-8") -> str:
     return read_bytes(path, what).decode(encoding)
+
+
+def load_torch(path: str | Path, what: str = "") -> Any:
+    """What torch.save wrote to path, loaded without running code from it (torch's weights_only:
+    tensors, containers and plain values; a caller widens it with torch.serialization.safe_globals),
+    on the CPU. InputError naming path where the bytes do not load so: a pickle that would run code,
+    garbled or cut-short bytes."""
+    import torch
+
+    with open_regular(path, what) as f, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns about a pickle's protocol over several lines
+        try:
+            return torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # whatever torch's unpickler or zip reader meets in the bytes
+            raise InputError(f"{path}: not loadable safely ({load_failure(e)})") from e
+
+
+def load_failure(error: Exception) -> str:
+    """Why torch.load (or a library reading a file) refused it, in a few words on one line: torch wraps an
+    unpickler's refusal in advice over several lines, the refusal itself is the error it wrapped."""
+    if isinstance(error, EOFError):
+        return "empty or cut short"
+    if isinstance(error.__context__, pickle.UnpicklingError):
+        error = error.__context__
+    line = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    reason = line.split(". ")[0].rstrip(".")[:200]
+    return reason if reason and not isinstance(error, LookupError) else f"{type(error).__name__} {reason}".strip()
 
 
 def sha256(path: str | Path) -> str:

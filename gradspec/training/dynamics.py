@@ -32,10 +32,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from gradspec.data.batching import BATCH_TOKENS, Item
 from gradspec.data.errors import InputError
-from gradspec.data.readers import Sample
+from gradspec.data.readers import Sample, _parse_json
 from gradspec.data.templates import check_response_tokens, tokenize
 from gradspec.engine.loss import item_losses
-from gradspec.files import atomic_write
+from gradspec.files import atomic_write, read_bytes
 from gradspec.runs.score_files import parquet_schema, schema_metadata, write_parquet
 
 log = logging.getLogger("gradspec")
@@ -133,6 +133,29 @@ def from_checkpoints(checkpoints: list[str], samples: list[Sample], template: st
     return out
 
 
+def read_kept(path: str | Path, indices: list[int]) -> dict[str, dict[int, dict[str, Any]]]:
+    """The epochs measured before a checkpoint, as on_save kept them there (SAVED): each epoch's
+    MEASURES and status of exactly these samples (the run's, by index). InputError naming path and the
+    entry where it holds anything else (another run's data, a damaged file)."""
+    kept = _parse_json(read_bytes(path), str(path), whole_file=True)
+    if not isinstance(kept, dict):
+        raise InputError(f"{path}: an object of measured epochs expected, got {type(kept).__name__}")
+    out = {}
+    for name, measured in kept.items():
+        rows = {int(i): m for i, m in measured.items() if i.isdecimal()} if isinstance(measured, dict) else {}
+        if not isinstance(measured, dict) or len(rows) != len(measured) or sorted(rows) != sorted(indices):
+            raise InputError(f"{path}: {name!r}: measures of {len(rows) if isinstance(measured, dict) else 'no'} "
+                             f"samples, not of this run's {len(indices)} (by index): resume with the data the run "
+                             "was started with")
+        for i, m in rows.items():
+            if not (isinstance(m, dict) and isinstance(m.get("status", ""), str)
+                    and all(isinstance(m.get(k), int | float) and not isinstance(m.get(k), bool) for k in MEASURES)):
+                raise InputError(f"{path}: {name!r}: sample {i}: {', '.join(MEASURES)} (numbers) and a status "
+                                 "expected")
+        out[name] = rows
+    return out
+
+
 def _checkpoint(args, state) -> Path:
     """The folder Trainer saves (or has saved) the checkpoint of state's step in."""
     return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
@@ -187,9 +210,8 @@ class DynamicsCallback(TrainerCallback):
         self.checkpoints = {}
         if state.global_step:
             kept = _checkpoint(args, state) / SAVED
-            if kept.is_file():
-                self.checkpoints = {name: {int(i): m for i, m in measured.items()}
-                                    for name, measured in json.loads(kept.read_text()).items()}
+            if kept.exists():
+                self.checkpoints = read_kept(kept, [s.index for s in self.samples])
             else:
                 log.warning("%s: not there; the dynamics cover the epochs from step %d on", kept, state.global_step)
 

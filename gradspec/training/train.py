@@ -130,6 +130,7 @@ def train(config: TrainConfig) -> Path:
     from gradspec.data.models import fit_to_context, load_model
     from gradspec.layers.targets import select_targets
     from gradspec.runs.distributed import bind_device
+    from gradspec.training.checkpoint import named_load_errors, vet_checkpoint
     from gradspec.training.dynamics import DynamicsCallback
     from gradspec.training.monitor_callback import SpectralMonitorCallback
     from gradspec.training.sample_index import SAMPLE_INDEX
@@ -170,13 +171,17 @@ def train(config: TrainConfig) -> Path:
         if config.loss == "wit":
             use_wit_loss(model, WITLoss(config.prompt_weight, config.response_weight))
         trainer = Trainer(**common)
+    checkpoint = None if config.resume is None else resumed_checkpoint(config)
+    if checkpoint is not None:  # before Trainer reads a file of it
+        vet_checkpoint(checkpoint, trainer, [s.index for s in samples])
     if config.overwrite and config.resume is None:  # an earlier run's files, partial ones too, gone first
         for path in run_files(out):
             if path.is_dir() and not path.is_symlink():  # a link is removed, not what it points to
                 shutil.rmtree(path)
             else:
                 path.unlink(missing_ok=True)
-    trainer.train(resume_from_checkpoint=None if config.resume is None else str(resumed_checkpoint(config)))
+    with named_load_errors(trainer, checkpoint):
+        trainer.train(resume_from_checkpoint=None if checkpoint is None else str(checkpoint))
     _save_model(trainer, tokenizer, out / MODEL)
     if callbacks[1].write_error is not None:  # the model is saved: now the file that was not is named
         raise OSError(f"{callbacks[1].out}: not written ({callbacks[1].write_error}); the model is saved in "
