@@ -180,8 +180,14 @@ def _parse_json(raw: bytes, where: str, whole_file: bool = False) -> Any:
         raise InputError(f"{where}: JSON that Python cannot read ({e})") from None
 
 
+def read_json(path: str | Path) -> Any:
+    """A JSON file's value, read as a regular file; an InputError naming the file (and the line) where it is
+    not JSON Python reads."""
+    return _parse_json(read_bytes(path), str(path), whole_file=True)
+
+
 def _read_json(path: Path) -> Iterator[tuple[str, Record]]:
-    data = _parse_json(read_bytes(path), str(path), whole_file=True)
+    data = read_json(path)
     if isinstance(data, dict):
         data = [data]
     if not isinstance(data, list):

@@ -10,6 +10,8 @@ from gradspec.files.primitives import (
     checksum_problem,
     create_new,
     is_temporary,
+    load_failure,
+    load_torch,
     open_regular,
     read_bytes,
     read_text,
@@ -20,5 +22,5 @@ from gradspec.files.primitives import (
 )
 
 __all__ = ["CHECKSUM", "NotRegularFile", "atomic_write", "checksum_path", "checksum_problem", "create_new",
-           "is_temporary", "open_regular", "read_bytes", "read_text", "regular", "sha256", "temporary",
-           "write_checksum"]
+           "is_temporary", "load_failure", "load_torch", "open_regular", "read_bytes", "read_text", "regular",
+           "sha256", "temporary", "write_checksum"]

@@ -24,8 +24,8 @@ from typing import Any
 
 from gradspec.alignment.adam import OPTIMIZER_FILE, adam_state, described
 from gradspec.data.errors import InputError, OptionInputError
-from gradspec.data.readers import _parse_json
-from gradspec.files import load_failure, load_torch, read_bytes, regular
+from gradspec.data.readers import read_json
+from gradspec.files import load_failure, load_torch, regular
 from gradspec.training.dynamics import SAVED, read_kept
 
 TRAINER_STATE = "trainer_state.json"
@@ -114,7 +114,7 @@ def _named(load, files: str):
 
 
 def _json_object(path: Path) -> dict:
-    data = _parse_json(read_bytes(path), str(path), whole_file=True)
+    data = read_json(path)
     return _dict(data, path, "a JSON object")
 
 

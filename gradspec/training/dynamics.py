@@ -32,10 +32,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from gradspec.data.batching import BATCH_TOKENS, Item
 from gradspec.data.errors import InputError
-from gradspec.data.readers import Sample, _parse_json
+from gradspec.data.readers import Sample, read_json
 from gradspec.data.templates import check_response_tokens, tokenize
 from gradspec.engine.loss import item_losses
-from gradspec.files import atomic_write, read_bytes
+from gradspec.files import atomic_write
 from gradspec.runs.score_files import parquet_schema, schema_metadata, write_parquet
 
 log = logging.getLogger("gradspec")
@@ -137,7 +137,7 @@ def read_kept(path: str | Path, indices: list[int]) -> dict[str, dict[int, dict[
     """The epochs measured before a checkpoint, as on_save kept them there (SAVED): each epoch's
     MEASURES and status of exactly these samples (the run's, by index). InputError naming path and the
     entry where it holds anything else (another run's data, a damaged file)."""
-    kept = _parse_json(read_bytes(path), str(path), whole_file=True)
+    kept = read_json(path)
     if not isinstance(kept, dict):
         raise InputError(f"{path}: an object of measured epochs expected, got {type(kept).__name__}")
     out = {}
