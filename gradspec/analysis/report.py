@@ -29,10 +29,11 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from scipy import stats  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from gradspec.analysis.select import check_status, row_indices  # noqa: E402
 from gradspec.choices import ALL_ROLES, LORA_ROLES, METRICS  # noqa: E402
 from gradspec.data.errors import InputError, check_writable  # noqa: E402
 from gradspec.options import OptionError, OptionExists, mention  # noqa: E402
-from gradspec.runs.score_files import column, complete, read_batches, read_metadata  # noqa: E402
+from gradspec.runs.score_files import column, complete, parquet_errors, read_batches, read_metadata  # noqa: E402
 
 CURVE_METRICS = ("nuclear_norm", "effective_rank")
 FRACTION = "effective_rank_fraction"  # effective rank over its ceiling min(T, d_in, d_out)
@@ -42,6 +43,7 @@ LENGTH = "num_response_tokens"
 LENGTH_RATIO = 1.5  # groups whose median response lengths differ by more: the length-adjusted d leads
 # Columns of a score file that are not sample properties to correlate with.
 _NOT_FEATURES = {"index", "status"}
+NUMBERS = ("num_tokens", LENGTH)  # beside the modules' metrics, the columns a report reads as numbers
 T = TypeVar("T")
 
 
@@ -49,7 +51,8 @@ T = TypeVar("T")
 class Group:
     """One labelled score file, checked before its modules' columns are read: its metadata, and
     which rows are complete (in file order) and where each goes in the per-sample table (whose rows
-    are sorted by their sample name, as per_sample's groupby sorts them)."""
+    are sorted by their sample name, as per_sample's groupby sorts them); lacking: how many complete rows
+    have a metric without a value (NaN or inf, left out of the means), counted by load_group."""
 
     label: str
     path: str | Path
@@ -57,6 +60,7 @@ class Group:
     scored: np.ndarray
     samples: pd.Index
     place: np.ndarray
+    lacking: int = 0
 
     @property
     def roles(self) -> set[str]:
@@ -68,10 +72,22 @@ def check_group(label: str, path: str | Path, progress: bool = False) -> Group:
     only: it has spectral metrics and a scored row."""
     meta = read_metadata(path)
     parts, metrics = meta.get("parts", []), meta.get("metrics", list(METRICS))
-    rows = pa.concat_tables(read_batches(path, ["index", "status"], progress, f"checking {label}")).to_pandas()
+    with parquet_errors(path):
+        file = pq.ParquetFile(path)
+        schema = file.schema_arrow
+        if "index" not in schema.names:
+            raise InputError(f"{path}: no index column (the input row of each score); pass a file gradspec wrote")
+        rows = pa.concat_tables(read_batches(file, ["index", "status"], progress, f"checking {label}")).to_pandas()
     if not parts or "effective_rank" not in metrics or rows.empty:
         raise InputError(f"{label}={path}: no spectral metrics (a store from gradspec project, or align without "
                          "--spectra); report compares score files")
+    check_status(path, rows)
+    row_indices(path, rows)
+    needed = [*NUMBERS, *(column(p["name"], m) for p in parts for m in metrics)]
+    odd = next((c for c in needed if c not in schema.names or not _numeric(schema.field(c).type)), None)
+    if odd is not None:
+        held = f"holds {schema.field(odd).type}, not numbers" if odd in schema.names else "is missing"
+        raise InputError(f"{label}={path}: its column {odd!r} {held}; pass a file gradspec score wrote")
     ok = complete(rows["status"]).to_numpy(dtype=bool)
     if not ok.any():
         counts = ", ".join(f"{n} {s}" for s, n in rows["status"].value_counts().items())
@@ -83,12 +99,21 @@ def check_group(label: str, path: str | Path, progress: bool = False) -> Group:
     return Group(label, path, meta, ok, pd.Index(names.to_numpy(dtype=object)[order], name="sample"), place)
 
 
+def _numeric(kind: pa.DataType) -> bool:
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_null(kind)
+
+
 def load_group(group: Group, progress: bool = False) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """(wide, samples, curves) of a group's scored rows, from one read of its file in batches of rows
     and one of its curve columns (layer_curves): wide is its columns other than the modules', keyed by
     `sample` = "label:index" (a text column empty: only numbers are compared), samples per_sample's
     table, with effective_rank_fraction: effective rank / min(T, d_in, d_out), its ceiling, which takes
     out the bound set by length."""
+    with parquet_errors(group.path):
+        return _load_group(group, progress)
+
+
+def _load_group(group: Group, progress: bool) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     schema = pq.read_schema(group.path)
     parts = sorted(group.meta["parts"], key=lambda p: p["layer"])  # a layer's parts in file order, as long's sort
     metrics = group.meta.get("metrics", list(METRICS))
@@ -106,6 +131,7 @@ def load_group(group: Group, progress: bool = False) -> tuple[pd.DataFrame, pd.D
     read = [c for c in others if c in numeric or c in ("index", "status", "num_tokens", LENGTH)]
     modules = [column(p["name"], m) for p in parts for m in metrics]
     means = np.empty((len(group.samples), len(keys)))
+    lacking = np.zeros(len(group.samples), dtype=bool)
     kept, done = [], 0
     for table in read_batches(group.path, read + modules, progress, f"reading {group.label}"):
         ok = complete(table.column("status").to_pandas()).to_numpy(dtype=bool)
@@ -120,6 +146,9 @@ def load_group(group: Group, progress: bool = False) -> tuple[pd.DataFrame, pd.D
                     values[j] /= np.minimum(tokens, dims[p["name"]])
                 else:
                     values[j] = _floats(table, at[column(p["name"], metric)])
+            _without_inf(values)
+            if metric != FRACTION:  # a metric of the file's (not one derived here from two)
+                lacking[rows] |= np.isnan(values[:, ok]).any(0)
             # per_sample's mean (a groupby's: NaN skipped, NaN where all are), of each sample's values at once
             means[rows, keyed] = pd.DataFrame(values[:, ok]).groupby(codes).mean().to_numpy().T
         done += len(rows)
@@ -132,6 +161,7 @@ def load_group(group: Group, progress: bool = False) -> tuple[pd.DataFrame, pd.D
             wide[c] = pd.Series(None, index=wide.index, dtype=object)
     wide = wide[others]
     wide["sample"] = group.label + ":" + wide["index"].astype(str)
+    group.lacking = int(lacking.sum())
     return wide, samples, layer_curves(group, progress)
 
 
@@ -156,7 +186,8 @@ def layer_curves(group: Group, progress: bool = False) -> dict[tuple[str, str], 
             table = file.read(columns=[c for k in keys for c in layers[k]])
             for metric, role, layer in keys:
                 # the layer's values (by row, then part), through the groupby of the long form's curves
-                values = np.column_stack([_floats(table, c)[ok] for c in layers[(metric, role, layer)]]).ravel()
+                values = _without_inf(np.column_stack([_floats(table, c)[ok] for c in layers[(metric, role, layer)]])
+                                      .ravel())
                 by_layer = pd.Series(values).groupby(np.full(len(values), layer))
                 quartiles = by_layer.quantile([0.25, 0.75])  # one sort for both
                 found[(metric, role)].append(pd.DataFrame({"mean": by_layer.mean(), "lo": quartiles.xs(0.25, level=1),
@@ -183,6 +214,12 @@ def _bounded(items: Iterable[T], size: Callable[[T], int], most: int) -> Iterato
 def _floats(table: pa.Table, name: str | int) -> np.ndarray:
     """A column (by name or position) as float64, nulls as NaN (a column of only nulls too)."""
     return np.asarray(table.column(name).to_numpy(zero_copy_only=False), dtype=float)
+
+
+def _without_inf(values: np.ndarray) -> np.ndarray:
+    """values with inf as NaN, in place: no value, left out of a mean or a quantile as NaN is."""
+    values[np.isinf(values)] = np.nan
+    return values
 
 
 def per_sample(long: pd.DataFrame) -> pd.DataFrame:
@@ -395,6 +432,10 @@ def write_report(groups: dict[str, str | Path], out: str | Path, overwrite: bool
                   f"comes first, before the raw `{first_d}`.", ""]
         table = table[["metric", "module", "d after length", *[c for c in table.columns if c not in
                                                                 ("metric", "module", "d after length")]]]
+    lacking = [f"{g} ({checked[g].lacking} of {len(wides[g])})" for g in groups if checked[g].lacking]
+    if lacking:
+        lines += [f"**Missing values:** scored rows with a metric of some module NaN or inf: {', '.join(lacking)}; "
+                  "each such value is left out of the means (an MoE expert a row did not reach has none).", ""]
     few = [f"{g} ({len(wides[g])})" for g in groups if len(wides[g]) < FEW_ROWS]
     if few:
         lines += [f"**Few rows:** {', '.join(few)} scored rows; the tests and correlations below mean little "

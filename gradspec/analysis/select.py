@@ -20,12 +20,13 @@ import pyarrow.parquet as pq
 from gradspec.data.errors import check_at_least
 from gradspec.data.in_memory import plain_value
 from gradspec.data.readers import Hub, InputError, read_records
-from gradspec.files import atomic_write
+from gradspec.files import atomic_write, regular
 from gradspec.options import OptionError
 from gradspec.runs.score_files import (
     complete,
     module_columns,
     module_mean,
+    parquet_errors,
     read_batches,
     write_parquet,
 )
@@ -63,12 +64,16 @@ def criterion_values(scores: pd.DataFrame, name: str) -> pd.Series:
         if not pd.api.types.is_numeric_dtype(scores[name]):
             raise OptionError("by", f"{name}: not a numeric column; choose a metric or a numeric column")
         return scores[name].astype(float)
-    if not module_columns(scores.columns, name):
+    columns = module_columns(scores.columns, name)
+    if not columns:
         metrics = sorted({c.rsplit("/", 1)[1] for c in scores.columns if "/" in c})
         if not metrics:
             raise OptionError("by", f"{name}: the score file has no per-module metrics (a store from gradspec project, "
                              "or align without --spectra); choose a column, or score with spectra")
-        raise ValueError(f"unknown criterion {name!r}: not a column, and no module has it; metrics: {metrics}")
+        raise OptionError((), f"unknown criterion {name!r}: not a column, and no module has it; metrics: {metrics}")
+    odd = next((c for c in columns if not pd.api.types.is_numeric_dtype(scores[c])), None)
+    if odd is not None:
+        raise OptionError("by", f"{name}: its module column {odd!r} is not numeric (a file gradspec did not write?)")
     return module_mean(scores, name)
 
 
@@ -99,6 +104,7 @@ def combined_score(scores: pd.DataFrame, by: str) -> pd.Series:
     total = pd.Series(0.0, index=scores.index)
     for name, weight in terms:
         values = criterion_values(scores, name)
+        values = values.where(np.isfinite(values))  # inf: no value, as NaN (it would make every z-score NaN)
         total += weight * (values - values.mean()) / (values.std(ddof=0) or 1.0)
     return total
 
@@ -127,8 +133,8 @@ def choose(
         log.warning("--count %d: only %d rows compete (complete, with a finite %s); all %d are chosen", count, len(ok),
                     by, len(ok))
     if wanted == 0:
-        size = f"--fraction {fraction}" if fraction is not None else f"--count {count}"
-        raise ValueError(f"{size} of {len(ok)} complete rows selects none; ask for more")
+        name, value = ("fraction", fraction) if fraction is not None else ("count", count)
+        raise OptionError(name, f"{value} of {len(ok)} complete rows selects none; ask for more")
     ranked = ok.sort_values("gradspec_score", ascending=not top, kind="stable")
     if length_buckets > 0:
         ranked = balanced_order(ranked, min(length_buckets, len(ok)))
@@ -148,6 +154,44 @@ def check_size(fraction: float | None, count: int | None, length_buckets: int = 
         raise OptionError("length_buckets", f"must be 0 (none) or more, got {length_buckets}")
 
 
+def row_indices(path: str | Path, frame: pd.DataFrame, rows: int | None = None, of: str = "input") -> np.ndarray:
+    """A score file's index column (the input row each of its rows scored) as row numbers, checked: whole
+    numbers, none missing, each once, from 0 (below rows, the count of the input, of, where known); else an
+    InputError naming the file and the first that is not."""
+    if "index" not in frame.columns:
+        raise InputError(f"{path}: no index column (the input row of each score); pass a file gradspec wrote")
+    index = frame["index"]
+    if index.isna().any():
+        raise InputError(f"{path}: row {int(np.flatnonzero(index.isna())[0])} has no index (the input row it "
+                         "scored); pass a file gradspec wrote")
+    if len(index) and not pd.api.types.is_integer_dtype(index):
+        kind = type(index.iloc[0]).__name__ if index.dtype == object else index.dtype
+        raise InputError(f"{path}: its index holds {kind} values, not row numbers; pass a file gradspec wrote")
+    values = index.to_numpy(dtype=np.int64)
+    outside = values < 0 if rows is None else (values < 0) | (values >= rows)
+    if outside.any():
+        rows_of = of if rows is None else f"{rows}-row {of}"
+        raise InputError(f"{path}: index {values[outside.argmax()]} is not a row of the {rows_of}; pass the scores "
+                         "of that data")
+    repeated = index.duplicated().to_numpy()
+    if repeated.any():
+        raise InputError(f"{path}: index {values[repeated.argmax()]} is given twice (each input row has one score); "
+                         "pass a file gradspec wrote")
+    return values
+
+
+def check_status(path: str | Path, frame: pd.DataFrame) -> None:
+    """A score file's status column (each row's flags: which rows are complete), checked to hold text."""
+    if "status" not in frame.columns:
+        raise InputError(f"{path}: no status column (which rows were scored); pass a file gradspec wrote")
+    status = frame["status"]
+    if pd.api.types.is_string_dtype(status) and not status.isna().any():
+        return
+    row = int(status.map(lambda s: not isinstance(s, str)).to_numpy(dtype=bool).argmax())
+    raise InputError(f"{path}: row {row} has status {status.iloc[row]}, not its flags as text; pass a file "
+                     "gradspec wrote")
+
+
 def check_criteria(schema: pa.Schema, by: str) -> None:
     """by's criteria checked against a score file's columns (its schema: a table of no rows) before
     any row is read: an unknown name, or a column that is not a score, is named at once."""
@@ -162,7 +206,11 @@ def read_criteria(path: str | Path, by: str, progress: bool = False) -> pd.DataF
     of the metric's name, as choose adds it, for the rows that compete). Only those columns are read, a
     batch of rows at a time, so a metric's 224 module columns of a million rows are never in memory
     together."""
-    file = pq.ParquetFile(path)
+    with parquet_errors(path):
+        return _read_criteria(path, pq.ParquetFile(regular(path, "pass a score file")), by, progress)
+
+
+def _read_criteria(path: str | Path, file: pq.ParquetFile, by: str, progress: bool) -> pd.DataFrame:
     names = file.schema_arrow.names
     wanted = [c for c in ("index", "status", "loss", "num_tokens") if c in names]
     metrics = {}
@@ -177,6 +225,7 @@ def read_criteria(path: str | Path, by: str, progress: bool = False) -> pd.DataF
     frames, means, few, done = [], {name: [] for name in metrics}, {name: [] for name in metrics}, 0
     for table in read_batches(file, [c for c in names if c in needed], progress, f"reading {Path(path).name}"):
         frame = table.to_pandas()
+        check_status(path, frame)
         competes = competing(frame, by).to_numpy(dtype=bool)
         for name, columns in metrics.items():
             block = frame.loc[competes, columns]
@@ -187,6 +236,7 @@ def read_criteria(path: str | Path, by: str, progress: bool = False) -> pd.DataF
         frames.append(frame[list(dict.fromkeys(wanted))].copy())
         done += len(frame)
     scores = pd.concat(frames, ignore_index=True)
+    row_indices(path, scores)
     for name, batches in means.items():  # the competing rows' means: choose reads no other
         values = np.full(len(scores), np.nan)
         for rows, found in batches:

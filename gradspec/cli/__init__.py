@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             return _main(argv)
     except KeyboardInterrupt as e:  # one line, not a traceback
         stopped = "terminated" if e.args == ("terminated",) else "interrupted"
-        print(f"gradspec: {stopped} (a scoring run keeps the parts it finished: the same command with --resume "
-              "continues it)", file=sys.stderr)
+        kept = getattr(e, "kept", None)
+        print(f"gradspec: {stopped}" + (f" ({kept})" if kept else ""), file=sys.stderr)
         return 143 if stopped == "terminated" else 130
 
 
@@ -169,12 +169,25 @@ def _main(argv: list[str] | None) -> int:
             args = _parse(parser, sub, argv)
         args.given = given_options(command_parser, own, set(from_config))
         return COMMANDS[args.command].run(args)
+    except KeyboardInterrupt as e:
+        e.kept = _kept(args)
+        raise
     except OptionError as e:  # named as the command line names it
         print(f"gradspec: error: {e.named(_flags(sub.choices[args.command]))}", file=sys.stderr)
         return 2
     except (InputError, ValueError, OSError, RuntimeError) as e:
         print(f"gradspec: error: {e}", file=sys.stderr)
         return 2
+
+
+def _kept(args: argparse.Namespace) -> str | None:
+    """What a command stopped by Ctrl-C or SIGTERM leaves to continue from: a run's finished parts, each
+    written whole (validate's: one a retrain), which the same command with --resume takes up."""
+    if args.command in ("score", "project") or (args.command == "align" and not args.store):
+        return "a scoring run keeps the parts it finished: the same command with --resume continues it"
+    if args.command == "validate" and not args.runs:
+        return "validate keeps the retrains it finished: the same command with --resume continues them"
+    return None
 
 
 def _flags(command: argparse.ArgumentParser) -> dict[str, str]:

@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
+import math
+import numbers
 import os
+import reprlib
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -19,7 +23,8 @@ from gradspec.data.hub import is_dataset_name
 from gradspec.data.models import DEFAULT_MODEL, check_device, check_model
 from gradspec.data.readers import Fields
 from gradspec.data.shared_options import device_option, fields_option, limit_option, max_length_option, template_option
-from gradspec.files import sha256
+from gradspec.errors import OptionInputError
+from gradspec.files import NotRegularFile, regular, sha256
 from gradspec.options import OptionError, check_options, mention, option, typed
 from gradspec.validation.lm_eval_metric import is_lm_eval, lm_eval_metric
 
@@ -146,9 +151,9 @@ def check(config: ValidateConfig, settings: ValidateSettings) -> Callable[[Any, 
     for name, path in (("data", config.data), ("target", config.target)):
         if path is not None and not Path(path).exists() and not is_dataset_name(path):
             raise OptionError(name, f"{path}: no such file or folder (nor a Hub dataset name: org/name)")
-    for spec in config.outcome:
-        if not Path(split_spec(spec)[0]).is_file():
-            raise OptionError("outcome", f"{spec}: no such score file")
+    for name, specs in (("outcome", config.outcome), ("scores", settings.scores)):
+        for spec in specs:
+            _score_file(name, spec)
     if config.lora_rank is not None and importlib.util.find_spec("peft") is None:
         raise OptionError("lora_rank", "trains LoRA adapters with peft, which is not installed: pip install peft, "
                           f"or leave {mention('lora_rank')} out to train the full weights")
@@ -160,11 +165,22 @@ def check(config: ValidateConfig, settings: ValidateSettings) -> Callable[[Any, 
     return metric
 
 
+def _score_file(option: str, spec: str) -> None:
+    """A score spec's file checked before any retrain: there, and a regular file (a FIFO would block the
+    read that comes after hours of retraining)."""
+    try:
+        regular(split_spec(spec)[0], "pass a score file")
+    except FileNotFoundError:
+        raise OptionError(option, f"{spec}: no such score file") from None
+    except NotRegularFile as e:
+        raise OptionInputError(option, f"{spec}: {str(e).partition(': ')[2]}") from None
+
+
 def metric_function(spec: str, limit: int | None = None) -> Callable[[Any, Any], float]:
     """The callable 'module:function' names (the current folder importable, as for python -m), or
     lm-eval's task metric for 'lm-eval:TASK[:METRIC]' (on its first limit documents)."""
     if is_lm_eval(spec):
-        return lm_eval_metric(spec, limit)
+        return _checked_calls(spec, lm_eval_metric(spec, limit))
     module, sep, name = spec.partition(":")
     if not sep or not module or not name:
         raise OptionError("metric", f"{spec!r}: expected module:function, e.g. my_eval:accuracy")
@@ -176,7 +192,43 @@ def metric_function(spec: str, limit: int | None = None) -> Callable[[Any, Any],
         raise OptionError("metric", f"{spec}: cannot be imported ({e})") from None
     if not callable(found):
         raise OptionError("metric", f"{spec}: not a function")
-    return found
+    try:
+        signature = inspect.signature(found)
+    except (TypeError, ValueError):  # a builtin that does not say: its calls are checked
+        signature = None
+    if signature is not None:
+        try:
+            signature.bind(None, None)
+        except TypeError:
+            raise OptionError("metric", f"{spec}: takes {signature}, but {METRIC_CALL}") from None
+    return _checked_calls(spec, found)
+
+
+METRIC_CALL = "validate calls it as function(model, tokenizer) after each retrain and expects a number back"
+_KEPT = " (the retrains finished before are kept: once it is fixed, the same command with --resume continues)"
+
+
+def _checked_calls(spec: str, function: Callable[[Any, Any], Any]) -> Callable[[Any, Any], float]:
+    """function, each call of it checked: an exception, or a value that is not a finite number (a bool is
+    not one), stops validate with one line naming --metric; the retrains written before it stay."""
+    def metric(model, tokenizer) -> float:
+        try:
+            value = function(model, tokenizer)
+        except OptionError:
+            raise
+        except Exception as e:
+            raise OptionError("metric", f"{spec}: raised {type(e).__name__}: {' '.join(str(e).split())}{_KEPT}") from e
+        if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a NumPy or torch scalar
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            shown = " ".join(reprlib.repr(value).split())
+            raise OptionError("metric", f"{spec}: returned {shown} ({type(value).__name__}), not a number; "
+                              f"{METRIC_CALL}{_KEPT}")
+        if not math.isfinite(value):
+            raise OptionError("metric", f"{spec}: returned {value}, not a finite number{_KEPT}")
+        return float(value)
+
+    return metric
 
 
 def _sha256(path: str) -> str | None:

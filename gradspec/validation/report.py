@@ -4,6 +4,7 @@ of gradspec report."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,10 +14,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+import pyarrow as pa  # noqa: E402
 
 from gradspec.analysis.report import report_folder  # noqa: E402
 from gradspec.data.errors import InputError  # noqa: E402
-from gradspec.runs.score_files import parquet_schema, schema_metadata  # noqa: E402
+from gradspec.runs.score_files import parquet_errors, parquet_schema, schema_metadata  # noqa: E402
 from gradspec.validation.lds import lds, predictions  # noqa: E402
 from gradspec.validation.outcome import outcome_table  # noqa: E402
 from gradspec.validation.scores import read_score  # noqa: E402
@@ -53,8 +55,52 @@ def read_retrains(files: list[str]) -> tuple[pd.DataFrame, dict]:
             raise InputError(f"{path}: retrains of another pool or target than {files[0]} ({meta.get('rows')} rows, "
                              f"{meta.get('targets')} targets from {meta.get('target')}); analyse them apart")
         info = info or meta
-        frames.append(pd.read_parquet(path))
+        with parquet_errors(path):
+            frame = pd.read_parquet(path)
+        _check_retrains(path, schema, frame, meta)
+        frames.append(frame)
     return pd.concat(frames, ignore_index=True), info or {}
+
+
+def _numbers(kind: pa.DataType) -> bool:
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind)
+
+
+def _list_of(holds: Callable[[pa.DataType], bool]) -> Callable[[pa.DataType], bool]:
+    return lambda kind: (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and \
+        (holds(kind.value_type) or pa.types.is_null(kind.value_type))
+
+
+# What analyse reads of a retrain file's columns, and what each must hold (any of them may be all null)
+COLUMNS = {"kind": pa.types.is_string, "members": _list_of(pa.types.is_integer), "target_loss": _list_of(_numbers),
+           "selection": pa.types.is_string, "buckets": pa.types.is_integer, "seed": pa.types.is_integer,
+           "metric": _numbers}
+
+
+def _check_retrains(path: str, schema: pa.Schema, frame: pd.DataFrame, meta: dict) -> None:
+    """A retrain file's rows as analyse reads them: an InputError naming the file, the row and the field
+    where one is not what validate writes."""
+    rows, targets = meta.get("rows"), meta.get("targets")
+    if not isinstance(rows, int) or not isinstance(targets, int):
+        raise InputError(f"{path}: its metadata holds no count of rows and targets; pass validate's --out")
+    for name, holds in COLUMNS.items():
+        kind = schema.field(name).type if name in schema.names else None
+        if kind is not None and not (holds(kind) or pa.types.is_null(kind)):
+            raise InputError(f"{path}: its {name} column holds {kind}; pass validate's --out")
+    needed = {"lds": ("members", "target_loss"), "outcome": ("target_loss", "selection", "buckets", "seed")}
+    for k, row in enumerate(frame.to_dict("records")):
+        if not isinstance(row["kind"], str):
+            raise InputError(f"{path}: row {k} has no kind (lds or outcome); pass validate's --out")
+        for name in needed.get(row["kind"], ()):
+            value = row.get(name)
+            if value is None or (np.ndim(value) == 0 and pd.isna(value)):
+                raise InputError(f"{path}: row {k} has no {name}; pass validate's --out")
+        members, losses = row["members"], row["target_loss"]
+        if members is not None and (pd.isna(members).any() or any(not 0 <= m < rows for m in members)):
+            raise InputError(f"{path}: row {k}'s members are not rows of its {rows}-row pool; pass validate's --out")
+        if losses is not None and len(losses) != targets:
+            raise InputError(f"{path}: row {k} has {len(losses)} target losses, not one per target example "
+                             f"({targets}); pass validate's --out")
 
 
 def analyse(files: list[str], specs: list[str], resamples: int = 1000, confidence: float = 0.95,

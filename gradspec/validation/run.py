@@ -14,6 +14,8 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from gradspec.data.batching import BATCH_TOKENS, Item
 from gradspec.data.errors import InputError, check_parquet_out, check_writable
 from gradspec.data.models import DEFAULT_MODEL, fit_to_context, load_model
@@ -78,6 +80,10 @@ def outcome_scores(config: ValidateConfig, rows: int, targets: int) -> dict[str,
             raise OptionError("outcome", f"{spec}: a second score named {score.name}; give each another file or "
                               "column")
         scores[score.name] = score.per_sample()
+        lacking = int(np.isnan(scores[score.name]).sum())
+        if lacking:
+            log.warning("%s: %d of %d rows have no value (NaN, inf, or not in the file); the selections take them "
+                        "last", spec, lacking, rows)
     return scores
 
 

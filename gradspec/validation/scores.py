@@ -12,11 +12,13 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from gradspec.analysis.select import combined_score, criteria
+from gradspec.analysis.select import combined_score, criteria, row_indices
 from gradspec.data.errors import InputError
 from gradspec.options import OptionError
-from gradspec.runs.score_files import ATTRIBUTION, module_columns, parquet_schema
+from gradspec.runs.score_files import ATTRIBUTION, module_columns, parquet_errors, parquet_schema
 from gradspec.validation.config import split_spec
+
+POOL = "pool the retrains drew from"  # what a score's index numbers the rows of
 
 
 @dataclass(frozen=True)
@@ -49,29 +51,28 @@ def read_score(spec: str, rows: int, targets: int) -> Score:
     column = column or ATTRIBUTION
     if "index" not in schema.names:
         raise InputError(f"{path}: no index column (the training row of each score); pass a file gradspec wrote")
-    if column == ATTRIBUTION:
-        values = _attribution(path, schema, rows, targets)
-    else:
-        values = _per_sample(path, column, rows)[:, None]
+    with parquet_errors(path):
+        if column == ATTRIBUTION:
+            values = _attribution(path, schema, rows, targets)
+        else:
+            values = _per_sample(path, column, rows)[:, None]
+    values[~np.isfinite(values)] = np.nan  # inf is no value either: counted as missing, not summed
     name = Path(path).stem + ("" if column == ATTRIBUTION else f":{column}")
     return Score(name, path, column, values, int(np.isnan(values).sum()))
-
-
-def _rows_of(path: str, index: pd.Series, rows: int) -> np.ndarray:
-    index = index.to_numpy()
-    if len(index) and (index.min() < 0 or index.max() >= rows):
-        raise InputError(f"{path}: index {int(index.max() if index.max() >= rows else index.min())} is not a row of "
-                         f"the {rows}-row pool the retrains drew from; pass the scores of that data")
-    return index.astype(int)
 
 
 def _attribution(path: str, schema: pa.Schema, rows: int, targets: int) -> np.ndarray:
     if ATTRIBUTION not in schema.names:
         raise InputError(f"{path}: no attribution column (from gradspec align --attribution); name a per-sample "
                          f"column as {path}:COLUMN instead (its columns: {', '.join(schema.names[:12])})")
+    kind = schema.field(ATTRIBUTION).type
+    if not (_is_list(kind) and (pa.types.is_floating(kind.value_type) or pa.types.is_integer(kind.value_type)
+                                or pa.types.is_null(kind.value_type))):
+        raise InputError(f"{path}: its attribution column holds {kind}, not a list of numbers per row (gradspec "
+                         "align --attribution's); pass that file")
     frame = pd.read_parquet(path, columns=["index", ATTRIBUTION])
     out = np.full((rows, targets), np.nan)
-    for i, value in zip(_rows_of(path, frame["index"], rows), frame[ATTRIBUTION], strict=True):
+    for i, value in zip(row_indices(path, frame, rows, POOL), frame[ATTRIBUTION], strict=True):
         if value is None:
             continue
         if len(value) != targets:
@@ -79,6 +80,10 @@ def _attribution(path: str, schema: pa.Schema, rows: int, targets: int) -> np.nd
                              f"{targets} target examples; pass the attribution made against the same --target")
         out[i] = np.asarray(value, dtype=float)
     return out
+
+
+def _is_list(kind: pa.DataType) -> bool:
+    return pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
 
 
 def _per_sample(path: str, column: str, rows: int) -> np.ndarray:
@@ -95,7 +100,7 @@ def _per_sample(path: str, column: str, rows: int) -> np.ndarray:
     except OptionError as e:  # select's, which names --by: here the field is the spec's column
         raise InputError(f"{path}: {column}: {e.text}") from None
     out = np.full(rows, np.nan)
-    out[_rows_of(path, frame["index"], rows)] = values.to_numpy(dtype=float)
+    out[row_indices(path, frame, rows, POOL)] = values.to_numpy(dtype=float)
     return out
 
 
