@@ -32,8 +32,9 @@ from tqdm import tqdm  # noqa: E402
 from gradspec.analysis.select import check_status, row_indices  # noqa: E402
 from gradspec.choices import ALL_ROLES, LORA_ROLES, METRICS  # noqa: E402
 from gradspec.data.errors import InputError, check_writable  # noqa: E402
+from gradspec.files import parquet_errors  # noqa: E402
 from gradspec.options import OptionError, OptionExists, mention  # noqa: E402
-from gradspec.runs.score_files import column, complete, parquet_errors, read_batches, read_metadata  # noqa: E402
+from gradspec.runs.score_files import column, complete, read_batches, read_metadata  # noqa: E402
 
 CURVE_METRICS = ("nuclear_norm", "effective_rank")
 FRACTION = "effective_rank_fraction"  # effective rank over its ceiling min(T, d_in, d_out)

@@ -20,13 +20,12 @@ import pyarrow.parquet as pq
 from gradspec.data.errors import check_at_least
 from gradspec.data.in_memory import plain_value
 from gradspec.data.readers import Hub, InputError, read_records
-from gradspec.files import atomic_write, regular
+from gradspec.files import atomic_write, parquet_errors, regular
 from gradspec.options import OptionError
 from gradspec.runs.score_files import (
     complete,
     module_columns,
     module_mean,
-    parquet_errors,
     read_batches,
     write_parquet,
 )

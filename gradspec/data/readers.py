@@ -30,7 +30,7 @@ from gradspec.data import in_memory
 from gradspec.data.errors import InputError
 from gradspec.data.hub import Hub
 from gradspec.data.templates import CONTEXT, JOINED
-from gradspec.files import open_regular, read_bytes, regular
+from gradspec.files import open_regular, parquet_errors, read_bytes, regular
 from gradspec.options import check_options, option
 
 ON_ERROR = ("fail", "skip")  # what a malformed row does: stop the run, or skip and report the row
@@ -227,12 +227,8 @@ def _parquet_batches(path: Path) -> Iterator[Any]:
 def _parquet_read(path: Path, read: Callable[..., Any], *args: Any) -> Any:
     """read(*args) on the Parquet file at path, pyarrow's errors an InputError naming it, on one line:
     its own, for a truncated or corrupt file ("Parquet magic bytes not found in footer"), name none."""
-    import pyarrow as pa
-
-    try:
+    with parquet_errors(path):
         return read(*args)
-    except (pa.ArrowException, OSError) as e:
-        raise InputError(f"{path}: not a readable Parquet file ({' '.join(str(e).split())})") from None
 
 
 def _parquet_records(batch: Any, path: Path, first: int) -> list[Record]:

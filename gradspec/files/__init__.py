@@ -13,6 +13,7 @@ from gradspec.files.primitives import (
     load_failure,
     load_torch,
     open_regular,
+    parquet_errors,
     read_bytes,
     read_text,
     regular,
@@ -22,5 +23,5 @@ from gradspec.files.primitives import (
 )
 
 __all__ = ["CHECKSUM", "NotRegularFile", "atomic_write", "checksum_path", "checksum_problem", "create_new",
-           "is_temporary", "load_failure", "load_torch", "open_regular", "read_bytes", "read_text", "regular",
-           "sha256", "temporary", "write_checksum"]
+           "is_temporary", "load_failure", "load_torch", "open_regular", "parquet_errors", "read_bytes", "read_text",
+           "regular", "sha256", "temporary", "write_checksum"]

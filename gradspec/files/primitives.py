@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import pickle
 import re
 import stat
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -197,3 +199,19 @@ def create_new(path: str | Path, data: str | bytes) -> bool:
         return False
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def parquet_errors(path: str | Path, what: str = "") -> Iterator[None]:
+    """pyarrow's errors while the Parquet file at path is read (a truncated or damaged file: they name no
+    file, and some span lines) as one InputError line naming it and what to pass (what); the disk's own
+    errors (with an errno) and gradspec's pass as they are."""
+    import pyarrow as pa
+
+    try:
+        yield
+    except (pa.ArrowException, OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        if isinstance(e, InputError) or getattr(e, "errno", None) is not None:
+            raise
+        raise InputError(f"{path}: not a readable Parquet file ({' '.join(str(e).split())})"
+                         f"{'; ' + what if what else ''}") from None

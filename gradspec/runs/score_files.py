@@ -5,7 +5,6 @@ from __future__ import annotations
 import fnmatch
 import json
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,7 +17,7 @@ from tqdm import tqdm
 from gradspec.choices import METRICS
 from gradspec.data.errors import InputError
 from gradspec.data.templates import SCORED
-from gradspec.files import atomic_write, open_regular
+from gradspec.files import atomic_write, open_regular, parquet_errors
 from gradspec.options import OptionError
 
 if TYPE_CHECKING:  # torch loads only where a file is written: select, report and merge read without it (225 MB)
@@ -108,21 +107,6 @@ def parquet_schema(path: str | Path, what: str) -> pa.Schema:
         schema = pq.read_schema(f)
         schema_metadata(schema)  # JSON every caller reads: damaged, it is named here
     return schema
-
-
-@contextmanager
-def parquet_errors(path: str | Path, what: str = "") -> Iterator[None]:
-    """pyarrow's errors while the Parquet file at path is read (a truncated or damaged file: they name no
-    file, and some span lines) as one line naming it and what to pass (what); the disk's own errors (with
-    an errno) and gradspec's pass as they are."""
-    try:
-        yield
-    except (pa.ArrowException, OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        if isinstance(e, (InputError, OptionError)) or getattr(e, "errno", None) is not None:
-            raise
-        problem = "not a Parquet file" if isinstance(e, pa.ArrowInvalid) else \
-            f"a damaged Parquet file ({' '.join(str(e).split())})"
-        raise InputError(f"{path}: {problem}{'; ' + what if what else ''}") from None
 
 
 def schema_metadata(schema: pa.Schema) -> dict[str, Any]:

@@ -18,7 +18,8 @@ import pyarrow as pa  # noqa: E402
 
 from gradspec.analysis.report import report_folder  # noqa: E402
 from gradspec.data.errors import InputError  # noqa: E402
-from gradspec.runs.score_files import parquet_errors, parquet_schema, schema_metadata  # noqa: E402
+from gradspec.files import parquet_errors  # noqa: E402
+from gradspec.runs.score_files import parquet_schema, schema_metadata  # noqa: E402
 from gradspec.validation.lds import lds, predictions  # noqa: E402
 from gradspec.validation.outcome import outcome_table  # noqa: E402
 from gradspec.validation.scores import read_score  # noqa: E402

@@ -14,8 +14,9 @@ import pyarrow as pa
 
 from gradspec.analysis.select import combined_score, criteria, row_indices
 from gradspec.data.errors import InputError
+from gradspec.files import parquet_errors
 from gradspec.options import OptionError
-from gradspec.runs.score_files import ATTRIBUTION, module_columns, parquet_errors, parquet_schema
+from gradspec.runs.score_files import ATTRIBUTION, module_columns, parquet_schema
 from gradspec.validation.config import split_spec
 
 POOL = "pool the retrains drew from"  # what a score's index numbers the rows of

@@ -247,12 +247,12 @@ def _report(path) -> tuple[list[str], int, int]:
 
 READ = {"validate": _validate, "select": _select, "report": _report}
 # What each command's cases must have met, so that the generators keep reaching them
-MET = {"validate": ["not a Parquet file", "a damaged Parquet file", "no index column", "is given twice", "has no index",
+MET = {"validate": ["not a readable Parquet file (Parquet magic bytes", "no index column", "is given twice", "has no index",
                     "not a row of the 8-row pool", "its index holds", "its attribution column holds",
                     "not a numeric column", "pass validate's --out"],
-       "select": ["not a Parquet file", "a damaged Parquet file", "no index column", "is given twice",
+       "select": ["not a readable Parquet file (Parquet magic bytes", "no index column", "is given twice",
                   "not its flags as text", "not a numeric column"],
-       "report": ["not a Parquet file", "a damaged Parquet file", "no index column", "is given twice",
+       "report": ["not a readable Parquet file (Parquet magic bytes", "no index column", "is given twice",
                   "not its flags as text", "not numbers", "is missing"]}
 
 
