@@ -59,8 +59,9 @@ def test_select_never_overwrites_its_input_or_an_existing_file(run, capsys):
 def test_a_score_file_that_is_not_one(run, capsys, tmp_path, command):
     what = "pass a score file (the --out of gradspec score, align or project)"
     (tmp_path / "folder").mkdir()
-    cases = {tmp_path / "missing.parquet": "no such file", run / "d.jsonl": "not a readable Parquet file (Parquet magic bytes not "
-             "found in footer. Either the file is corrupted or this is not a parquet file.)",
+    cases = {tmp_path / "missing.parquet": "no such file",
+             run / "d.jsonl": "not a readable Parquet file (Parquet magic bytes not found in footer. Either the file "
+                              "is corrupted or this is not a parquet file.)",
              tmp_path / "folder": "a folder, not a Parquet file"}
     import pyarrow as pa
     import pyarrow.parquet as pq

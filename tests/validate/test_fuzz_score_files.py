@@ -247,7 +247,8 @@ def _report(path) -> tuple[list[str], int, int]:
 
 READ = {"validate": _validate, "select": _select, "report": _report}
 # What each command's cases must have met, so that the generators keep reaching them
-MET = {"validate": ["not a readable Parquet file (Parquet magic bytes", "no index column", "is given twice", "has no index",
+MET = {"validate": ["not a readable Parquet file (Parquet magic bytes", "no index column", "is given twice",
+                    "has no index",
                     "not a row of the 8-row pool", "its index holds", "its attribution column holds",
                     "not a numeric column", "pass validate's --out"],
        "select": ["not a readable Parquet file (Parquet magic bytes", "no index column", "is given twice",
