@@ -166,7 +166,8 @@ def test_small_mistakes_say_what_to_pass(capsys, tmp_path, nothing_loads):
     assert _error(capsys, "merge", "--out", str(tmp_path / "d.jsonl")) == \
         f"--out {tmp_path / 'd.jsonl'}: pass the .parquet --out the run was given"
     assert _error(capsys, "score", "--config", str(tmp_path)) == \
-        f"--config {tmp_path}: a folder; pass a YAML or JSON file, a run's manifest.json or a score file"
+        f"--config {tmp_path}: a folder, not a regular file; pass a YAML or JSON file, a run's manifest.json or a " \
+        "score file"
 
 
 @pytest.mark.parametrize("argv", [["score", "--bogus"], ["align", "--modle", "m"], ["project", "--k", "x"], ["scor"],

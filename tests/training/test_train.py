@@ -99,7 +99,7 @@ def test_under_torchrun_each_rank_loads_onto_its_own_device(data, tiny_model_dir
 # Code run before `gradspec train` in a process that then kills itself (SIGKILL: the OOM killer, a preempted job)
 KILLED = {
     "writing monitor rows": """
-from gradspec.training import monitor
+from gradspec.training import monitor_parts as monitor
 write, calls = monitor.atomic_write, []
 def atomic_write(path, rows):  # the second monitored step dies half-way through its file
     calls.append(1)
