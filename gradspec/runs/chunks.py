@@ -125,8 +125,8 @@ def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, templ
                  batch_tokens: int, progress: _Progress, plan: _BatchPlan | None = None,
                  flush: Flush | None = None, chunk: int = 0) -> list[dict[str, Any]]:
     """Output rows of consecutive samples, in their order; batches within are sorted by length
-    (and sized to fit memory by plan); with flush, the rows scored so far written every flush.seconds
-    and those a killed run wrote taken back (its spectra: the classic scores are run on the whole chunk)."""
+    (and sized to fit memory by plan); with flush, the rows scored so far written every flush.seconds and
+    when the chunk is stopped (Ctrl-C, SIGTERM, an error), and those a stopped run wrote taken back (its spectra: the classic scores are run on the whole chunk)."""
     pad_id = pad_id_of(tokenizer)
     items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples if s.error is None]
     rows = {item.sample.index: unscored_row(item) for item in items}
@@ -135,28 +135,55 @@ def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, templ
     rows.update(earlier)
     finished = list(earlier)  # the rows scored (their batches collected), in the order they were
     if earlier:
-        log.info("chunk %d: %d rows scored before the run stopped, taken back", chunk, len(earlier))
+        log.warning("chunk %d: %d rows scored before the run stopped, taken back", chunk, len(earlier))
         progress.advance(len(earlier), sum(row["num_tokens"] for row in earlier.values()))
     scorable = [i for i in items if i.tokens.scorable]
     # One batch in flight: on a GPU its eigen stage runs while the next batch's forward and backward
     # do (SpectralEngine.overlap); on the CPU submit has finished it.
     pending: list[tuple[Item, Future[BatchScores] | None, int]] = []
     flushed = time.monotonic()
-    for batch in token_batches([i for i in scorable if i.sample.index not in earlier], batch_tokens,
-                               fits=None if plan is None else plan.fits):
-        too_big = plan is not None and len(batch) == 1 and plan.refuses(batch[0])
-        submitted = [(batch[0], None, 0)] if too_big else submit_with_split(engine, batch, pad_id)
-        progress.advance(len(pending), collect(pending, rows, engine.metric_names))
-        finished += [item.sample.index for item, _, _ in pending]
-        pending = submitted
-        if flush is not None and time.monotonic() - flushed >= flush.seconds and finished:
-            flush.write(chunk, [rows[i] for i in finished])
-            flushed = time.monotonic()
+    try:
+        for batch in token_batches([i for i in scorable if i.sample.index not in earlier], batch_tokens,
+                                   fits=None if plan is None else plan.fits):
+            too_big = plan is not None and len(batch) == 1 and plan.refuses(batch[0])
+            submitted = [(batch[0], None, 0)] if too_big else submit_with_split(engine, batch, pad_id)
+            progress.advance(len(pending), collect(pending, rows, engine.metric_names))
+            finished += [item.sample.index for item, _, _ in pending]
+            pending = submitted
+            if flush is not None and time.monotonic() - flushed >= flush.seconds and finished:
+                flush.write(chunk, [rows[i] for i in finished])
+                flushed = time.monotonic()
+    except BaseException:  # Ctrl-C, SIGTERM, a failure: the rows scored so far kept, as a flush keeps them
+        if flush is not None:
+            _keep(flush, chunk, rows, finished, pending, engine)
+        raise
     progress.advance(len(pending), collect(pending, rows, engine.metric_names))
     if engine.token_stats:
         add_classic(engine, tokenizer, scorable, rows, max_length, batch_tokens)
     progress.advance(len(samples) - len(scorable))
     return [with_every_column(rows[s.index], engine) for s in samples]
+
+
+def _keep(flush: Flush, chunk: int, rows: dict[int, dict[str, Any]], finished: list[int],
+          pending: list[tuple[Item, Future[BatchScores] | None, int]], engine: SpectralEngine) -> None:
+    """An unfinished chunk's rows scored before the run stopped, written as a flush writes them (the batch
+    scored but not collected yet among them, where its scores are ready: never waited for); a write that
+    fails is logged, the stop's own error goes on."""
+    if all(future is None or future.done() for _, future, _ in pending):
+        try:
+            collect(pending, rows, engine.metric_names)
+            finished = finished + [item.sample.index for item, _, _ in pending]
+        except Exception:  # noqa: BLE001  (its scores failed: it is scored again)
+            pass
+    if not finished:
+        return
+    try:
+        flush.write(chunk, [rows[i] for i in finished])
+    except Exception as error:  # noqa: BLE001  (the stop's own error is what the user must see)
+        log.warning("chunk %d: the %d rows scored before the run stopped not kept (%s)", chunk, len(finished), error)
+    else:
+        log.warning("chunk %d: the %d rows scored before the run stopped kept; the same command with --resume "
+                    "scores the others", chunk, len(finished))
 
 
 def score_samples(

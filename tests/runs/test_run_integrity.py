@@ -546,7 +546,8 @@ FLUSHED = ["--chunk-rows", "24", "--batch-tokens", "48", "--flush-minutes", "0.0
 
 def _stopped_within_a_chunk(tmp_path, model, data, monkeypatch):
     """The uninterrupted run's file, and a run of one chunk stopped at its 5th batch having written the rows of
-    its first 3 (every --flush-minutes: here every batch, the clock pushed on); the batch sizes submitted."""
+    its first 4 (every --flush-minutes: here every batch, the clock pushed on; the 4th as it stopped); the batch
+    sizes submitted."""
     from gradspec.runs import chunks
 
     whole, stopped = tmp_path / "whole.parquet", tmp_path / "stopped.parquet"
@@ -575,7 +576,7 @@ def test_a_stopped_run_loses_at_most_its_flush_minutes_and_resumes_to_the_same_f
     whole, stopped, submitted = _stopped_within_a_chunk(tmp_path, tiny_model_dir, data, monkeypatch)
     parts = tmp_path / "stopped.parquet.parts"
     partial = pq.read_table(parts / "00000000.partial.parquet")
-    assert partial.num_rows == sum(submitted[:3]) and not (parts / "00000000.parquet").exists()
+    assert partial.num_rows == sum(submitted) and not (parts / "00000000.parquet").exists()
     assert (parts / "00000000.partial.parquet.sha256").exists()
     resumed = []
     real_submit = gradspec.SpectralEngine.submit
@@ -660,3 +661,40 @@ def test_a_fifo_given_as_data_is_refused_before_it_is_opened(tmp_path, tiny_mode
     assert code == 2 and err.strip().splitlines() == [
         f"gradspec: error: {fifo}: a FIFO (named pipe), not a regular file; give a JSON, JSONL or Parquet file, or a "
         "dataset folder"], err
+
+
+def test_ctrl_c_keeps_the_rows_of_the_unfinished_chunk_and_resume_scores_only_the_others(tmp_path, tiny_model_dir,
+                                                                                         monkeypatch, caplog):
+    """With the default chunk (1,024 rows) and flush (10 minutes), a run of 64 rows stopped at 90% had written
+    nothing: Ctrl-C (or SIGTERM, or a failure) now writes the rows scored so far as a flush does; --resume scores
+    only the others and the file equals the uninterrupted run's, bit for bit."""
+    data = tmp_path / "d64.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"Question {i}: " + "why " * (i % 5),
+                                        "output": "Because " + "so " * (1 + i % 7)}) + "\n" for i in range(64)))
+
+    def args(out, *extra):
+        return ["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--batch-tokens",
+                "128", "--quiet", *extra]
+
+    whole, stopped = tmp_path / "whole.parquet", tmp_path / "stopped.parquet"
+    assert main(args(whole)) == 0
+    real_submit, submitted = gradspec.SpectralEngine.submit, []
+
+    def submit(self, ids, *rest):
+        if sum(submitted) >= 0.9 * 64:
+            raise KeyboardInterrupt
+        submitted.append(ids.shape[0])
+        return real_submit(self, ids, *rest)
+
+    monkeypatch.setattr(gradspec.SpectralEngine, "submit", submit)
+    assert main(args(stopped)) == 130
+    kept = pq.read_table(tmp_path / "stopped.parquet.parts" / "00000000.partial.parquet").num_rows
+    assert kept == sum(submitted) and len(submitted) > 1  # the last batch's scores were ready: kept too
+    resumed = []
+    monkeypatch.setattr(gradspec.SpectralEngine, "submit", lambda self, ids, *rest: resumed.append(ids.shape[0])
+                        or real_submit(self, ids, *rest))
+    caplog.clear()
+    assert main(args(stopped, "--resume")) == 0
+    assert sum(resumed) == 64 - kept
+    assert f"chunk 0: {kept} rows scored before the run stopped, taken back" in caplog.text
+    assert pq.read_table(stopped).equals(pq.read_table(whole), check_metadata=True)
