@@ -74,6 +74,7 @@ class _Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", _WithDefaults)
+        kwargs.setdefault("allow_abbrev", False)  # a prefix guesses: --output was read as --output-field
         super().__init__(*args, **kwargs)
 
     def format_help(self) -> str:
@@ -86,9 +87,18 @@ class _Parser(argparse.ArgumentParser):
         if message.startswith("unrecognized arguments: "):
             options = [o for a in self._actions for o in a.option_strings]
             for arg in message.removeprefix("unrecognized arguments: ").split():
-                near = nearest(arg.partition("=")[0], options) if arg.startswith("--") else None
-                message += f" ({arg}: did you mean {near}?)" if near else ""
+                meant = _meant(arg.partition("=")[0], options) if arg.startswith("--") else []
+                message += f" ({arg}: did you mean {' or '.join(meant)}?)" if meant else ""
         self.exit(2, f"gradspec: error: {message}; see {self.prog} -h\n")
+
+
+def _meant(word: str, options: list[str]) -> list[str]:
+    """The options a mistyped or shortened one may have meant: the nearest, else those it begins or ends
+    (--output: --out or --output-field)."""
+    near = nearest(word, options)
+    if near is not None:
+        return [near]
+    return sorted(o for o in options if o.startswith("--") and (o.startswith(word) or word.startswith(o)))[:3]
 
 
 @contextmanager

@@ -126,7 +126,8 @@ def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, templ
                  flush: Flush | None = None, chunk: int = 0) -> list[dict[str, Any]]:
     """Output rows of consecutive samples, in their order; batches within are sorted by length
     (and sized to fit memory by plan); with flush, the rows scored so far written every flush.seconds and
-    when the chunk is stopped (Ctrl-C, SIGTERM, an error), and those a stopped run wrote taken back (its spectra: the classic scores are run on the whole chunk)."""
+    when the chunk is stopped (Ctrl-C, SIGTERM, an error), and those a stopped run wrote taken back (its
+    spectra: the classic scores are run on the whole chunk)."""
     pad_id = pad_id_of(tokenizer)
     items = [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples if s.error is None]
     rows = {item.sample.index: unscored_row(item) for item in items}

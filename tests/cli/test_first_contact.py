@@ -170,6 +170,18 @@ def test_small_mistakes_say_what_to_pass(capsys, tmp_path, nothing_loads):
         "score file"
 
 
+@pytest.mark.parametrize("argv,meant", [(["score", "--output", "x.parquet"], "--out or --output-field"),
+                                        (["score", "--dat", "d.jsonl"], "--data"),
+                                        (["align", "--targ", "t.jsonl"], "--target")])
+def test_an_option_is_never_abbreviated_and_a_near_miss_says_what_it_may_mean(capsys, argv, meant):
+    """argparse took --output for --output-field and --dat for --data: a prefix guesses, so it is refused, with
+    the options it may have meant."""
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2 and capsys.readouterr().err == f"gradspec: error: unrecognized arguments: " \
+        f"{' '.join(argv[1:])} ({argv[1]}: did you mean {meant}?); see gradspec {argv[0]} -h\n"
+
+
 @pytest.mark.parametrize("argv", [["score", "--bogus"], ["align", "--modle", "m"], ["project", "--k", "x"], ["scor"],
                                   ["trian", "--epochs", "1"], ["score", "--modules", "atn"],
                                   ["align", "--aggregate", "meen", "--target", "t.jsonl"]])
