@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     config = ScoreConfig(**options_from_args(ScoreConfig, args))  # every option checked before torch loads
     refuse_unused_options(args, config.spectra, config.project)
     settings = RunSettings(**options_from_args(RunSettings, args))
+    from gradspec.runs.distributed import torchrun_shard
     from gradspec.runs.preconditioning import factors_to_write
     from gradspec.runs.run_folder import INPUT_ERROR, RunFolder
     from gradspec.runs.scoring import run as run_scoring
@@ -73,8 +74,11 @@ def run(args: argparse.Namespace) -> int:
     folder = RunFolder(args.out)
     if finished:
         print(f"{args.out} was already complete: nothing to resume")
+    rank = torchrun_shard()
+    if rank is not None and rank.index > 0:  # rank 0 merges, maybe before this line: what this rank wrote
+        print(f"{written(statuses, folder.path)}" + (f"; rank 0 merges them into {args.out}" if args.merge else ""))
     # merged: the file is there and no part is left (a folder kept for files the run did not write aside)
-    if Path(args.out).exists() and not any(folder.path.glob("*.parquet")):
+    elif Path(args.out).exists() and not any(folder.path.glob("*.parquet")):
         print(run_summary(args.out))
     else:
         print(f"{written(statuses, folder.path)}; when all are done: "

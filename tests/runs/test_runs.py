@@ -146,11 +146,21 @@ def test_shards_then_merge_equal_one_run(tmp_path, tiny_model_dir, data, referen
     _same(out, reference)
 
 
+# Rank 1 says what it wrote only once rank 0 has merged (a busy machine's order: it said the merged file's rows)
+RANK_1_LATE = ("import os, sys, time\nimport gradspec.runs.scoring as scoring\nrun = scoring.run\n"
+               "def late(config, out, **kw):\n    statuses = run(config, out, **kw)\n"
+               "    while os.environ['RANK'] == '1' and not os.path.exists(out):\n        time.sleep(0.05)\n"
+               "    return statuses\n"
+               "scoring.run = late\nfrom gradspec.cli import main; sys.exit(main(sys.argv[1:]))\n")
+
+
 def test_torchrun_two_processes_equal_one_run(tmp_path, tiny_model_dir, data, reference):
-    out = tmp_path / "s.parquet"
-    printed = _finish(_torchrun("-m", "gradspec", *_args(tiny_model_dir, data, out)))
+    out, launch = tmp_path / "s.parquet", tmp_path / "launch.py"
+    launch.write_text(RANK_1_LATE)
+    printed = _finish(_torchrun(str(launch), *_args(tiny_model_dir, data, out)))
     # rank 1 scored half into the parts; rank 0 its half, then merged the file and says what it holds
-    assert printed.count(f"wrote 30 rows to {out}.parts") == 1 and f"wrote 60 rows to {out}:" in printed
+    assert printed.count(f"wrote 30 rows to {out}.parts") == 1 and printed.count(f"wrote 60 rows to {out}:") == 1
+    assert f"rank 0 merges them into {out}" in printed
     _same(out, reference)
 
 
