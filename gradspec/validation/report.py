@@ -118,7 +118,7 @@ def analyse(files: list[str], specs: list[str], resamples: int = 1000, confidenc
     members = [list(m) for m in subsets["members"]]
     rows = []
     for spec in specs:
-        score = read_score(spec, info["rows"], info["targets"])
+        score = read_score(spec, info["rows"], info["targets"], info)
         predicted = predictions(members, score.values)
         measured = losses if score.per_target else np.nanmean(losses, axis=1, keepdims=True)
         result = lds(predicted, measured, resamples, confidence, seed)

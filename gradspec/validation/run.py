@@ -74,8 +74,9 @@ def outcome_scores(config: ValidateConfig, rows: int, targets: int) -> dict[str,
     """The outcome's scores, one value per row index (an attribution: its mean over targets), read before
     the model loads so that a bad file is named at once."""
     scores: dict[str, Any] = {}
+    pool = config.describe() if config.outcome else None  # what the scores must have scored: the pool's data
     for spec in config.outcome:
-        score = read_score(spec, rows, targets)
+        score = read_score(spec, rows, targets, pool)
         if score.name in scores or score.name in (RANDOM, LENGTH):
             raise OptionError("outcome", f"{spec}: a second score named {score.name}; give each another file or "
                               "column")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -16,7 +17,7 @@ from gradspec.analysis.select import combined_score, criteria, row_indices
 from gradspec.data.errors import InputError
 from gradspec.files import parquet_errors
 from gradspec.options import OptionError
-from gradspec.runs.score_files import ATTRIBUTION, module_columns, parquet_schema
+from gradspec.runs.score_files import ATTRIBUTION, module_columns, parquet_schema, schema_metadata
 from gradspec.validation.config import split_spec
 
 POOL = "pool the retrains drew from"  # what a score's index numbers the rows of
@@ -44,11 +45,15 @@ class Score:
             return self.values[:, 0] if not self.per_target else _nanmean_rows(self.values)
 
 
-def read_score(spec: str, rows: int, targets: int) -> Score:
+def read_score(spec: str, rows: int, targets: int, pool: dict[str, Any] | None = None) -> Score:
     """The score spec FILE[:COLUMN] names, for a pool of rows training rows and targets target examples.
-    Without a column, the file's attribution column. Raises InputError naming the file and the field."""
+    Without a column, the file's attribution column. pool: what the retrains record of their data (data,
+    data_bytes), which a score file must have scored (check_pool_data). Raises InputError naming the file
+    and the field."""
     path, column = split_spec(spec)
     schema = parquet_schema(path, "pass a score file: gradspec score, align or align --attribution's output")
+    if pool is not None:
+        check_pool_data(path, schema_metadata(schema), pool)
     column = column or ATTRIBUTION
     if "index" not in schema.names:
         raise InputError(f"{path}: no index column (the training row of each score); pass a file gradspec wrote")
@@ -60,6 +65,22 @@ def read_score(spec: str, rows: int, targets: int) -> Score:
     values[~np.isfinite(values)] = np.nan  # inf is no value either: counted as missing, not summed
     name = Path(path).stem + ("" if column == ATTRIBUTION else f":{column}")
     return Score(name, path, column, values, int(np.isnan(values).sum()))
+
+
+def check_pool_data(path: str, scored: dict[str, Any], pool: dict[str, Any]) -> None:
+    """A score numbers the rows of the data the retrains drew their pool from: a score file that recorded
+    other data (of another size; where no size is known, of another name) is refused, naming both. A file
+    that recorded none (another tool's) is taken as it is."""
+    data, size = scored.get("data"), scored.get("data_bytes")
+    if data is None or pool.get("data") is None:
+        return
+    other = size != pool.get("data_bytes") if size is not None and pool.get("data_bytes") is not None else \
+        data != pool["data"]
+    if other:
+        raise InputError(f"{path}: scored {data}" + (f" ({size} bytes)" if size is not None else "")
+                         + f", but the retrains drew their pool from {pool['data']}"
+                         + (f" ({pool['data_bytes']} bytes)" if pool.get("data_bytes") is not None else "")
+                         + ": its index numbers other rows; pass a score file of the pool's data")
 
 
 def _attribution(path: str, schema: pa.Schema, rows: int, targets: int) -> np.ndarray:

@@ -247,6 +247,31 @@ def test_bad_scores_are_named_by_file_and_field(tmp_path, reference, inputs, cap
     assert "--subsets has no effect with --runs" in capsys.readouterr().err
 
 
+def test_a_score_file_of_other_data_is_refused_by_analysis_and_outcome(tmp_path, reference, inputs, tiny_model_dir,
+                                                                        capsys):
+    """A score numbers rows of the data it scored: one of another input (16 rows of another file, the pool 8 rows
+    of train.jsonl) was taken, its missing rows counted as 0; now it is refused, naming both, whatever its size.
+    One of the pool's own data (the same bytes, wherever they lie) is read."""
+    from gradspec.runs.score_files import write_parquet
+
+    table = pd.DataFrame({"index": range(8), "my_score": [0.5, 3, 1, 2, 0.1, 4, 0, 1]})
+    other, copy = tmp_path / "other.jsonl", tmp_path / "copy.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in ROWS * 2))
+    copy.write_bytes((inputs / "train.jsonl").read_bytes())
+    for data, name in ((other, "of_other.parquet"), (copy, "of_copy.parquet")):
+        write_parquet(table, tmp_path / name, {"data": str(data.resolve()), "data_bytes": data.stat().st_size})
+    want = f"{tmp_path / 'of_other.parquet'}: scored {other.resolve()} ({other.stat().st_size} bytes), but the " \
+        f"retrains drew their pool from {(inputs / 'train.jsonl').resolve()} " \
+        f"({(inputs / 'train.jsonl').stat().st_size} bytes): its index numbers other rows; pass a score file of " \
+        "the pool's data"
+    assert main(["validate", "--runs", str(reference), "--scores", f"{tmp_path / 'of_other.parquet'}:my_score"]) == 2
+    assert capsys.readouterr().err == f"gradspec: error: {want}\n"
+    assert main(_args(tiny_model_dir, inputs, tmp_path / "v.parquet", "--outcome",
+                      f"{tmp_path / 'of_other.parquet'}:my_score")) == 2  # before any retrain
+    assert capsys.readouterr().err == f"gradspec: error: {want}\n" and not (tmp_path / "v.parquet").exists()
+    assert main(["validate", "--runs", str(reference), "--scores", f"{tmp_path / 'of_copy.parquet'}:my_score"]) == 0
+
+
 def test_options_are_checked_before_the_model_loads(tmp_path, inputs, reference, capsys, monkeypatch):
     from gradspec.validation import run
 
