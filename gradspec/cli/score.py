@@ -72,8 +72,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote the {config.precondition} factors it fitted to {factors}: a later run given --factors "
               f"{factors} reads them")
     folder = RunFolder(args.out)
-    if finished:
+    if finished:  # and its rows were counted when it was written: no "wrote" line now
         print(f"{args.out} was already complete: nothing to resume")
+        return 0
     rank = torchrun_shard()
     if rank is not None and rank.index > 0:  # rank 0 merges, maybe before this line: what this rank wrote
         print(f"{written(statuses, folder.path)}" + (f"; rank 0 merges them into {args.out}" if args.merge else ""))

@@ -77,6 +77,7 @@ _SAMPLE = 1 << 16  # bytes read at each of a model file's start, middle and end 
 # entry in the file's footer, which every reader parses whole (1,024-row groups of 1,349 columns: 1.3 GB for a
 # million rows); and a reader of all columns holds a row group about 4 times over (pyarrow 26)
 ROW_GROUP_BYTES = 64 << 20
+_SAID: set[tuple] = set()  # the input-size changes warned about in this process
 
 
 
@@ -363,7 +364,9 @@ class RunFolder(LockedFolder):
     def _same_config(self, old: dict[str, Any], config: dict[str, Any], unknown: tuple[str, ...] = ()) -> None:
         config = _as_json(config)
         for k in _INPUT_SIZES:
-            if old.get(k) != config.get(k):
+            said = (str(self.path), k, old.get(k), config.get(k))
+            if old.get(k) != config.get(k) and said not in _SAID:  # checked before and after loading: said once
+                _SAID.add(said)
                 log.warning("%s: %s was %s bytes when the run started, %s now; the parts already written are kept "
                             "(a fixed row, say), the rest is scored from the file as it is now", self.path, k,
                             old.get(k), config.get(k))

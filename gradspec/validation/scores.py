@@ -83,10 +83,16 @@ def check_pool_data(path: str, scored: dict[str, Any], pool: dict[str, Any]) -> 
                          + ": its index numbers other rows; pass a score file of the pool's data")
 
 
+def _listed(names: list[str], most: int = 12) -> str:
+    """A file's columns for an error: the first most, and how many more there are."""
+    more = len(names) - most
+    return ", ".join(names[:most]) + (f", … ({more} more)" if more > 0 else "")
+
+
 def _attribution(path: str, schema: pa.Schema, rows: int, targets: int) -> np.ndarray:
     if ATTRIBUTION not in schema.names:
         raise InputError(f"{path}: no attribution column (from gradspec align --attribution); name a per-sample "
-                         f"column as {path}:COLUMN instead (its columns: {', '.join(schema.names[:12])})")
+                         f"column as {path}:COLUMN instead (its columns: {_listed(schema.names)})")
     kind = schema.field(ATTRIBUTION).type
     if not (_is_list(kind) and (pa.types.is_floating(kind.value_type) or pa.types.is_integer(kind.value_type)
                                 or pa.types.is_null(kind.value_type))):
@@ -115,9 +121,8 @@ def _per_sample(path: str, column: str, rows: int) -> np.ndarray:
         unknown = [n for n in names if n not in frame.columns and n != "alignment" and
                    not module_columns(frame.columns, n)]
         if unknown:
-            shown = [c for c in frame.columns if "/" not in c][:12]
             raise InputError(f"{path}: no column {unknown[0]!r} (nor a metric of its modules); its columns: "
-                             f"{', '.join(shown)}")
+                             f"{_listed([c for c in frame.columns if '/' not in c])}")
         values = combined_score(frame, column)
     except OptionError as e:  # select's, which names --by: here the field is the spec's column
         raise InputError(f"{path}: {column}: {e.text}") from None
