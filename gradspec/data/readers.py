@@ -214,7 +214,7 @@ def open_parquet(path: str | Path) -> Any:
     """The Parquet file at path opened (a pyarrow ParquetFile), or an InputError naming it."""
     import pyarrow.parquet as pq
 
-    return _parquet_read(path, lambda: pq.ParquetFile(open_regular(path)))
+    return _parquet_read(path, lambda: pq.ParquetFile(regular(path)))
 
 
 def _parquet_batches(path: Path) -> Iterator[Any]:

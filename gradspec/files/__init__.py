@@ -20,8 +20,9 @@ from gradspec.files.primitives import (
     sha256,
     temporary,
     write_checksum,
+    write_checksummed,
 )
 
 __all__ = ["CHECKSUM", "NotRegularFile", "atomic_write", "checksum_path", "checksum_problem", "create_new",
            "is_temporary", "load_failure", "load_torch", "open_regular", "parquet_errors", "read_bytes", "read_text",
-           "regular", "sha256", "temporary", "write_checksum"]
+           "regular", "sha256", "temporary", "write_checksum", "write_checksummed"]

@@ -26,6 +26,7 @@ from gradspec.errors import InputError
 
 CHECKSUM = ".sha256"  # beside a checksummed file (<name>.sha256): the SHA-256 of its bytes, in hex
 _TEMPORARY = re.compile(r"(.+)\.tmp\d+")
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # none on Windows, which has no FIFO to block on
 _KINDS = {stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
           stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a folder", stat.S_IFLNK: "a symbolic link"}
 
@@ -55,7 +56,7 @@ def open_regular(path: str | Path, what: str = "") -> IO[bytes]:
     """path opened for reading in binary, or NotRegularFile where it is not a regular file: it is opened
     without blocking and checked on the open descriptor, so nothing swapped in between is read."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | _NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
     except OSError as e:
         if e.errno != errno.ENXIO:  # what opening a socket (or a device without its driver) says
             raise
@@ -64,7 +65,8 @@ def open_regular(path: str | Path, what: str = "") -> IO[bytes]:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise refusal(path, mode, what)
-        os.set_blocking(fd, True)
+        if _NONBLOCK:
+            os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)
@@ -87,12 +89,19 @@ def load_torch(path: str | Path, what: str = "") -> Any:
     garbled or cut-short bytes."""
     import torch
 
-    with open_regular(path, what) as f, warnings.catch_warnings():
+    regular(path, what)
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch warns about a pickle's protocol over several lines
-        try:
-            return torch.load(f, map_location="cpu", weights_only=True)
+        try:  # mapped, not read: an optimizer's state can be tens of GB, and only its shapes may be needed
+            return torch.load(str(path), map_location="cpu", weights_only=True, mmap=_zipped(path))
         except Exception as e:  # whatever torch's unpickler or zip reader meets in the bytes
             raise InputError(f"{path}: not loadable safely ({load_failure(e)})") from e
+
+
+def _zipped(path: str | Path) -> bool:
+    """Whether a torch file is of the zip format (torch.save's since 1.6), the one torch.load can map."""
+    with open_regular(path) as f:
+        return f.read(4) == b"PK\x03\x04"
 
 
 def load_failure(error: Exception) -> str:
@@ -127,6 +136,23 @@ def write_checksum(path: str | Path) -> None:
     atomic_write(checksum_path(path), lambda f: f.write(digest.encode()))
 
 
+def write_checksummed(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
+    """atomic_write with the file's SHA-256 beside it, never out of step with it: the checksum is written
+    before the rename, accepting the bytes being replaced and the new ones until the new ones are in place,
+    then the new ones alone. A kill at any moment leaves a file its checksum accepts."""
+    path, check = Path(path), checksum_path(path)
+
+    def both(tmp: Path) -> None:
+        kept = read_text(check).split() if path.exists() and check.exists() else []
+        digest = sha256(tmp)
+        atomic_write(check, lambda f: f.write("\n".join([*kept, digest]).encode()))
+        written.append(digest)
+
+    written: list[str] = []
+    atomic_write(path, write, before=both)
+    atomic_write(check, lambda f: f.write(written[0].encode()))
+
+
 def checksum_problem(path: str | Path) -> str | None:
     """Why path's bytes are not those written (\"damaged, ...\"), or None. FileNotFoundError where path
     itself is gone."""
@@ -140,7 +166,7 @@ def checksum_problem(path: str | Path) -> str | None:
         actual = sha256(path)
     except NotRegularFile as e:
         return f"damaged, {str(e).partition(': ')[2]}"
-    if actual != expected:
+    if actual not in expected.split():  # one digest, or two while write_checksummed replaces the file
         return "damaged, its bytes differ from those written (checksum mismatch)"
     return None
 
@@ -160,9 +186,11 @@ def is_temporary(name: str, of: re.Pattern[str] | str | None = None) -> bool:
     return of.fullmatch(found[1]) is not None if isinstance(of, re.Pattern) else found[1] == of
 
 
-def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None],
+                 before: Callable[[Path], None] | None = None) -> None:
     """write(file) into a temporary file beside path, flushed to disk, then renamed onto path: the
-    file at path is either the old one or the whole new one, never part of it."""
+    file at path is either the old one or the whole new one, never part of it. before: called with the
+    temporary, whole on disk, just before the rename."""
     path = Path(path)
     tmp = temporary(path)
     try:
@@ -170,6 +198,8 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if before is not None:
+            before(tmp)
         os.replace(tmp, path)
     except OSError as e:  # a full disk says only "[Errno 28] No space left on device": name the file
         tmp.unlink(missing_ok=True)

@@ -49,7 +49,7 @@ from gradspec.files import (
     is_temporary,
     open_regular,
     read_text,
-    write_checksum,
+    regular,
 )
 from gradspec.files.locks import LOCK_STALE_S, LockedFolder, RunLocked, Shard  # noqa: F401  (imported from here)
 from gradspec.options import OptionError, OptionExists, mention
@@ -180,9 +180,8 @@ class RunFolder(LockedFolder):
     def write_partial(self, chunk: int, rows: list[dict[str, Any]]) -> None:
         """The rows of an unfinished chunk scored so far, with the run's config fingerprint and its chunk,
         checksummed as a part is: what a kill costs is then the time since this write, not the whole chunk's."""
-        path = self.partial(chunk)
-        write_parquet(_rows_table(rows), path, {FINGERPRINT: self._run_fingerprint(), PART: {"chunk": chunk}})
-        write_checksum(path)
+        write_parquet(_rows_table(rows), self.partial(chunk), {FINGERPRINT: self._run_fingerprint(),
+                                                               PART: {"chunk": chunk}}, checksummed=True)
 
     def partial_rows(self, chunk: int) -> list[dict[str, Any]]:
         """The rows a killed run scored of a chunk before it could finish it, vetted as a part is (its
@@ -194,8 +193,7 @@ class RunFolder(LockedFolder):
         why, table = checksum_problem(path), None
         if why is None:
             try:
-                with open_regular(path) as f:
-                    table = pq.read_table(f)
+                table = pq.read_table(regular(path))
                 meta = json.loads((table.schema.metadata or {}).get(METADATA_KEY, b"{}"))
             except (pa.ArrowException, OSError, ValueError) as e:
                 why = f"damaged, not a readable Parquet file ({' '.join(str(e).split())})"
@@ -302,8 +300,7 @@ class RunFolder(LockedFolder):
     def _out_metadata(self) -> dict[str, Any] | str:
         """What out records of its run, or why it records nothing readable."""
         try:
-            with open_regular(self.out) as f:
-                recorded = schema_metadata(pq.read_schema(f))
+            recorded = schema_metadata(pq.read_schema(regular(self.out)))
         except (pa.ArrowException, OSError, ValueError) as e:
             return f"not a score file gradspec wrote ({' '.join(str(e).split())})"
         return recorded if isinstance(recorded, dict) else "its gradspec metadata is not a mapping"
@@ -428,7 +425,7 @@ class RunFolder(LockedFolder):
         parses each part's footer once for its checks and schema, once to read it)."""
         path = self.part(chunk)
         try:
-            with open_regular(path) as handle, pq.ParquetFile(handle) as file:
+            with pq.ParquetFile(regular(path)) as file:
                 footer = file.metadata
                 arrow = file.schema_arrow if schema is not None else None
             meta = json.loads((footer.metadata or {}).get(METADATA_KEY, b"{}"))
@@ -486,8 +483,8 @@ class RunFolder(LockedFolder):
         """write_part of rows already made a table (its index column: the chunk's rows, in order)."""
         index = table["index"]
         held = {"chunk": chunk, "first_row": index[0].as_py(), "last_row": index[-1].as_py()}
-        write_parquet(table, self.part(chunk), {**metadata, FINGERPRINT: self._run_fingerprint(), PART: held})
-        write_checksum(self.part(chunk))  # after the part: a part without one is a write cut short
+        write_parquet(table, self.part(chunk), {**metadata, FINGERPRINT: self._run_fingerprint(), PART: held},
+                      checksummed=True)
         self.partial(chunk).unlink(missing_ok=True)  # its rows are in the part
         checksum_path(self.partial(chunk)).unlink(missing_ok=True)
 
@@ -554,8 +551,7 @@ class RunFolder(LockedFolder):
                     first, n = chunk * chunk_rows, 0
                     for table in self._part_batches(p, schema):
                         if table["index"].to_pylist() != list(range(first + n, first + n + table.num_rows)):
-                            with open_regular(p) as handle:
-                                last = first + pq.read_metadata(handle).num_rows - 1
+                            last = first + pq.read_metadata(p).num_rows - 1
                             raise ValueError(f"cannot merge {self.path}: {p.name}: its index column is not rows "
                                              f"{first}-{last}; nothing was written or deleted")
                         n += table.num_rows
@@ -580,7 +576,7 @@ class RunFolder(LockedFolder):
         """A part's rows in batches (read_batches), with the merged schema's columns; a part that cannot
         be read is refused as damaged."""
         try:
-            with open_regular(part) as handle, pq.ParquetFile(handle) as file:
+            with pq.ParquetFile(regular(part)) as file:
                 for table in read_batches(file, None):
                     yield conformed(table, schema)
         except (pa.ArrowException, OSError) as e:

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from gradspec.choices import METRICS
 from gradspec.data.errors import InputError
 from gradspec.data.templates import SCORED
-from gradspec.files import atomic_write, open_regular, parquet_errors
+from gradspec.files import atomic_write, open_regular, parquet_errors, write_checksummed
 from gradspec.options import OptionError
 
 if TYPE_CHECKING:  # torch loads only where a file is written: select, report and merge read without it (225 MB)
@@ -80,15 +80,17 @@ def file_metadata(parts: list[Part], metrics: tuple[str, ...], run_info: dict[st
     return {"parts": modules, "metrics": list(metrics), **run_info}
 
 
-def write_parquet(table: pa.Table | pd.DataFrame, path: str | Path, metadata: dict[str, Any] | None = None) -> None:
-    """A table, or a DataFrame without its index, written to path atomically (atomic_write); with
-    metadata, that as JSON under METADATA_KEY beside the schema's own (pandas') metadata."""
+def write_parquet(table: pa.Table | pd.DataFrame, path: str | Path, metadata: dict[str, Any] | None = None,
+                  checksummed: bool = False) -> None:
+    """A table, or a DataFrame without its index, written to path atomically (atomic_write; checksummed: with
+    its SHA-256 beside it, write_checksummed); with metadata, that as JSON under METADATA_KEY beside the
+    schema's own (pandas') metadata."""
     if isinstance(table, pd.DataFrame):
         table = pa.Table.from_pandas(table, preserve_index=False)
     if metadata is not None:
         table = table.replace_schema_metadata({**(table.schema.metadata or {}),
                                                METADATA_KEY: json.dumps(metadata).encode()})
-    atomic_write(path, lambda f: pq.write_table(table, f))
+    (write_checksummed if checksummed else atomic_write)(path, lambda f: pq.write_table(table, f))
 
 
 def parquet_schema(path: str | Path, what: str) -> pa.Schema:

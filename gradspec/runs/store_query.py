@@ -23,7 +23,7 @@ from gradspec.data.batching import batch_tokens_for
 from gradspec.data.models import fit_to_context, load_model
 from gradspec.data.readers import Fields
 from gradspec.engine.spectral_engine import SpectralEngine
-from gradspec.files import atomic_write, open_regular
+from gradspec.files import atomic_write, regular
 from gradspec.layers.hooks import BatchLayout
 from gradspec.options import OptionExists, mention
 from gradspec.runs.config import ScoreConfig
@@ -85,7 +85,7 @@ def query_store(
     names = [p.name for p in engine.projection.parts]
     routed = {p.name for p in engine.projection.parts if p.routed}
     metrics = alignment_metrics(aggregates)
-    reader = pq.ParquetFile(open_regular(store))
+    reader = pq.ParquetFile(regular(store))
     kept = [f.name for f in reader.schema_arrow if f.name != PROJECTION and "/" not in f.name
             and not f.name.startswith("align_")]
     statuses: Counter[str] = Counter()

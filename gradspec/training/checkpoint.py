@@ -34,6 +34,7 @@ SCALER_FILE = "scaler.pt"
 RNG_STATE = re.compile(r"rng_state(_\d+)?\.pth")  # rng_state_<rank>.pth under torchrun
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 WEIGHTS_INDEX = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+COUNTERS = ("last_epoch", "_step_count", "step")  # the state's whole numbers: the rest may be any number
 TORCH_ADAMW = ("adamw_torch", "adamw_torch_fused")  # the optim values whose optimizer.pt is torch AdamW's
 
 # What Trainer reads while it resumes, by its method that reads it (one a later transformers lacks is left as is)
@@ -253,7 +254,7 @@ def _optimizer(path: Path, trainer) -> int:
             not isinstance(saved.get("state"), dict):
         raise InputError(f"{path}: an optimizer's state_dict (state, and param_groups: a list of dicts) expected")
     made = _made_optimizer_group(trainer)
-    for i, group in enumerate(groups):
+    for i, group in enumerate(groups if made is not None else ()):  # None: an optimizer's groups left to Trainer
         _like({k: v for k, v in group.items() if k != "params"}, made, f"param_groups[{i}]", path, extra=True)
     if trainer.args.optim in TORCH_ADAMW:
         adam_state(saved, trainer.model, path)
@@ -293,7 +294,7 @@ def _scheduler(path: Path, args, groups: int) -> None:
 def _like(value: object, made: object, field: str, path: Path, extra: bool) -> None:
     """value checked to be of the make of made, an object of the same kind freshly made: a dict with
     made's keys alone (extra: others too), each value alike; a list of as many values alike; a number
-    (finite, >= 0 where made's is, whole where made's is); a bool; a flag or None where made holds None."""
+    (finite where made's is, >= 0 where made's is, whole for COUNTERS); a bool; a flag or None where made holds None."""
     def problem(text: str) -> InputError:
         return InputError(f"{path}: {field.lstrip('.') or 'the state'}: {text}")
 
@@ -304,10 +305,11 @@ def _like(value: object, made: object, field: str, path: Path, extra: bool) -> N
         if not isinstance(value, bool):
             raise problem(f"true or false expected, got {described(value)}")
     elif isinstance(made, int | float):
-        whole = isinstance(made, int)
+        whole = isinstance(made, int) and field.rpartition(".")[2] in COUNTERS  # weight_decay=0 is any number
         number = isinstance(value, int | float) and not isinstance(value, bool) and (isinstance(value, int) or
                                                                                      not whole)
-        if not number or isinstance(value, float) and not math.isfinite(value) or made >= 0 > value:
+        infinite = isinstance(value, float) and not math.isfinite(value) and math.isfinite(made)  # inf where made's
+        if not number or infinite or made >= 0 > value:
             raise problem(f"a finite {'whole ' if whole else ''}number{' >= 0' if made >= 0 else ''} expected, got "
                           f"{described(value)}")
     elif isinstance(made, dict):

@@ -343,10 +343,11 @@ class SpectralMonitor:
             self._start()
         try:
             self._parts.compact()
-        except OSError as error:  # the training is done: its rows stay in the parts
+        except (OSError, ValueError, pa.ArrowException) as error:  # the training is done: its rows stay in the parts
             log.error("SpectralMonitor: the parts in %s not compacted into %s (%s); read them with read_monitor",
                       self._parts.path, self.out, error)
-        self._started, self._resumed_at = False, math.inf
+        finally:
+            self._started, self._resumed_at = False, math.inf
 
     def _start(self) -> None:
         """A run's first monitored step: new parts, an existing file or parts refused unless overwrite (then

@@ -31,8 +31,9 @@ from gradspec.files import (
     checksum_path,
     checksum_problem,
     is_temporary,
-    open_regular,
+    regular,
     write_checksum,
+    write_checksummed,
 )
 from gradspec.files.locks import LockedFolder
 from gradspec.runs.run_folder import conformed
@@ -117,8 +118,7 @@ def _groups(parts: list[Path], schema: pa.Schema) -> Iterator[pa.Table]:
 
 
 def _write_steps_upto(path: Path, f, upto: float) -> None:
-    with open_regular(path) as handle, pq.ParquetFile(handle) as source, \
-            pq.ParquetWriter(f, source.schema_arrow) as writer:
+    with pq.ParquetFile(regular(path)) as source, pq.ParquetWriter(f, source.schema_arrow) as writer:
         for i in range(source.num_row_groups):
             group = source.read_row_group(i)
             writer.write_table(group.filter(pc.less_equal(group["step"], upto)))
@@ -132,12 +132,13 @@ def _check_monitor_file(path: Path) -> None:
 
 def _read(path: Path, columns: list[str] | None = None, schema_only: bool = False) -> pa.Table | pa.Schema:
     """A monitor file or part (its schema alone with schema_only), read as a regular file; a part whose
-    bytes are not those written (its checksum beside it differs) is refused. A part without a checksum
-    (a run killed between the two writes, or an earlier gradspec's) is read."""
-    if checksum_path(path).exists() and (why := checksum_problem(path)) is not None:
+    bytes are not those written (its checksum beside it differs) is refused where its rows are read (a
+    schema is read from the footer alone: the rows' read checks the bytes, once). A part without a
+    checksum (an earlier gradspec's) is read."""
+    regular(path)
+    if not schema_only and checksum_path(path).exists() and (why := checksum_problem(path)) is not None:
         raise InputError(f"{path}: {why}; move it out of {path.parent} to read the other parts")
-    with open_regular(path) as f:
-        return pq.read_schema(f) if schema_only else pq.read_table(f, columns=columns)
+    return pq.read_schema(path) if schema_only else pq.read_table(path, columns=columns)
 
 
 class MonitorParts(LockedFolder):
@@ -175,9 +176,7 @@ class MonitorParts(LockedFolder):
     def write(self, table: pa.Table) -> None:
         """A step's rows as the next part, then its checksum."""
         self.path.mkdir(parents=True, exist_ok=True)
-        path = part_path(self.path, self.next)
-        atomic_write(path, lambda f: pq.write_table(table, f))
-        write_checksum(path)
+        write_checksummed(part_path(self.path, self.next), lambda f: pq.write_table(table, f))
         self.next += 1
 
     def compact(self) -> None:
@@ -224,8 +223,7 @@ class MonitorParts(LockedFolder):
                 p.unlink()
                 checksum_path(p).unlink(missing_ok=True)
             else:  # the finished run's file: filtered row group by row group
-                atomic_write(p, lambda f, p=p: _write_steps_upto(p, f, upto))
-                write_checksum(p)
+                write_checksummed(p, lambda f, p=p: _write_steps_upto(p, f, upto))
         for p in self.path.iterdir() if self.path.is_dir() else ():
             if is_temporary(p.name, self.OURS):
                 p.unlink(missing_ok=True)

@@ -21,6 +21,7 @@ from gradspec.files import (
     sha256,
     temporary,
     write_checksum,
+    write_checksummed,
 )
 
 
@@ -92,3 +93,31 @@ def test_a_name_taken_only_if_absent_is_taken_once_and_leaves_no_temporary(tmp_p
     path = tmp_path / "manifest.json"
     assert create_new(path, "one") and not create_new(path, "two")
     assert path.read_text() == "one" and sorted(p.name for p in tmp_path.iterdir()) == ["manifest.json"]
+
+
+@pytest.mark.parametrize("stopped_at", [2, 3], ids=["before the file's rename", "before the checksum's last write"])
+def test_a_file_replaced_with_its_checksum_is_accepted_wherever_the_replacement_stops(tmp_path, monkeypatch,
+                                                                                      stopped_at):
+    """The checksum accepts the old bytes and the new while the file is replaced: a partial part rewritten every
+    --flush-minutes, stopped between its two writes, was set aside as damaged."""
+    from gradspec.files import primitives
+
+    path = tmp_path / "p.parquet"
+    write_checksummed(path, lambda f: f.write(b"old"))
+    real, calls = os.replace, []
+
+    def replace(a, b):
+        calls.append(b)
+        if len(calls) == stopped_at:
+            raise KeyboardInterrupt
+        real(a, b)
+
+    monkeypatch.setattr(primitives.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        write_checksummed(path, lambda f: f.write(b"new"))
+    monkeypatch.undo()
+    assert path.read_bytes() == (b"old" if stopped_at == 2 else b"new") and checksum_problem(path) is None
+    path.write_bytes(b"neither")
+    assert checksum_problem(path) == "damaged, its bytes differ from those written (checksum mismatch)"
+    write_checksummed(path, lambda f: f.write(b"new"))
+    assert (tmp_path / "p.parquet.sha256").read_text() == sha256(path)  # one digest once it is in place

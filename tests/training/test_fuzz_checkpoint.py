@@ -68,6 +68,26 @@ def _vetting_error(checkpoint) -> str | None:
     return None
 
 
+@pytest.mark.parametrize("kind", [{"lr_scheduler_type": "reduce_lr_on_plateau", "eval_strategy": "steps",
+                                   "eval_steps": 100}, {"optim": "sgd"},
+                                  {"optim": "adagrad", "weight_decay": 0.0}, {"optim": "adafactor"}])
+def test_checkpoints_of_other_schedulers_and_optimizers_pass(kind, tmp_path):
+    """What Trainer itself resumes from is not refused: ReduceLROnPlateau's state holds inf before its first
+    evaluation (mode_worse, best), and SGD's weight_decay made as 0 is any number, not a whole one."""
+    from transformers import Trainer, TrainingArguments
+
+    from gradspec.training.checkpoint import vet_checkpoint
+
+    def trainer():
+        args = TrainingArguments(output_dir=str(tmp_path / "run"), per_device_train_batch_size=2, max_steps=1,
+                                 save_strategy="steps", save_steps=1, report_to=[], use_cpu=True, learning_rate=1e-3,
+                                 disable_tqdm=True, logging_strategy="no", **{"weight_decay": 0.01, **kind})
+        return Trainer(model=tiny_model("llama", vocab=VOCAB), args=args, train_dataset=_rows(), eval_dataset=_rows())
+
+    trainer().train()
+    vet_checkpoint(tmp_path / "run" / "checkpoint-1", trainer(), INDICES)
+
+
 def test_a_trainer_checkpoint_passes_and_trainer_s_loaders_are_there(saved):
     from transformers import Trainer
 
