@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import MEDIANS
 
-from gradspec.files import atomic_write
+from gradspec.files import atomic_write, write_checksummed
 from gradspec.linalg.metrics import metric_names
 from gradspec.training.monitor import COLUMN_TYPES, SpectralMonitor
 
@@ -40,6 +40,7 @@ POINTS = (10, 100, 1_000, 10_000)
 PARTS_STEPS = int(os.environ.get("BENCH_PARTS_STEPS", 10_000))
 WHOLE_STEPS = int(os.environ.get("BENCH_WHOLE_STEPS", 1_000))
 WHOLE_ROUNDS = 5
+CHECKSUM_ROUNDS = 300
 RSS_STEPS = int(os.environ.get("BENCH_RSS_STEPS", 2_000))
 ROWS_PER_STEP = 8
 MODULES = [f"model.layers.{layer}.{name}" for layer in range(2) for name in
@@ -130,6 +131,26 @@ def test_write_time_per_step(tmp_path, benchmark):
         MEDIANS[f"{name}-total"] = sum(series)
         for point, ms in _windows(series).items():
             MEDIANS[f"{name}-{point}"] = ms
+
+
+def test_a_checksummed_part_against_a_plain_one(tmp_path, benchmark):
+    """What the checksum beside each part costs (issue 49): one step's part written plainly (atomic_write, as
+    before) and with its checksum (write_checksummed, as now), interleaved, CHECKSUM_ROUNDS each."""
+    table = step_table(step_rows(1))
+    times: dict[str, list[float]] = {"plain": [], "checksummed": []}
+
+    def run() -> None:
+        for i in range(CHECKSUM_ROUNDS):
+            for name, write in (("plain", atomic_write), ("checksummed", write_checksummed)):
+                start = time.perf_counter()
+                write(tmp_path / f"{i:08d}.{name}.parquet", lambda f: pq.write_table(table, f))
+                times[name].append(time.perf_counter() - start)
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    for name, series in times.items():
+        MEDIANS[f"part-{name}"] = statistics.median(series) * 1e3
+    print(f"\none step's part, median of {CHECKSUM_ROUNDS}: plain {MEDIANS['part-plain']:.2f} ms, checksummed "
+          f"{MEDIANS['part-checksummed']:.2f} ms ({MEDIANS['part-checksummed'] / MEDIANS['part-plain']:.2f}x)")
 
 
 RSS = """

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from gradspec.files import read_text
 from gradspec.options import OptionError
 
 PREFIX = "lm-eval:"
@@ -92,7 +93,7 @@ def _task(task: str, manager_class) -> tuple[Any, str]:
     import yaml
 
     try:
-        name = (yaml.safe_load(path.read_text()) or {}).get("task")
+        name = (yaml.safe_load(read_text(path)) or {}).get("task")
     except yaml.YAMLError as e:
         raise OptionError("metric", f"lm-eval:{task}: not YAML ({e})") from None
     if not isinstance(name, str):

@@ -424,7 +424,7 @@ def test_a_merge_stopped_after_its_file_is_finished_by_the_next_command(tmp_path
     capsys.readouterr()
     if then == "resume":  # a finished run resumed: nothing to do, and it says so
         assert main(_args(tiny_model_dir, data, out, "--resume")) == 0
-        assert "rows" in capsys.readouterr().out
+        assert "was already complete: nothing to resume" in capsys.readouterr().out
     elif then == "merge":
         assert main(["merge", "--out", str(out)]) == 0
         assert capsys.readouterr().out.strip() == f"{out}: already merged (removed the parts a stopped merge left)"

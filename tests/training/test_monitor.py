@@ -651,13 +651,13 @@ def test_each_step_writes_a_part_of_its_own_rows_alone(tokenizer, tmp_path, monk
     every row held in memory)."""
     from gradspec.training import monitor_parts
 
-    written, write = [], monitor_parts.atomic_write
+    written, write = [], monitor_parts.write_checksummed
 
     def spy(path, rows):
         write(path, rows)
         written.append((path.relative_to(tmp_path).as_posix(), pq.read_table(path)["step"].to_pylist()))
 
-    monkeypatch.setattr(monitor_parts, "atomic_write", spy)
+    monkeypatch.setattr(monitor_parts, "write_checksummed", spy)
     monitor = SpectralMonitor(every=1, modules="q", out=tmp_path / "m.parquet")
     _steps(monitor, tiny_model("llama"), tokenizer, [1, 2, 3])
     assert written == [(f"m.parquet.parts/0000000{i}.parquet", [i + 1] * 2) for i in range(3)]

@@ -100,11 +100,11 @@ def test_under_torchrun_each_rank_loads_onto_its_own_device(data, tiny_model_dir
 KILLED = {
     "writing monitor rows": """
 from gradspec.training import monitor_parts as monitor
-write, calls = monitor.atomic_write, []
-def atomic_write(path, rows):  # the second monitored step dies half-way through its file
+write, calls = monitor.write_checksummed, []
+def write_checksummed(path, rows):  # the second monitored step dies half-way through its file
     calls.append(1)
     write(path, (lambda f: (f.write(b"PAR1"), f.flush(), die())) if len(calls) == 2 else rows)
-monitor.atomic_write = atomic_write
+monitor.write_checksummed = write_checksummed
 """,
     "saving the model": """
 import transformers.modeling_utils

@@ -321,7 +321,7 @@ def test_validate_counts_nan_and_inf_scores_as_missing(base, tmp_path, capsys, c
     assert main(["validate", "--runs", str(folder / "retrains.parquet"), "--scores", f"{path}:my_score",
                  "--resamples", "10"]) == 0
     assert "  s:my_score: " in (printed := capsys.readouterr().out) and "2 values missing, counted as 0" in printed
-    config = ValidateConfig(target="task.jsonl", outcome=(f"{path}:my_score",))
+    config = ValidateConfig(data=str(folder / "data.jsonl"), target="task.jsonl", outcome=(f"{path}:my_score",))
     outcome_scores(config, ROWS, TARGETS)
     assert f"{path}:my_score: 2 of 8 rows have no value (NaN, inf, or not in the file); the selections take them " \
         "last" in caplog.text
