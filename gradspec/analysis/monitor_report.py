@@ -180,6 +180,36 @@ def moved_samples(rows: pd.DataFrame, parts: pd.DataFrame, metric: str = "effect
     return top.reset_index().astype({"sample_index": "int64"})
 
 
+def _indexed(rows: pd.DataFrame) -> bool:
+    return "sample_index" in rows and not rows["sample_index"].isna().all()
+
+
+def _what_a_step_holds(rows: pd.DataFrame) -> str:
+    """What a change between monitored steps compares: each step's own batch, the same samples or others."""
+    if not _indexed(rows):
+        return ("Each monitored step holds that step's batch; without a sample_index the rows cannot say whether "
+                "two steps saw the same samples, so a change between steps may be a change of samples.")
+    held = rows.dropna(subset=["sample_index"]).groupby("step")["sample_index"].agg(frozenset)
+    pairs = list(zip(held.iloc[:-1], held.iloc[1:], strict=True))
+    apart = sum(not (a & b) for a, b in pairs)
+    if not pairs or apart == 0:
+        return "Each monitored step holds that step's batch; consecutive monitored steps share samples."
+    return (f"Each monitored step holds that step's batch: {apart} of {len(pairs)} pairs of consecutive monitored "
+            "steps share no sample, so a change between those steps is mostly a change of samples, not of the "
+            "model; the samples that moved most (below) follow the same samples.")
+
+
+def _why_none_moved(rows: pd.DataFrame) -> str:
+    """Why no sample's course can be drawn: no index to follow a sample by, or no sample seen twice."""
+    if not _indexed(rows):
+        return ("No row has a sample_index, so no sample can be followed from step to step (give the rows their "
+                "index: gradspec.with_sample_index).")
+    samples = rows["sample_index"].dropna().nunique()
+    return (f"Each of the {samples} samples was monitored at one step only (each seen once, as in one epoch "
+            "monitored every few steps): a sample's course needs it monitored at two steps (more epochs, or "
+            "monitoring more often).")
+
+
 def _plot_moved(rows: pd.DataFrame, parts: pd.DataFrame, moved: pd.DataFrame, metric: str, path: Path) -> None:
     value = rows[[f"{n}/{metric}" for n in parts["name"]]].mean(axis=1)
     fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -210,14 +240,14 @@ def write_monitor_report(path: str | Path, out: str | Path, overwrite: bool = Fa
     steps = sorted(rows["step"].unique())
     lines = ["# gradspec monitor report", "", f"`{path}`: {len(rows)} rows with spectra over {len(steps)} monitored "
              f"steps ({steps[0]} to {steps[-1]}), {len(parts)} parts ({', '.join(_role_order(parts['role']))}).", ""]
+    lines += [_what_a_step_holds(rows), ""]
     for metric in metrics:
         lines += [f"## {metric}", "", f"![per layer and step](heatmap_{metric}.png)", "",
                   f"![per role, with the spread across samples](roles_{metric}.png)", ""]
     moved = moved_samples(rows, parts) if "effective_rank" in metrics else pd.DataFrame()
     lines += ["## The samples that moved most", ""]
     if moved.empty:
-        lines += ["No sample was monitored at two steps with its sample_index (give the rows their index: "
-                  "gradspec.with_sample_index).", ""]
+        lines += [_why_none_moved(rows), ""]
     else:
         _plot_moved(rows, parts, moved, "effective_rank", out / "moved.png")
         lines += ["Mean effective rank over every part, at each sample's first and last monitored step.", "",

@@ -85,3 +85,20 @@ def test_gradspec_report_draws_a_monitor_file_or_folder(monitored, tmp_path, cap
 def test_a_part_s_role_from_its_name(name, role):
     assert part_role(name, {}) == role
     assert part_role(name, {name: "recorded"}) == "recorded"
+
+
+@pytest.mark.parametrize("indexed", [True, False], ids=["each sample once", "no sample_index"])
+def test_the_report_says_why_no_sample_s_course_is_drawn_and_what_a_step_holds(monitored, tmp_path, indexed):
+    """One epoch monitored every few steps sees each sample once: the report said 'give the rows their index'
+    while every row had one; and its per-step pictures compare batches of other samples, which it now says."""
+    monitored, _ = monitored
+    rows = pd.read_parquet(monitored)
+    rows["sample_index"] = range(len(rows)) if indexed else None
+    once = tmp_path / "once.parquet"
+    rows.to_parquet(once)
+    text = (write_monitor_report(once, tmp_path / "report") / "report.md").read_text()
+    if indexed:
+        assert "Each of the 12 samples was monitored at one step only" in text and "give the rows" not in text
+        assert "2 of 2 pairs of consecutive monitored steps share no sample" in text
+    else:
+        assert "No row has a sample_index" in text and "cannot say whether two steps saw the same samples" in text
