@@ -115,10 +115,18 @@ class _BatchPlan:
         if self.fits(1, item.tokens.num_tokens) or input_device(self.engine.model).type != "cpu":
             return False
         log.warning("sample %d (%d tokens) needs about %.1f GiB (its activations, Grams and eigen stage), beyond "
-                    "the %.1f GiB this run may use (%d%% of the memory available); flagged out_of_memory, not run",
+                    "the %.1f GiB this run may use (%d%% of the memory available); flagged out_of_memory, not run%s",
                     item.sample.index, item.tokens.num_tokens, self.memory.bytes(1, item.tokens.num_tokens) / 2**30,
-                    self.budget / 2**30, round(batch_memory.HEADROOM * 100))
+                    self.budget / 2**30, round(batch_memory.HEADROOM * 100), self._way_out(item.tokens.num_tokens))
         return True
+
+    def _way_out(self, tokens: int) -> str:
+        """The --max-length at which a sample this long would fit (its tokens cut there, flagged truncated)."""
+        low, high = 0, tokens  # fits(low); not fits(high)
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if self.memory.fits(1, middle, self.budget) else (low, middle)
+        return f" (--max-length {low} or less would fit it, cut there and flagged truncated)" if low > 0 else ""
 
 
 def _score_chunk(samples: list[Sample], engine: SpectralEngine, tokenizer, template: str, max_length: int,

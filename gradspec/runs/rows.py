@@ -78,8 +78,8 @@ def collect(pending: list[tuple[Item, Future[BatchScores] | None, int]], rows: d
 
 def fill_scores(row: dict[str, Any], result: BatchScores | None, k: int, names: tuple[str, ...]) -> None:
     """Row k of a batch's scores into its output row (None: the sample did not fit in memory)."""
-    if result is None:
-        row["status"] = "out_of_memory"
+    if result is None:  # its tokenizer's flags (truncated, ...) kept beside it
+        row["status"] = ";".join([f for f in row["status"].split(";") if f not in ("ok", "")] + ["out_of_memory"])
         return
     flags = [f for f in (row["status"], result.status(k)) if f != "ok"]
     row["status"], row["loss"] = ";".join(flags) or "ok", float(result.loss[k])

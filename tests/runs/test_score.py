@@ -1,5 +1,6 @@
 import json
 import math
+import re
 
 import pandas as pd
 import pyarrow.parquet as pq
@@ -123,7 +124,7 @@ def test_out_of_memory_splits_the_batch_then_flags(tmp_path, tiny_model_dir, mon
     monkeypatch.setattr(gradspec.SpectralEngine, "submit", submit_or_oom)
     with caplog.at_level("WARNING", logger="gradspec"):
         got = gradspec.score(data, str(tiny_model_dir), None, progress=False)
-    assert got["status"].tolist() == ["ok", "ok", "out_of_memory"]
+    assert got["status"].tolist() == ["ok", "ok", f"{want['status'][2]};out_of_memory"]  # boundary_merge kept
     assert "retrying it in two halves" in caplog.text
     cols = [c for c in got.columns if "/" in c]
     pd.testing.assert_frame_equal(got.loc[:1, cols], want.loc[:1, cols], rtol=1e-5)
@@ -222,10 +223,18 @@ def test_a_sample_that_cannot_fit_the_memory_budget_is_flagged_before_it_runs(tm
                         or real_submit(self, ids, *a))
     with caplog.at_level("WARNING", logger="gradspec"):
         got = gradspec.score(data, str(tiny_model_dir), None, progress=False)
-    assert got["status"].tolist() == ["ok", "ok", "out_of_memory"] and max(lengths) < long
+    flagged = f"{want['status'][2]};out_of_memory"  # its tokenizer's flag (here boundary_merge) kept beside it
+    assert got["status"].tolist() == ["ok", "ok", flagged] and max(lengths) < long
     assert f"sample 2 ({long} tokens) needs about" in caplog.text and "flagged out_of_memory, not run" in caplog.text
     cols = [c for c in got.columns if "/" in c]
     pd.testing.assert_frame_equal(got.loc[:1, cols], want.loc[:1, cols], rtol=1e-5)
+    fits = int(re.search(r"--max-length (\d+) or less would fit it", caplog.text)[1])  # the way out, named
+    assert memory.fits(1, fits, batch_memory.budget("cpu")) and not memory.fits(1, fits + 1, batch_memory.budget("cpu"))
+    rows[2] = {"instruction": "Yo", "output": "a long one " * 80}  # its response cut, its prompt whole
+    cut = gradspec.score(_write_jsonl(tmp_path / "cut.jsonl", rows), str(tiny_model_dir), None, progress=False,
+                         max_length=long)
+    flags = cut["status"][2].split(";")  # its cut kept beside the flag (it was lost)
+    assert "truncated" in flags and flags[-1] == "out_of_memory"
 
 
 def test_the_progress_bar_shows_no_rate_before_its_first_tokens():
