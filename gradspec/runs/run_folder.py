@@ -77,7 +77,6 @@ _SAMPLE = 1 << 16  # bytes read at each of a model file's start, middle and end 
 # entry in the file's footer, which every reader parses whole (1,024-row groups of 1,349 columns: 1.3 GB for a
 # million rows); and a reader of all columns holds a row group about 4 times over (pyarrow 26)
 ROW_GROUP_BYTES = 64 << 20
-_SAID: set[tuple] = set()  # the input-size changes warned about in this process
 
 
 
@@ -349,24 +348,24 @@ class RunFolder(LockedFolder):
             self._vet(config, records, shard)  # before a manifest is written: a refused run leaves none
         config = _as_json(config)
         self._fingerprint = config_fingerprint(config)
-        if self.manifest(damaged_ok=resume) is None:
-            self.path.mkdir(parents=True, exist_ok=True)
-            if resume:
-                (self.path / _MANIFEST).unlink(missing_ok=True)  # a damaged one (manifest): written again
-            if create_new(self.path / _MANIFEST, json.dumps({**config, _SHARDS: shards}, indent=1)):
-                return True
-            self._same_config(self.manifest(), config)  # another shard wrote it first
+        old = self.manifest(damaged_ok=resume)
+        if old is not None:  # continued: check() refused any other config, here what may change is said, once
+            for k in _INPUT_SIZES:
+                if old.get(k) != config.get(k):
+                    log.warning("%s: %s was %s bytes when the run started, %s now; the parts already written are "
+                                "kept (a fixed row, say), the rest is scored from the file as it is now", self.path,
+                                k, old.get(k), config.get(k))
+            return False
+        self.path.mkdir(parents=True, exist_ok=True)
+        if resume:
+            (self.path / _MANIFEST).unlink(missing_ok=True)  # a damaged one (manifest): written again
+        if create_new(self.path / _MANIFEST, json.dumps({**config, _SHARDS: shards}, indent=1)):
+            return True
+        self._same_config(self.manifest(), config)  # another shard wrote it first
         return False
 
     def _same_config(self, old: dict[str, Any], config: dict[str, Any], unknown: tuple[str, ...] = ()) -> None:
         config = _as_json(config)
-        for k in _INPUT_SIZES:
-            said = (str(self.path), k, old.get(k), config.get(k))
-            if old.get(k) != config.get(k) and said not in _SAID:  # checked before and after loading: said once
-                _SAID.add(said)
-                log.warning("%s: %s was %s bytes when the run started, %s now; the parts already written are kept "
-                            "(a fixed row, say), the rest is scored from the file as it is now", self.path, k,
-                            old.get(k), config.get(k))
         differences = _differences(old, config, (set(old) | set(config)) - set(unknown), "in the run", "now")
         if differences and differences == _differences(old, config, {NUMERICS}, "in the run", "now"):
             raise OptionError((), f"cannot continue the run in {self.path} bit for bit: " + differences[0] + "; "
