@@ -2,8 +2,8 @@
 (``NNNNNNNN.parquet``, numbered in the order written, as a scoring run's folder is) while the run goes on,
 compacted into ``out`` at its end.
 
-Each part is written aside and renamed (atomic_write), then its checksum beside it, so a run killed at any
-moment leaves whole parts: it loses at most the step it was writing. Each step costs the same write whatever
+Each part is written aside and renamed with its checksum beside it (write_checksummed), so a run killed at
+any moment leaves whole parts its checksums accept: it loses at most the step it was writing. Each step costs the same write whatever
 the run's length, and nothing of earlier steps is held in memory. The folder is guarded as a scoring run's
 (gradspec.files.locks): one writer holds its run.lock (a live scoring run or another monitor on the same
 ``out`` is refused), no link is followed to it, and only the monitor's own files are deleted there.
