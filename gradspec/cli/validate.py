@@ -41,13 +41,14 @@ def add_parser(sub) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gradspec.validation.report import analyse, summary, write_report
-    from gradspec.validation.run import retrain
 
     settings = ValidateSettings(**options_from_args(ValidateSettings, args))
     if settings.runs:
         refuse_unused(args, _RETRAIN_ONLY, False, "with --runs, which analyses retrains made before")
         files = list(settings.runs)
     else:
+        from gradspec.validation.run import retrain  # here: torch loads only for a retrain
+
         config = ValidateConfig(**options_from_args(ValidateConfig, args))
         began = time.perf_counter()
         ran = retrain(config, settings, shard=args.shard, merge=args.merge)

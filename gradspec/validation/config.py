@@ -18,15 +18,16 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from gradspec.choices import DEFAULT_MODEL
 from gradspec.data.errors import check_at_least
 from gradspec.data.hub import is_dataset_name
-from gradspec.data.models import DEFAULT_MODEL, check_device, check_model
 from gradspec.data.readers import Fields
 from gradspec.data.shared_options import device_option, fields_option, limit_option, max_length_option, template_option
 from gradspec.errors import OptionInputError
 from gradspec.files import NotRegularFile, regular, sha256
 from gradspec.options import OptionError, check_options, mention, option, typed
 from gradspec.validation.lm_eval_metric import is_lm_eval, lm_eval_metric
+from gradspec.validation.scores import split_spec
 
 
 def _specs(name: str, value: Any) -> tuple[str, ...]:
@@ -116,18 +117,6 @@ class ValidateSettings:
         check_options(self)
 
 
-def split_spec(spec: str) -> tuple[str, str | None]:
-    """'FILE[:COLUMN]' -> (file, column or None); the file is the shortest prefix before a ':' that is a
-    file (a column may hold colons: a select --by combination 'a:1,b:-1')."""
-    if Path(spec).is_file():
-        return spec, None
-    for at in (i for i, c in enumerate(spec) if c == ":"):
-        if Path(spec[:at]).is_file():
-            return spec[:at], spec[at + 1:] or None
-    path, _, column = spec.partition(":")  # no such file: the caller names it
-    return path, column or None
-
-
 def check(config: ValidateConfig, settings: ValidateSettings) -> Callable[[Any, Any], float] | None:
     """Every option that can be checked before the model loads. Returns the task metric's callable (None
     without --metric), built once here: an lm-eval metric's task set up is the costly part."""
@@ -160,6 +149,8 @@ def check(config: ValidateConfig, settings: ValidateSettings) -> Callable[[Any, 
     if config.metric_limit is not None and not is_lm_eval(config.metric or ""):
         raise OptionError("metric_limit", f"applies to an lm-eval metric ({mention('metric')} lm-eval:TASK)")
     metric = metric_function(config.metric, config.metric_limit) if config.metric is not None else None
+    from gradspec.data.models import check_device, check_model  # here: torch loads only for a retrain
+
     check_device(settings.device)
     check_model(config.model)
     return metric

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from gradspec.files import read_text
 from gradspec.options import OptionError
@@ -45,6 +44,7 @@ def lm_eval_metric(spec: str, limit: int | None = None) -> Callable[[Any, Any], 
         raise OptionError("metric", f"{spec}: lm-eval knows no task {name!r} (lm-eval --tasks list shows them)")
 
     def evaluate(model, tokenizer) -> float:
+        import torch  # here: validate --runs never loads it
         from lm_eval import simple_evaluate
         from lm_eval.models.huggingface import HFLM
 
@@ -101,6 +101,6 @@ def _task(task: str, manager_class) -> tuple[Any, str]:
     return manager_class(include_path=str(path.resolve().parent)), name
 
 
-def _devices(model) -> list[torch.device]:
+def _devices(model) -> list:
     device = next(model.parameters()).device
     return [device] if device.type == "cuda" else []

@@ -18,7 +18,6 @@ from gradspec.data.errors import InputError
 from gradspec.files import parquet_errors
 from gradspec.options import OptionError
 from gradspec.runs.score_files import ATTRIBUTION, module_columns, parquet_schema, schema_metadata
-from gradspec.validation.config import split_spec
 
 POOL = "pool the retrains drew from"  # what a score's index numbers the rows of
 
@@ -43,6 +42,18 @@ class Score:
         the task on average), NaN where a row has none."""
         with np.errstate(all="ignore"):
             return self.values[:, 0] if not self.per_target else _nanmean_rows(self.values)
+
+
+def split_spec(spec: str) -> tuple[str, str | None]:
+    """'FILE[:COLUMN]' -> (file, column or None); the file is the shortest prefix before a ':' that is a
+    file (a column may hold colons: a select --by combination 'a:1,b:-1')."""
+    if Path(spec).is_file():
+        return spec, None
+    for at in (i for i, c in enumerate(spec) if c == ":"):
+        if Path(spec[:at]).is_file():
+            return spec[:at], spec[at + 1:] or None
+    path, _, column = spec.partition(":")  # no such file: the caller names it
+    return path, column or None
 
 
 def read_score(spec: str, rows: int, targets: int, pool: dict[str, Any] | None = None) -> Score:

@@ -334,6 +334,18 @@ def test_a_merge_loads_no_torch(run, tmp_path):
     assert done.stdout.strip().splitlines()[-1] == "0 False", done.stdout + done.stderr
 
 
+def test_validate_refuses_a_file_that_is_no_retrain_file_before_torch_loads(tmp_path):
+    """validate --runs reads retrain files' numbers: a wrong file is named in about 2 s, not after torch's 4 s
+    more (the retrain's modules, and the model checks, are imported only for a retrain)."""
+    bad = tmp_path / "bad.parquet"
+    bad.write_text("not parquet")
+    code = (f"import sys\nfrom gradspec.cli import main\ncode = main(['validate', '--runs', {str(bad)!r}])\n"
+            "print(code, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "2 False", done.stdout + done.stderr
+    assert "not a readable Parquet file" in done.stderr
+
+
 def test_the_commands_that_read_score_files_load_no_torch():
     """select, report and merge read a file's numbers: torch, 225 MB and seconds to load, stays out."""
     code = ("import sys, gradspec.cli.select, gradspec.cli.report, gradspec.cli.merge, gradspec.analysis.select, "
