@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from gradspec.alignment.batches import numbered
 from gradspec.alignment.capture import KeptCapture
 from gradspec.alignment.directions import masked
 from gradspec.choices import DAMPING
@@ -34,7 +35,7 @@ from gradspec.layers.hooks import BatchLayout, Captured
 from gradspec.layers.registry import Part, Target
 from gradspec.options import OptionError, mention
 
-KINDS = ("kfac", "ekfac")
+KINDS = {"kfac": "K-FAC", "ekfac": "EK-FAC"}  # each kind, by its name in print
 _FORMAT = "gradspec-kfac-1"
 DTYPES = (torch.float32, torch.float64)  # what a factors file may hold; gradspec writes float64
 SYMMETRY = 1e-6  # the most a factor may differ from its transpose, relative to its largest entry
@@ -340,20 +341,20 @@ class _Eigenvalues(KeptCapture):
 
 
 def fit_factors(backward_pass: Pass, targets: list[Target], batches: Sequence[tuple[torch.Tensor, ...]],
-                kind: str = "kfac", provenance: dict | None = None) -> KFACFactors:
+                kind: str = "kfac", provenance: dict | None = None, progress: bool = False) -> KFACFactors:
     """The factors of each scored part from right-padded batches of training examples (with response
-    tokens): one pass, and a second for EK-FAC's eigenvalues. fp64 throughout."""
+    tokens): one pass, and a second for EK-FAC's eigenvalues. fp64 throughout. progress: a bar per pass."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     parts = [p for t in targets for p in t.parts]
     device = batches[0][0].device if batches else torch.device("cpu")
 
-    def each_batch(capture):
-        for batch in batches:
+    def each_batch(capture, desc: str):
+        for _, batch in numbered(batches, desc, progress):
             backward_pass([capture(BatchLayout(batch[1].sum(1).cpu(), device))], batch)
 
     sums = {p.name: [0.0, 0.0, 0] for p in parts}
-    each_batch(lambda layout: _Covariances(targets, layout, sums))
+    each_batch(lambda layout: _Covariances(targets, layout, sums), f"fitting {KINDS[kind]} factors")
     unseen = [name for name, s in sums.items() if s[2] == 0]
     if unseen:
         raise ValueError(f"no fitting example reached {', '.join(unseen[:5])}{' …' if len(unseen) > 5 else ''}: "
@@ -364,6 +365,6 @@ def fit_factors(backward_pass: Pass, targets: list[Target], batches: Sequence[tu
     if kind == "ekfac":
         bases = {name: factors.bases(name) for name in sums}
         second: dict[str, torch.Tensor | float] = {p.name: 0.0 for p in parts}
-        each_batch(lambda layout: _Eigenvalues(targets, layout, bases, second))
+        each_batch(lambda layout: _Eigenvalues(targets, layout, bases, second), "EK-FAC eigenvalues")
         factors.eigenvalues = {n: s / examples for n, s in second.items()}
     return factors

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gradspec.alignment.batches import numbered
 from gradspec.alignment.capture import KeptCapture
 from gradspec.alignment.directions import (
     ROUTES,
@@ -132,14 +133,15 @@ def collect_task(
     backward_pass: Pass, targets: list[Target], batches: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     aggregates: Sequence[str] | str = DEFAULT_AGGREGATES, dtype: torch.dtype = torch.float64, route: str = "auto",
     budget_bytes: int | None = None, preconditioner: Preconditioner | None = None, attribution: bool = False,
-    example_rows: tuple[list[int], int] | None = None,
+    example_rows: tuple[list[int], int] | None = None, progress: bool = False,
 ) -> TaskGradients:
     """The task's directions from right-padded batches of its examples (in order: example j is the
     j-th row over all batches). route: "auto" (route_for, per part, within budget_bytes of held
     directions: default GRADSPEC_TASK_BYTES or 8 GiB), or "dense" or "cross" for all; a preconditioner
     that is not Kronecker (EK-FAC, Adam) needs each G formed: dense for all. attribution: one direction
     per example, and each pool sample's inner product with each kept, laid out over the task file's rows
-    where example_rows gives them ((the file row of each example, the file's rows); NaN for rows left out)."""
+    where example_rows gives them ((the file row of each example, the file's rows); NaN for rows left out).
+    progress: a bar for each pass over the task's examples."""
     aggregates = check_aggregates(aggregates)
     if route not in ("auto", *ROUTES):
         raise ValueError(f"route must be 'auto', 'dense' or 'cross', got {route!r}")
@@ -154,7 +156,7 @@ def collect_task(
     found: dict[str, dict[int, torch.Tensor]] = {p.name: {} for p in parts}
     tokens: dict[str, dict[int, int]] = {p.name: {} for p in parts}
     usable = torch.zeros(m, dtype=torch.bool)
-    for rows, batch in _numbered(batches):
+    for rows, batch in numbered(batches, "task gradients", progress):
         layout = BatchLayout(batch[1].sum(1).cpu(), device)
         _, _, finite, _ = backward_pass([_Norms(targets, layout, dtype, rows, found, tokens, preconditioner)], batch)
         usable[rows] = finite.cpu()
@@ -186,7 +188,7 @@ def collect_task(
             d.W = torch.zeros(len(C), p.d_out, p.d_in, dtype=dtype, device=device)
             d.W[torch.isnan(C).any(1).to(device)] = torch.nan
     kept_rows: dict[str, list] = {name: [] for name, d in directions.items() if d.route == "cross"}
-    for rows, batch in _numbered(batches):
+    for rows, batch in numbered(batches, "task directions", progress and bool(kept_rows)):
         if kept[rows].any():
             layout = BatchLayout(batch[1].sum(1).cpu(), device)
             backward_pass([_Directions(targets, layout, dtype, rows, kept, directions, kept_rows, preconditioner)],
@@ -208,14 +210,6 @@ def collect_task(
             d.mean_norm2 = float(d.W[0].pow(2).sum())
     return TaskGradients(aggregates, directions, kept, model_norms2, attribution,
                          None if preconditioner.kind == "none" else preconditioner, example_rows)
-
-
-def _numbered(batches: Sequence[tuple[torch.Tensor, ...]]):
-    """(example numbers, batch) for each batch: example j is the j-th row over all batches."""
-    start = 0
-    for batch in batches:
-        yield list(range(start, start + len(batch[0]))), batch
-        start += len(batch[0])
 
 
 def _coefficients(norms2: torch.Tensor, model_norms2: torch.Tensor, kept: torch.Tensor,

@@ -38,6 +38,7 @@ from gradspec.runs.score_files import column, complete, read_batches, read_metad
 
 CURVE_METRICS = ("nuclear_norm", "effective_rank")
 FRACTION = "effective_rank_fraction"  # effective rank over its ceiling min(T, d_in, d_out)
+QUARTILES = (("lo", 0.25), ("median", 0.5), ("hi", 0.75))  # a layer curve's columns: its band and its middle
 CURVE_BYTES = 64 << 20  # about this much of the curves' columns is read at once (whole columns: quantiles)
 ROLE_ORDER = (*ALL_ROLES, *LORA_ROLES)  # the per-layer figures' panels: every role a run can score, in this order
 LENGTH = "num_response_tokens"
@@ -167,8 +168,9 @@ def _load_group(group: Group, progress: bool) -> tuple[pd.DataFrame, pd.DataFram
 
 
 def layer_curves(group: Group, progress: bool = False) -> dict[tuple[str, str], pd.DataFrame]:
-    """Per (metric, module type) of CURVE_METRICS: per layer, the mean and the quartiles of the metric
-    over the scored rows and the layer's parts of that type. Quantiles need whole columns: they are read a
+    """Per (metric, module type) of CURVE_METRICS: per layer, the median and the quartiles of the metric
+    over the scored rows and the layer's parts of that type (a mean can lie outside its own quartiles, as a
+    skewed metric's does: a curve drawn in its band is the band's middle). Quantiles need whole columns: they are read a
     few at a time (CURVE_BYTES), each layer's columns together."""
     metrics = group.meta.get("metrics", list(METRICS))
     layers: dict[tuple[str, str, int], list[str]] = {}
@@ -190,11 +192,10 @@ def layer_curves(group: Group, progress: bool = False) -> dict[tuple[str, str], 
                 values = _without_inf(np.column_stack([_floats(table, c)[ok] for c in layers[(metric, role, layer)]])
                                       .ravel())
                 by_layer = pd.Series(values).groupby(np.full(len(values), layer))
-                quartiles = by_layer.quantile([0.25, 0.75])  # one sort for both
-                found[(metric, role)].append(pd.DataFrame({"mean": by_layer.mean(), "lo": quartiles.xs(0.25, level=1),
-                                                           "hi": quartiles.xs(0.75, level=1)}))
+                quartiles = by_layer.quantile([0.25, 0.5, 0.75])  # one sort for the three
+                found[(metric, role)].append(pd.DataFrame({q: quartiles.xs(at, level=1) for q, at in QUARTILES}))
                 bar.update(len(layers[(metric, role, layer)]))
-    empty = pd.DataFrame({"mean": [], "lo": [], "hi": []}, dtype=float)
+    empty = pd.DataFrame({q: [] for q, _ in QUARTILES}, dtype=float)
     return {key: pd.concat(frames) if frames else empty for key, frames in found.items()}
 
 
@@ -334,12 +335,12 @@ def _plot_layer_curves(curves: dict[str, dict[tuple[str, str], pd.DataFrame]], m
     for ax, role in zip(axes[0], roles, strict=True):
         for label, found in curves.items():
             by_layer = found[(metric, role)]
-            ax.plot(by_layer.index, by_layer["mean"].values, label=label)
+            ax.plot(by_layer.index, by_layer["median"].values, label=label)
             ax.fill_between(by_layer.index, by_layer["lo"].values, by_layer["hi"].values, alpha=0.2)
         ax.set_title(role)
         ax.set_xlabel("layer")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes[0][0].set_ylabel(f"{metric} (mean, IQR band)")
+    axes[0][0].set_ylabel(f"{metric} (median, IQR band)")
     axes[0][-1].legend()
     fig.suptitle(f"{metric} per layer")
     fig.tight_layout()
@@ -360,17 +361,26 @@ def _plot_distributions(samples: dict[str, pd.DataFrame], metric: str, path: Pat
     plt.close(fig)
 
 
+def text_color(rgba: tuple[float, ...]) -> str:
+    """White on a dark cell, black on a light one: by the cell's relative luminance (WCAG's weights)."""
+    r, g, b = (c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgba[:3])
+    return "white" if 0.2126 * r + 0.7152 * g + 0.0722 * b < 0.179 else "black"
+
+
 def _plot_heatmap(corr: pd.DataFrame, title: str, path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(1.0 + 0.9 * corr.shape[1], 1.0 + 0.5 * corr.shape[0]))
-    im = ax.imshow(corr.to_numpy(dtype=float), cmap="RdBu_r", vmin=-1, vmax=1)
+    """Cells sized to their numbers, each number white on a dark cell and black on a light one, and the
+    figure cut to what it draws (bbox_inches="tight": no margin a square image leaves in a wide figure)."""
+    values = corr.to_numpy(dtype=float)
+    fig, ax = plt.subplots(figsize=(1.5 + 0.55 * corr.shape[1], 1.0 + 0.45 * corr.shape[0]))
+    im = ax.imshow(values, cmap="RdBu_r", vmin=-1, vmax=1)
     ax.set_xticks(range(corr.shape[1]), corr.columns, rotation=45, ha="right")
     ax.set_yticks(range(corr.shape[0]), corr.index)
-    for (i, j), v in np.ndenumerate(corr.to_numpy(dtype=float)):
-        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+    for (i, j), v in np.ndenumerate(values):
+        ax.text(j, i, "n/a" if np.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=7,
+                color="black" if np.isnan(v) else text_color(im.cmap(im.norm(v))))  # NaN: a blank cell
     fig.colorbar(im, ax=ax, shrink=0.8)
     ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight", pad_inches=0.05)
     plt.close(fig)
 
 

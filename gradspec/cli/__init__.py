@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import signal
 import sys
@@ -156,7 +157,22 @@ def main(argv: list[str] | None = None) -> int:
         return 143 if stopped == "terminated" else 130
 
 
+class _NoDeepSpeedCpuNotice(logging.Filter):
+    """deepspeed, which transformers imports wherever it is installed, warns on every run without a GPU that it
+    found none ("Setting accelerator to CPU"): gradspec asked nothing of it (its own record, before it is made)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Setting accelerator to CPU")
+
+
+def _quiet_deepspeed() -> None:
+    deepspeed = logging.getLogger("DeepSpeed")  # the logger deepspeed makes, found by name before it does
+    if not any(isinstance(f, _NoDeepSpeedCpuNotice) for f in deepspeed.filters):
+        deepspeed.addFilter(_NoDeepSpeedCpuNotice())
+
+
 def _main(argv: list[str] | None) -> int:
+    _quiet_deepspeed()
     parser = _Parser(
         prog="gradspec", description="Score SFT data by the singular-value spectra of per-sample layer-wise gradients.")
     sub = parser.add_subparsers(dest="command", required=True)

@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     config = ScoreConfig(**options_from_args(ScoreConfig, args))  # every option checked before torch loads
     refuse_unused_options(args, config.spectra, config.project)
     settings = RunSettings(**options_from_args(RunSettings, args))
+    from gradspec.invocation import program
     from gradspec.runs.distributed import torchrun_shard
     from gradspec.runs.preconditioning import factors_to_write
     from gradspec.runs.run_folder import INPUT_ERROR, RunFolder
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         print(run_summary(args.out))
     else:
         print(f"{written(statuses, folder.path)}; when all are done: "
-              f"gradspec merge --out {args.out}")
+              f"{program()} merge --out {args.out}")
     if statuses.get(INPUT_ERROR) and folder.errors_path.exists():
         print(f"skipped rows and why: {folder.errors_path}")
     return 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gradspec.choices import MAX_LENGTH
 from gradspec.data.readers import Fields
 from gradspec.data.templates import TEMPLATES
 from gradspec.options import check_options, option
@@ -16,8 +17,8 @@ def template_option() -> Any:
     return option("plain", "how a row becomes text: plain, or the tokenizer's chat template", choices=TEMPLATES)
 
 
-def max_length_option(default: int) -> Any:
-    return option(default, "tokens per sample at most, and never more than the model's context (longer samples "
+def max_length_option() -> Any:
+    return option(MAX_LENGTH, "tokens per sample at most, and never more than the model's context (longer samples "
                   "are cut, and flagged)", kind="int", at_least=1)
 
 
@@ -46,7 +47,7 @@ class Reading:
     """
 
     template: str = template_option()
-    max_length: int = max_length_option(2048)
+    max_length: int = max_length_option()
     limit: int | None = limit_option("read")
     device: str = device_option()
     fields: Fields = fields_option()

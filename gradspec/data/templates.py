@@ -39,6 +39,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gradspec.choices import MAX_LENGTH
 from gradspec.options import OptionError, mention
 
 IGNORE_INDEX = -100  # the label of a token that carries no loss (prompt, padding): PyTorch's and transformers' default
@@ -207,7 +208,8 @@ def _status(messages: list[dict[str, str]], labels: list[int], kept: list[int], 
     return "ok"
 
 
-def tokenize(messages: list[dict[str, str]], tokenizer, template: str = "plain", max_length: int = 2048) -> Tokenized:
+def tokenize(messages: list[dict[str, str]], tokenizer, template: str = "plain",
+             max_length: int = MAX_LENGTH) -> Tokenized:
     """Token ids and response labels of one conversation, verified against the tokenizer (see
     the module's docstring for the statuses); truncated on the right at max_length."""
     if template not in TEMPLATES:

@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 import torch
 from rapidfuzz.distance import LCSseq
 
+from gradspec.choices import MAX_LENGTH
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
 from gradspec.data.errors import InputError, check_at_least, check_covers, check_writable
 from gradspec.data.models import check_device, check_model, fit_to_context, load_model
@@ -186,7 +187,7 @@ def _reproduction(tuned, tokenizer, prompt: list[int], gold: list[int], t: Thres
             "best_sampled_rouge_l": max((rouge_l(g, gold) for g in sampled), default=math.nan)}
 
 
-def detect(tuned, base, tokenizer, samples: list[Sample], template: str = "plain", max_length: int = 2048,
+def detect(tuned, base, tokenizer, samples: list[Sample], template: str = "plain", max_length: int = MAX_LENGTH,
            thresholds: Thresholds = Thresholds()) -> pd.DataFrame:
     """One row per sample: its tokenizer status, the detection signals, the base model's view of
     the response and of the prompt, and the nearest other prompt with its response's ROUGE-L
@@ -290,7 +291,7 @@ def with_spectra(table: pd.DataFrame, scores: str | Path) -> pd.DataFrame:
 
 def diagnose(base: str, model: str, data: str | Path, out: str | Path, checkpoints: list[str] | None = None,
              dynamics: str | Path | None = None, scores: str | Path | None = None, template: str = "plain",
-             max_length: int = 2048, limit: int | None = None, device: str = "cpu",
+             max_length: int = MAX_LENGTH, limit: int | None = None, device: str = "cpu",
              thresholds: Thresholds = Thresholds(), overwrite: bool = False, fields: Fields = Fields()) -> Path:
     """Detects and explains the unlearned samples of `model` (fine-tuned from `base` on `data`);
     writes diagnosis.parquet and report.md under out and returns the report's path."""

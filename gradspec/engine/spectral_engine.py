@@ -169,7 +169,7 @@ class SpectralEngine:
         self, batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         aggregates: list[str] | str = DEFAULT_AGGREGATES, route: str = "auto",
         preconditioner: Preconditioner | None = None, attribution: bool = False,
-        example_rows: tuple[list[int], int] | None = None,
+        example_rows: tuple[list[int], int] | None = None, progress: bool = False,
     ) -> TaskGradients:
         """Compare every later batch's gradients with these task examples' (right-padded batches,
         as for score), under the model as it is now: call again to follow a training model. Adds the
@@ -191,12 +191,14 @@ class SpectralEngine:
                 (BatchScores.attribution): the per-(sample, example) influence scores.
             example_rows: (the task file's row of each example, its rows): the attribution laid out
                 over the file's rows, NaN for those left out (default: over the examples given).
+            progress: A progress bar for each pass over the task's examples (they can take minutes).
 
         Returns:
             The task's directions, also kept as ``self.task``.
         """
         self.task = collect_task(self.backward_pass, self.targets, batches, aggregates, self.policy.dtype, route,
-                                 preconditioner=preconditioner, attribution=attribution, example_rows=example_rows)
+                                 preconditioner=preconditioner, attribution=attribution, example_rows=example_rows,
+                                 progress=progress)
         return self.task
 
     @property

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from gradspec.choices import CHUNK_ROWS
+from gradspec.choices import CHUNK_ROWS, MAX_LENGTH
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
 from gradspec.data.models import input_device
 from gradspec.data.readers import InputError, Sample, SampleStream, mixed_columns, with_text_columns
@@ -197,7 +197,7 @@ def _keep(flush: Flush, chunk: int, rows: dict[int, dict[str, Any]], finished: l
 
 def score_samples(
     samples: Iterable[Sample], engine: SpectralEngine, tokenizer, write: Callable[[int, list[dict[str, Any]]], None],
-    chunk_rows: int = CHUNK_ROWS, template: str = "plain", max_length: int = 2048,
+    chunk_rows: int = CHUNK_ROWS, template: str = "plain", max_length: int = MAX_LENGTH,
     batch_tokens: int = BATCH_TOKENS, progress: bool = True, total: int | None = None, flush: Flush | None = None,
 ) -> Counter[str]:
     """Scores samples chunk by chunk (chunk = index // chunk_rows); write(chunk, rows) gets each

@@ -78,7 +78,7 @@ class ScoreConfig:
     template: str = template_option()
     modules: str = option("attn", f"a preset ({', '.join(MODULE_PRESETS)}; attn: q,k,v,o), role names (q,k) or name "
                           "globs", kind="strs", convert=check_modules)
-    max_length: int = max_length_option(2048)
+    max_length: int = max_length_option()
     dtype: str = option("float32", "the model's weights and activations", choices=tuple(sorted(DTYPES)))
     method: str = option("exact", "lowrank: approximate top rank singular values (nuclear norm and effective rank "
                          "biased low)", choices=METHODS)

@@ -19,14 +19,15 @@ log = logging.getLogger("gradspec")
 
 
 def run_preconditioner(config, engine, net, tokenizer, max_length: int, batch_tokens: int,
-                       device) -> Preconditioner | None:
-    """config's preconditioner for this engine's parts (None for precondition none)."""
+                       device, progress: bool = False) -> Preconditioner | None:
+    """config's preconditioner for this engine's parts (None for precondition none); progress: a bar for
+    each pass of a factor fit."""
     if config.precondition == "adam":
         state = read_adam_state(config.optimizer_state, net)
         return Preconditioner("adam", state.updates(engine.parts), state.describe())
     if config.precondition not in ("kfac", "ekfac"):
         return None
-    factors = _factors(config, engine, tokenizer, max_length, batch_tokens, device)
+    factors = _factors(config, engine, tokenizer, max_length, batch_tokens, device, progress)
     described = {"damping": config.damping, "fitted_on": factors.provenance}
     if config.factors is not None:
         described["factors"] = {"path": str(Path(config.factors).resolve()), "sha256": sha256(config.factors)}
@@ -42,7 +43,8 @@ def _provenance(config, max_length: int) -> dict:
             "modules": config.modules, "template": config.template, "max_length": max_length}
 
 
-def _factors(config, engine, tokenizer, max_length: int, batch_tokens: int, device) -> KFACFactors:
+def _factors(config, engine, tokenizer, max_length: int, batch_tokens: int, device,
+             progress: bool = False) -> KFACFactors:
     """The factors file's, where it exists and was fitted as this run would fit them; else fitted now
     (and written to the factors file where one is named, its checksum beside it: KFACFactors.save, which
     never replaces a file)."""
@@ -63,7 +65,7 @@ def _factors(config, engine, tokenizer, max_length: int, batch_tokens: int, devi
         return factors
     batches = task_batches(config.fit_data or config.data, tokenizer, config.fields, config.template, max_length,
                            batch_tokens, device, limit=config.fit_limit)
-    factors = fit_factors(engine.backward_pass, engine.targets, batches, config.precondition, wanted)
+    factors = fit_factors(engine.backward_pass, engine.targets, batches, config.precondition, wanted, progress)
     if path is not None and factors.save(path):
         log.info("K-FAC factors written to %s", path)
     elif path is not None:

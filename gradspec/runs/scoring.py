@@ -56,9 +56,9 @@ def load_engine(config: ScoreConfig, device: str, backend: str, trust_remote_cod
         batches, rows = task_examples(config.task, tokenizer, config.fields, config.template, max_length,
                                       batch_tokens, input_device(net))
         preconditioner = run_preconditioner(config, engine, net, tokenizer, max_length, batch_tokens,
-                                            input_device(net))
+                                            input_device(net), progress)
         engine.set_task(batches, config.aggregate, preconditioner=preconditioner, attribution=config.attribution,
-                        example_rows=(rows, count_records(config.task)))
+                        example_rows=(rows, count_records(config.task)), progress=progress)
     return engine, tokenizer, placed, max_length
 
 
@@ -93,15 +93,15 @@ def run(
     with Group(collectives=fsdp and device.startswith("cuda")) if ranks else nullcontext() as group:
         # A torchrun rank makes its own GPU current before anything touches CUDA (bind_device)
         device = bind_device(device) if ranks else device
+        shown = progress and (ranks is None or mine.index == 0)  # one bar: rank 0's
         engine, tokenizer, sharding, max_length = load_engine(config, device, backend, trust_remote_code,
-                                                              batch_tokens, progress, device_map, fsdp)
+                                                              batch_tokens, shown, device_map, fsdp)
         folder = RunFolder(out)
         info = _run_info(config, group, identity, device, batch_tokens)
         try:  # the lock this process takes in the run folder is released however the run ends, errors included
             created = start_folder(folder, info, group, mine, resume, overwrite, records)
             wanted, total = _chunks_to_score(config, mine, folder.done(), records)
             metadata = _metadata(config, engine, info, sharding)
-            shown = progress and (ranks is None or mine.index == 0)
             statuses = _score_into(folder, created, config, engine, tokenizer, metadata, wanted, on_error,
                                    max_length, batch_tokens, shown, total, flush_minutes)
             if group is not None:

@@ -18,7 +18,7 @@ import torch
 from gradspec.alignment.cosines import projected_cosines
 from gradspec.alignment.projection import ProjectionCapture
 from gradspec.alignment.task import alignment_metrics
-from gradspec.choices import DEFAULT_AGGREGATES, check_aggregates
+from gradspec.choices import DEFAULT_AGGREGATES, MAX_LENGTH, check_aggregates
 from gradspec.data.batching import batch_tokens_for
 from gradspec.data.models import fit_to_context, load_model
 from gradspec.data.readers import Fields
@@ -79,7 +79,7 @@ def query_store(
     engine, tokenizer = store_engine(meta, store, device, trust_remote_code)
     fields = Fields(**meta.get("fields", {}))
     batches = task_batches(task, tokenizer, fields, meta.get("template", "plain"),
-                           fit_to_context(meta.get("max_length", 2048), engine.model),
+                           fit_to_context(meta.get("max_length", MAX_LENGTH), engine.model),
                            batch_tokens or batch_tokens_for(device), next(engine.model.parameters()).device)
     task_values = task_vectors(engine, batches)
     names = [p.name for p in engine.projection.parts]

@@ -9,8 +9,10 @@ from pathlib import Path
 import pandas as pd
 
 from gradspec.choices import ALL_ROLES
+from gradspec.invocation import program
 from gradspec.runs.score_files import complete, read_metadata, read_scores
 
+CLASSIC_SUMMARY = ("perplexity", "ifd", "superfiltering_ifd", "mean_entropy", "token_accuracy")  # of --classic
 MAIN_METRICS = ("nuclear_norm", "effective_rank", "spectral_norm", "align_mean", "align_mean_gradient", "align_max")
 
 
@@ -35,6 +37,19 @@ def written(statuses: Counter[str], where: str | Path) -> str:
     return f"wrote {sum(statuses.values())} rows to {where}: {counts}"
 
 
+def _classic(rows: pd.DataFrame) -> list[str]:
+    """The --classic scores' medians over complete rows (a perplexity's tail would pull a mean), and how many
+    rows have none (an IFD is undefined where the response alone has no loss)."""
+    shown = [c for c in CLASSIC_SUMMARY if c in rows.columns]
+    if not shown:
+        return []
+    values = rows[shown].apply(pd.to_numeric, errors="coerce")
+    medians = ", ".join(f"{c} {values[c].median():.4g}" for c in shown)
+    missing = ", ".join(f"{c} {n}" for c, n in values.isna().sum().items() if n)
+    return [f"classic scores, median over complete rows: {medians}"
+            + (f" (rows without a value: {missing})" if missing else "")]
+
+
 def run_summary(out: str | Path) -> str:
     """The lines printed at the end of a run whose output file is written: the file's rows (all of
     them, whichever process or earlier run scored them), their means, the next commands."""
@@ -48,16 +63,17 @@ def run_summary(out: str | Path) -> str:
     if not means.empty:
         lines += ["means over complete rows and layers, per module type:",
                   means.rename_axis(index=None, columns=None).to_string(float_format=lambda v: f"{v:.4g}")]
-    meta = read_metadata(out)
+    lines += _classic(wide[complete(wide["status"])])
+    meta, command = read_metadata(out), program()
     if "projection" in meta:  # a store: what it is for
-        query = f"  gradspec align --store {out} --target <task examples> --out aligned.parquet"
+        query = f"  {command} align --store {out} --target <task examples> --out aligned.parquet"
         return "\n".join([*lines, "next:", query])
-    lines += ["next:", f"  gradspec report mine={out} other=<another score file> --out report   # compare two sets"]
+    lines += ["next:", f"  {command} report mine={out} other=<another score file> --out report   # compare two sets"]
     data = meta.get("data")
     by = "alignment" if {"align_mean", "align_mean_gradient"} & set(means.columns) else "effective_rank"
     if data and data != "humaneval" and (by == "alignment" or "effective_rank" in means.columns):
         chosen = f"best{Path(data).suffix}" if Path(data).is_file() else "best.parquet"
         count = max(1, complete_rows // 10)
-        lines.append(f"  gradspec select --scores {out} --by {by} --count {count} --out {chosen}   # keep the top "
+        lines.append(f"  {command} select --scores {out} --by {by} --count {count} --out {chosen}   # keep the top "
                      f"{count} of {complete_rows} complete rows")
     return "\n".join(lines)

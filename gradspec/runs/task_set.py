@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from gradspec.choices import MAX_LENGTH
 from gradspec.data.batching import pad_batch, pad_id_of
 from gradspec.data.readers import Fields, data_samples
 from gradspec.data.templates import tokenize
@@ -15,7 +16,7 @@ log = logging.getLogger("gradspec")
 
 
 def task_batches(
-    path: str | Path, tokenizer, fields: Fields = Fields(), template: str = "plain", max_length: int = 2048,
+    path: str | Path, tokenizer, fields: Fields = Fields(), template: str = "plain", max_length: int = MAX_LENGTH,
     batch_tokens: int = 4096, device: str | torch.device = "cpu", limit: int | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Right-padded batches of the task file's scorable examples, in file order (within
@@ -25,7 +26,7 @@ def task_batches(
 
 
 def task_examples(
-    path: str | Path, tokenizer, fields: Fields = Fields(), template: str = "plain", max_length: int = 2048,
+    path: str | Path, tokenizer, fields: Fields = Fields(), template: str = "plain", max_length: int = MAX_LENGTH,
     batch_tokens: int = 4096, device: str | torch.device = "cpu", limit: int | None = None,
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], list[int]]:
     """task_batches, and the file row of each example in them (the first limit rows read)."""

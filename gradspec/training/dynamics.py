@@ -30,6 +30,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from gradspec.choices import MAX_LENGTH
 from gradspec.data.batching import BATCH_TOKENS, Item
 from gradspec.data.errors import InputError
 from gradspec.data.readers import Sample, read_json
@@ -46,13 +47,13 @@ MEASURES = ("mean_token_prob", "perplexity", "token_accuracy")
 
 
 def measure(model: torch.nn.Module, tokenizer, samples: list[Sample], template: str = "plain",
-            max_length: int = 2048, batch_tokens: int = BATCH_TOKENS) -> dict[int, dict[str, Any]]:
+            max_length: int = MAX_LENGTH, batch_tokens: int = BATCH_TOKENS) -> dict[int, dict[str, Any]]:
     """Sample index -> MEASURES and the tokenizer's status for the model as it is now (NaN for a
     sample with nothing to score)."""
     return measure_tokens(model, tokenizer, _tokenized(samples, tokenizer, template, max_length), batch_tokens)
 
 
-def _tokenized(samples: list[Sample], tokenizer, template: str = "plain", max_length: int = 2048) -> list[Item]:
+def _tokenized(samples: list[Sample], tokenizer, template: str = "plain", max_length: int = MAX_LENGTH) -> list[Item]:
     """The samples with their tokens."""
     return [Item(s, tokenize(s.messages, tokenizer, template, max_length)) for s in samples]
 
@@ -118,7 +119,7 @@ def read_dynamics(path: str | Path) -> tuple[pd.DataFrame, dict[str, Any]]:
 
 
 def from_checkpoints(checkpoints: list[str], samples: list[Sample], template: str = "plain",
-                     max_length: int = 2048, device: str = "cpu") -> dict[str, dict[int, dict[str, Any]]]:
+                     max_length: int = MAX_LENGTH, device: str = "cpu") -> dict[str, dict[int, dict[str, Any]]]:
     """The measures of every sample at each saved checkpoint (folders, in training order), each cut to
     max_length tokens or to the checkpoint's context where that is shorter (models.fit_to_context)."""
     from gradspec.data.models import fit_to_context, load_model
@@ -192,7 +193,7 @@ class DynamicsCallback(TrainerCallback):
     """
 
     def __init__(self, tokenizer, samples: list[Sample], out: str | Path, template: str = "plain",
-                 max_length: int = 2048, learned_accuracy: float = LEARNED_ACCURACY) -> None:
+                 max_length: int = MAX_LENGTH, learned_accuracy: float = LEARNED_ACCURACY) -> None:
         self.tokenizer, self.samples, self.out = tokenizer, samples, out
         self.template, self.max_length, self.learned_accuracy = template, max_length, learned_accuracy
         self.checkpoints: dict[str, dict[int, dict[str, Any]]] = {}

@@ -57,7 +57,7 @@ class TrainConfig:
     reference_dynamics: str | None = option(None, "SFTMix: dynamics file giving the confidence (default: "
                                             "perplexity under the starting model)", kind="path?")
     template: str = template_option()
-    max_length: int = max_length_option(512)
+    max_length: int = max_length_option()
     limit: int | None = limit_option("train on")
     epochs: float = option(1.0, "passes over the data", kind="float")
     max_steps: int = option(-1, "stop after this many steps (-1: run the epochs)", kind="int")

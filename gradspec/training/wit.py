@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradspec.choices import MAX_LENGTH
 from gradspec.data.batching import pad_batch, pad_id_of
 from gradspec.data.readers import Fields, to_sample
 from gradspec.data.templates import IGNORE_INDEX, tokenize
@@ -184,7 +185,7 @@ class WITCollator:
     tokenizer: Any
     prompt_weight: float = 0.0
     template: str = "plain"
-    max_length: int = 2048
+    max_length: int = MAX_LENGTH
     fields: Fields = Fields()
     response_weight: float = 1.0
 

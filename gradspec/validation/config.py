@@ -51,7 +51,7 @@ class ValidateConfig:
     model: str | None = option(None, "model folder: every retrain starts from its weights (default: "
                                "SmolLM2-135M-Instruct)", kind="path?")
     template: str = template_option()
-    max_length: int = max_length_option(512)
+    max_length: int = max_length_option()
     limit: int | None = limit_option("train on")
     subsets: int = option(16, "LDS: retrains on random subsets of the pool (0: none)", kind="int", at_least=0)
     fraction: float = option(0.5, "LDS: each subset's share of the pool", kind="float", at_least=0, at_most=1)

@@ -19,6 +19,7 @@ import pyarrow as pa  # noqa: E402
 from gradspec.analysis.report import report_folder  # noqa: E402
 from gradspec.data.errors import InputError  # noqa: E402
 from gradspec.files import parquet_errors  # noqa: E402
+from gradspec.invocation import program  # noqa: E402
 from gradspec.runs.score_files import parquet_schema, schema_metadata  # noqa: E402
 from gradspec.validation.lds import lds, predictions  # noqa: E402
 from gradspec.validation.outcome import outcome_table  # noqa: E402
@@ -150,7 +151,7 @@ def summary(analysis: Analysis, confidence: float = 0.95) -> str:
             label = r.selection + (f" ({r.buckets} length buckets)" if r.buckets else "")
             lines.append(f"  {label}: loss {r.loss:.4f}" + ("" if r.selection == "random" else
                                                             f", gain {r.gain:+.4f} {_gain_interval(r)}"))
-    return "\n".join(lines) or (f"next: gradspec validate --runs {' '.join(analysis.files)} --scores FILE[:COLUMN] "
+    return "\n".join(lines) or (f"next: {program()} validate --runs {' '.join(analysis.files)} --scores FILE[:COLUMN] "
                                  "... --report DIR (the LDS of each score against these retrains)")
 
 

@@ -5,6 +5,7 @@ expression). Every problem is one line naming the file and the field."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from gradspec.files import parquet_errors
 from gradspec.options import OptionError
 from gradspec.runs.score_files import ATTRIBUTION, module_columns, parquet_schema, schema_metadata
 
+log = logging.getLogger("gradspec")
+READING = ("max_length", "template")  # how a row becomes tokens: a score and its retrains should agree
 POOL = "pool the retrains drew from"  # what a score's index numbers the rows of
 
 
@@ -92,6 +95,18 @@ def check_pool_data(path: str, scored: dict[str, Any], pool: dict[str, Any]) -> 
                          + f", but the retrains drew their pool from {pool['data']}"
                          + (f" ({pool['data_bytes']} bytes)" if pool.get("data_bytes") is not None else "")
                          + ": its index numbers other rows; pass a score file of the pool's data")
+    _check_reading(path, scored, pool)
+
+
+def _check_reading(path: str, scored: dict[str, Any], pool: dict[str, Any]) -> None:
+    """A score made of other tokens than the retrains trained on (another --max-length, another --template)
+    still numbers the pool's rows, but measures what the retrains did not see: said, not refused."""
+    differ = [f"--{key.replace('_', '-')} {scored[key]} there, {pool[key]} in the retrains" for key in READING
+              if scored.get(key) is not None and pool.get(key) is not None and scored[key] != pool[key]]
+    if differ:
+        log.warning("%s: scored with %s: its rows were read otherwise than the retrains read them (a row longer "
+                    "than the shorter cut is scored on tokens one side never saw); score again with the retrains' "
+                    "settings for a like-for-like test", path, ", ".join(differ))
 
 
 def _listed(names: list[str], most: int = 12) -> str:

@@ -165,3 +165,19 @@ def test_checkpoints_are_summed_with_their_learning_rates(tmp_path, tiny_model_d
     _align(tmp_path, tiny_model_dir, tmp_path / "plain.parquet")
     with pytest.raises(InputError, match="plain.parquet: no learning rate recorded"):
         sum_over_checkpoints([files[0], tmp_path / "plain.parquet"], tmp_path / "x.parquet")
+
+
+def test_the_factor_fit_and_the_task_pass_show_their_progress(tmp_path, tiny_model_dir, capsys):
+    """align --precondition kfac was silent for 85 s between reading its inputs and the scoring bar (the
+    factor fit, then the task's pass): each pass has its bar now, by examples, and --quiet hides them."""
+    pool, task = _write_jsonl(tmp_path / "pool.jsonl", POOL), _write_jsonl(tmp_path / "task.jsonl", TASK)
+    base = ["align", "--data", str(pool), "--target", str(task), "--model", str(tiny_model_dir), "--max-length", "64",
+            "--precondition", "ekfac"]
+    assert main([*base, "--out", str(tmp_path / "a.parquet")]) == 0
+    err = capsys.readouterr().err
+    for bar in ("fitting EK-FAC factors", "EK-FAC eigenvalues"):
+        assert f"{bar}: 100%" in err and "4/4 [" in err.split(f"{bar}: 100%")[1].split("\n")[0], err
+    # the task's 2 examples with response tokens (its empty answer is left out before the pass)
+    assert "task gradients: 100%" in err and "2/2 [" in err.split("task gradients: 100%")[1].split("\n")[0], err
+    assert main([*base, "--out", str(tmp_path / "b.parquet"), "--quiet"]) == 0
+    assert "100%" not in capsys.readouterr().err

@@ -221,7 +221,7 @@ def test_report_computes_from_batches_what_it_computed_from_the_long_form(scores
     pd.testing.assert_frame_equal(samples, per_sample(long), rtol=1e-14)
     for (metric, role), found in curves.items():
         by_layer = long[(long["metric"] == metric) & (long["module"] == role)].groupby("layer")["value"]
-        want = pd.DataFrame({"mean": by_layer.mean(), "lo": by_layer.quantile(0.25), "hi": by_layer.quantile(0.75)})
+        want = pd.DataFrame({"lo": by_layer.quantile(0.25), "median": by_layer.median(), "hi": by_layer.quantile(0.75)})
         pd.testing.assert_frame_equal(found, want, rtol=1e-14, check_names=False, check_index_type=False)
     assert set(curves) == {(m, r) for m in report.CURVE_METRICS for r in ("q", "k", "up")}
     numbers = ["index", "loss", "num_tokens", "num_response_tokens", "reward", "sample"]

@@ -123,6 +123,29 @@ def test_the_per_layer_curves_of_an_moe_run_have_its_experts_and_routers(tmp_pat
     roles = {role for (_, role), frame in curves.items() if len(frame)}
     assert roles == {"q", "k", "v", "o", "expert_gate", "expert_up", "expert_down", "router"}
     experts = curves[("nuclear_norm", "expert_up")]
-    assert len(experts) == 2 and np.isfinite(experts["mean"]).all()  # 2 layers, a finite mean over experts
+    assert len(experts) == 2 and np.isfinite(experts["median"]).all()  # 2 layers, a finite median over experts
     report = tmp_path / "report"
     assert main(["report", f"moe={out}", "--out", str(report)]) == 0
+
+
+def test_a_layer_curve_is_the_middle_of_its_band_and_numbers_stay_readable(tmp_path):
+    """The curves drew a mean inside an interquartile band it left on a skewed metric (low group, q, layers
+    13-19); they draw the median now, never outside its band. The heatmap's numbers were black on dark cells."""
+    import matplotlib.pyplot as plt
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from gradspec.analysis.report import QUARTILES, check_group, layer_curves, text_color
+
+    skewed = np.r_[np.ones(9), 1000.0]  # nine rows at 1, one at 1000: the mean (100.9) lies above the band
+    part = {"name": "model.layers.0.self_attn.q_proj", "role": "q", "layer": 0}
+    table = pa.table({"index": np.arange(10), "status": ["ok"] * 10, "num_tokens": np.full(10, 8),
+                      "num_response_tokens": np.full(10, 4), f"{part['name']}/effective_rank": skewed})
+    meta = {"parts": [part], "metrics": ["effective_rank"], "data": "d.jsonl"}
+    path = tmp_path / "s.parquet"
+    pq.write_table(table.replace_schema_metadata({"gradspec": json.dumps(meta)}), path)
+    curve = layer_curves(check_group("low", path))[("effective_rank", "q")]
+    assert list(curve.columns) == [q for q, _ in QUARTILES]
+    assert curve.loc[0].tolist() == [1.0, 1.0, 1.0] and skewed.mean() > curve.loc[0, "hi"]
+    cmap = plt.get_cmap("RdBu_r")
+    assert [text_color(cmap(x)) for x in (0.0, 0.5, 1.0)] == ["white", "black", "white"]  # -1, 0 and 1

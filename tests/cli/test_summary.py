@@ -51,3 +51,16 @@ def test_the_summary_after_a_resume_counts_the_whole_file(tmp_path, tiny_model_d
               "--chunk-rows", "1"]
     assert main([*common, "--no-merge"]) == 0 and main([*common, "--resume"]) == 0
     assert f"wrote 3 rows to {out}: 3 ok" in capsys.readouterr().out
+
+
+def test_a_classic_run_s_summary_gives_its_classic_scores(tmp_path, tiny_model_dir, capsys):
+    """--classic adds IFD, perplexity and the like: the summary listed only the spectra's means."""
+    data, out = tmp_path / "d.jsonl", tmp_path / "s.parquet"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    assert main(["score", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--quiet",
+                 "--classic"]) == 0
+    printed = capsys.readouterr().out
+    df = pd.read_parquet(out)
+    medians = ", ".join(f"{c} {df[c].median():.4g}" for c in ("perplexity", "ifd", "superfiltering_ifd",
+                                                               "mean_entropy", "token_accuracy"))
+    assert f"classic scores, median over complete rows: {medians}\n" in printed

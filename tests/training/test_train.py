@@ -209,9 +209,10 @@ def test_dynamics_on_a_full_disk_lose_not_the_trained_model(data, tiny_model_dir
     assert (out / "model" / "config.json").exists() and (out / "monitor.parquet").exists()
 
 
-def test_trainer_arguments_pass_through_to_the_run(data, tiny_model_dir, tmp_path):
+def test_trainer_arguments_pass_through_to_the_run(data, tiny_model_dir, tmp_path, capsys):
     """--trainer-args reach TrainingArguments as given: accumulation (two micro-batches a monitored step), the
-    schedule (constant, not the default linear decay), save and eval steps on --eval-data."""
+    schedule (constant, not the default linear decay), save and eval steps on --eval-data. The run ends with the
+    commands that read what it wrote (it ended on the list of its files)."""
     out = tmp_path / "run"
     args = ["train", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(out), "--batch-size", "2",
             "--max-steps", "2", "--monitor-every", "1", "--learning-rate", "1e-2", "--eval-data", str(data),
@@ -223,6 +224,11 @@ def test_trainer_arguments_pass_through_to_the_run(data, tiny_model_dir, tmp_pat
     state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
     assert [r["learning_rate"] for r in state["log_history"] if "loss" in r] == [1e-2, 1e-2]
     assert [r["step"] for r in state["log_history"] if "eval_loss" in r] == [1, 2]
+    said = capsys.readouterr().out.splitlines()
+    assert said[-3:] == [
+        "next:", f"  gradspec report {out / 'monitor.parquet'} --out {out / 'report'}   # its spectra over training",
+        f"  gradspec diagnose --base {tiny_model_dir} --model {out / 'model'} --data {data} --dynamics "
+        f"{out / 'dynamics.parquet'} --out {out / 'diagnosis'}   # the samples it did not learn, and why"]
     assert (out / "checkpoint-1").is_dir()
 
 

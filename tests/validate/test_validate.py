@@ -272,6 +272,31 @@ def test_a_score_file_of_other_data_is_refused_by_analysis_and_outcome(tmp_path,
     assert main(["validate", "--runs", str(reference), "--scores", f"{tmp_path / 'of_copy.parquet'}:my_score"]) == 0
 
 
+def test_a_score_made_at_another_cut_is_said(tmp_path, reference, inputs, caplog):
+    """score and align cut rows at 2,048 tokens while train and validate cut them at 512: a score and its
+    retrains read a long row differently with nobody told. One default now, and a score file made with another
+    --max-length or --template than the retrains' is named, with both values (taken, not refused)."""
+    from gradspec.choices import MAX_LENGTH
+    from gradspec.runs.config import ScoreConfig
+    from gradspec.runs.score_files import write_parquet
+    from gradspec.training.train import TrainConfig
+    from gradspec.validation.config import ValidateConfig
+
+    assert ScoreConfig().max_length == TrainConfig().max_length == ValidateConfig().max_length == MAX_LENGTH
+    data = inputs / "train.jsonl"
+    table = pd.DataFrame({"index": range(8), "my_score": [0.5, 3, 1, 2, 0.1, 4, 0, 1]})
+    same = {"data": str(data.resolve()), "data_bytes": data.stat().st_size, "max_length": MAX_LENGTH,
+            "template": "plain"}
+    for name, meta in (("same.parquet", same), ("cut.parquet", {**same, "max_length": 100, "template": "chat"})):
+        write_parquet(table, tmp_path / name, meta)
+    with caplog.at_level("WARNING", logger="gradspec"):
+        assert main(["validate", "--runs", str(reference), "--scores", f"{tmp_path / 'same.parquet'}:my_score"]) == 0
+        assert "read otherwise" not in caplog.text
+        assert main(["validate", "--runs", str(reference), "--scores", f"{tmp_path / 'cut.parquet'}:my_score"]) == 0
+    assert f"{tmp_path / 'cut.parquet'}: scored with --max-length 100 there, {MAX_LENGTH} in the retrains, " \
+        "--template chat there, plain in the retrains: its rows were read otherwise" in caplog.text
+
+
 def test_options_are_checked_before_the_model_loads(tmp_path, inputs, reference, capsys, monkeypatch):
     from gradspec.validation import run
 
