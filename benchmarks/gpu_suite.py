@@ -10,7 +10,9 @@ tokens: gradspec's engine (``score``, and ``submit`` back to back as ``gradspec 
 plain training step (forward + backward with weight gradients, LM head at response positions
 only, as in the engine), and ``gradspec.engine.reference`` per sample, with peak memory, and the cost
 model's predicted samples/s beside each measured one. Then the eigen stage's paths on 120 Grams per
-size and the Triton kernels against their torch paths; then T = 1024 (never Llama-3-8B: a lent
+size and every Triton launch the dispatch can make (each kernel, input dtype and flag, at the blocks
+kernels.blocks gives this GPU: the launches benchmarks/gpu_static.py compiles) against its torch path;
+then T = 1024 (never Llama-3-8B: a lent
 GPU's 8 minutes) and T = 256, where --budget-s remains; last, what the engine's measured dispatch chose.
 
 The reference column is measured (``reference_kind`` "measured (k samples)": k samples scored by
@@ -53,12 +55,13 @@ SHAPES = {
     "Llama-3-8B": ("llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)),
 }
-# (samples, tokens, features) for the segment-Gram kernel against its torch path.
+# (samples, tokens, features) for each segment-Gram launch against its torch path.
 KERNEL_SHAPES = [(16, 256, 576), (16, 512, 1536), (8, 1024, 4096), (32, 256, 14336)]
 SMOKE_KERNEL_SHAPES = [(2, 16, 32)]
 # (samples, tokens, features, sketch width) for the low-rank sketch's D^T P against its torch path.
 TDOT_SHAPES = [(16, 512, 1536, 72), (8, 1024, 4096, 72), (8, 1024, 14336, 72)]
 SMOKE_TDOT_SHAPES = [(2, 16, 32, 16)]
+KERNEL_SECTION_S = 90.0  # the kernel table's launches (their compilation included) not started by then are skipped
 EIGEN_SIZES = [32, 64, 128, 256, 512]  # n of 120 batched eigenproblems (torch < 2.12 loops for n > 32)
 SMOKE_EIGEN_SIZES = [8]
 JACOBI_MAX_N = 128  # the Triton Jacobi holds a whole matrix in one program
@@ -332,38 +335,46 @@ def eigen_rows(args: argparse.Namespace) -> list[dict]:
 
 
 def kernel_rows(args: argparse.Namespace) -> list[dict]:
-    """The Triton segment Gram and segment A^T B vs the fp64 torch paths the engine has without
-    them, per shape, with the largest error relative to the largest entry."""
-    from gradspec.kernels import segment_gram_torch, segment_gram_triton, segment_tdot_torch, segment_tdot_triton
+    """Every Triton launch the dispatch can make (gradspec.linalg.triton_launches: each kernel, input dtype
+    and flag, at the blocks kernels.blocks gives this device; benchmarks/gpu_static.py compiles the same
+    launches for each architecture) against the stage's torch path at the same precision, per shape, with
+    the largest error relative to the largest entry. The model's dtype first, the FMA fallbacks last;
+    launches not started within KERNEL_SECTION_S are recorded as skipped."""
+    from gradspec.kernels.blocks import blocks
+    from gradspec.linalg.triton_launches import triton_launches
 
-    def row(kernel: str, shape: dict, fast, slow) -> dict:
-        out = {"kernel": kernel, **shape}
-        try:
-            triton_s, _ = timed(fast, args.device, args.reps)
-            torch_s, _ = timed(slow, args.device, args.reps)
-            want = slow()
-            err = ((fast().double() - want).abs().max() / want.abs().max()).item()
-            out.update(triton_ms=triton_s * 1e3, torch_ms=torch_s * 1e3, speedup=torch_s / triton_s, max_rel_err=err)
-        except Exception as e:  # noqa: BLE001 - one kernel's failure must not cost the GPU run
-            nan = float("nan")
-            error = f"{type(e).__name__}: {e}"[:300]
-            out.update(triton_ms=nan, torch_ms=nan, speedup=nan, max_rel_err=nan, error=error)
-        print(json.dumps(out), flush=True)
-        return out
+    def relative_error(got, want) -> float:
+        got, want = (got[0], want[0]) if isinstance(got, tuple) else (got, want)  # a Gram's inner product aside
+        return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
 
-    rows = []
-    for N, T, d in SMOKE_KERNEL_SHAPES if args.smoke else KERNEL_SHAPES:
-        Y = torch.randn(N, T, d, generator=torch.Generator().manual_seed(d)).to(args.device)
-        lengths = torch.full((N,), T, device=args.device)
-        rows.append(row("segment_gram", dict(N=N, T=T, d=d), lambda Y=Y, n=lengths: segment_gram_triton(Y, n)[0],
-                        lambda Y=Y, n=lengths: segment_gram_torch(Y, n)[0]))
-    for N, T, d, k in SMOKE_TDOT_SHAPES if args.smoke else TDOT_SHAPES:
-        g = torch.Generator().manual_seed(d)
-        D = torch.randn(N, T, d, generator=g).to(args.device)  # fp32, as the low-rank sketch passes it
-        P = torch.randn(N, T, k, generator=g).to(args.device)
-        lengths = torch.full((N,), T, device=args.device)
-        rows.append(row(f"segment_tdot_k{k}", dict(N=N, T=T, d=d), partial(segment_tdot_triton, D, P, lengths),
-                        partial(segment_tdot_torch, D, P, lengths)))
+    rows, start = [], time.perf_counter()
+    model_dtype = getattr(torch, args.dtype)
+    launches = sorted(triton_launches(), key=lambda t: (t.fallback, t.dtype != model_dtype))
+    for launch in launches:
+        gram = launch.stage == "segment_gram"
+        for shape in (SMOKE_KERNEL_SHAPES if gram else SMOKE_TDOT_SHAPES) if args.smoke else (
+                KERNEL_SHAPES if gram else TDOT_SHAPES):
+            N, T, d, k = (*shape, 0) if gram else shape
+            out = {"kernel": launch.label, "stage": launch.stage, "precision": launch.precision, "N": N, "T": T, "d": d,
+                   **({} if gram else {"k": k}), "blocks": blocks(launch.kernel, torch.device(args.device))}
+            if time.perf_counter() - start > KERNEL_SECTION_S:
+                rows.append(out | {"skipped": "time budget"})
+                continue
+            try:
+                generator = torch.Generator(args.device).manual_seed(d)
+                inputs = launch.inputs(N, T, d, k, args.device, generator)
+                fast, slow = partial(launch.run, *inputs), partial(launch.reference, *inputs)
+                fast()  # compiled outside the timing
+                triton_s, _ = timed(fast, args.device, args.reps)
+                torch_s, _ = timed(slow, args.device, args.reps)
+                out.update(triton_ms=triton_s * 1e3, torch_ms=torch_s * 1e3, speedup=torch_s / triton_s,
+                           max_rel_err=relative_error(fast(), slow()))
+            except Exception as e:  # noqa: BLE001 - one kernel's failure must not cost the GPU run
+                nan = float("nan")
+                error = f"{type(e).__name__}: {e}"[:300]
+                out.update(triton_ms=nan, torch_ms=nan, speedup=nan, max_rel_err=nan, error=error)
+            print(json.dumps(out), flush=True)
+            rows.append(out)
     return rows
 
 
@@ -441,11 +452,14 @@ def markdown(result: dict) -> str:
     lines += ["", "| eigen stage: n | matrices | path | ms | max rel err | error |", "|---:|---:|---|---:|---:|---|"]
     lines += [f"| {e['n']} | {e['N']} | {e['path']} | {e['ms']:.2f} | {e['max_rel_err']:.1e} | {e.get('error', '')} |"
               for e in result.get("eigen", [])]
-    lines += ["", "| kernel | N | T | d | Triton ms | torch ms | speed-up | max rel err | error |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
-    lines += [f"| {k['kernel']} | {k['N']} | {k['T']} | {k['d']} | {k['triton_ms']:.2f} | {k['torch_ms']:.2f} "
-              f"| {k['speedup']:.1f}x | {k['max_rel_err']:.1e} | {k.get('error', '')} |"
-              for k in result.get("kernels", [])]
+    lines += ["", "| kernel launch | precision | N | T | d | k | blocks | Triton ms | torch ms | speed-up "
+              "| max rel err | error |", "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
+    for k in result.get("kernels", []):
+        head = (f"| {k['kernel']} | {k['precision']} | {k['N']} | {k['T']} | {k['d']} | {k.get('k', '')} "
+                f"| {', '.join(f'{n} {v}' for n, v in k['blocks'].items())} |")
+        lines.append(f"{head} | | | | | skipped: {k['skipped']} |" if "skipped" in k else
+                     f"{head} {k['triton_ms']:.2f} | {k['torch_ms']:.2f} | {k['speedup']:.1f}x "
+                     f"| {k['max_rel_err']:.1e} | {k.get('error', '')} |")
     lines += ["", "| measured dispatch: stage | shape key | chosen | ms per candidate |", "|---|---|---|---|"]
     lines += [f"| {d['stage']} | {d['shape']} | {d['chosen']} | "
               + ", ".join(f"{name} {ms:.2f}" for name, ms in d["ms"].items()) + " |"

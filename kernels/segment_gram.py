@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .blocks import blocks
 from .launch import launch
 
 try:
@@ -74,11 +75,14 @@ if triton is not None:
 
 def segment_gram_triton(
     Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None = None,
-    block_t: int = 32, block_d: int = 32,
+    block_t: int | None = None, block_d: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Same contract as ``segment_gram_torch``, fp32 outputs; runs on CUDA or under TRITON_INTERPRET=1."""
+    """Same contract as ``segment_gram_torch``, fp32 outputs; runs on CUDA or under TRITON_INTERPRET=1.
+    Blocks left None are the device's (kernels.blocks)."""
     if triton is None:
         raise RuntimeError("segment_gram_triton needs triton (pip install 'gradspec[triton]')")
+    chosen = blocks("segment_gram", Y.device)
+    block_t, block_d = block_t or chosen["block_t"], block_d or chosen["block_d"]
     N, T, d = Y.shape
     n_tiles = triton.cdiv(T, block_t)
     gram = torch.empty((N, T, T), device=Y.device, dtype=torch.float32)

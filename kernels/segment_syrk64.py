@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from .blocks import blocks
 from .launch import launch
 from .segment_gram import segment_gram_torch
 
@@ -88,12 +89,15 @@ def lower_tiles(n_tiles: int, device: torch.device | str) -> torch.Tensor:
 
 def segment_syrk64_triton(
     Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None = None,
-    block_t: int = 32, block_d: int = 32, dot: bool = True,
+    block_t: int | None = None, block_d: int | None = None, dot: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Same contract as ``segment_syrk64_torch``; runs on CUDA or under TRITON_INTERPRET=1. dot=False
-    sums the products without tl.dot (a compiler without fp64 dot); a failing fp64 dot falls back to it."""
+    sums the products without tl.dot (a compiler without fp64 dot); a failing fp64 dot falls back to it.
+    Blocks left None are the device's (kernels.blocks)."""
     if triton is None:
         raise RuntimeError("segment_syrk64_triton needs triton (pip install 'gradspec[triton]')")
+    chosen = blocks("segment_syrk64", Y.device)
+    block_t, block_d = block_t or chosen["block_t"], block_d or chosen["block_d"]
     N, T, d = Y.shape
     tiles = lower_tiles(triton.cdiv(T, block_t), Y.device)
     gram = torch.zeros((N, T, T), device=Y.device, dtype=torch.float64)

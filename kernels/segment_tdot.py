@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .blocks import blocks
 from .launch import launch
 from .segment_gram import triton
 
@@ -50,11 +51,15 @@ def segment_tdot_torch(
 
 
 def segment_tdot_triton(
-    A: torch.Tensor, B: torch.Tensor, lengths: torch.Tensor, block_t: int = 32, block_p: int = 32, block_q: int = 32,
+    A: torch.Tensor, B: torch.Tensor, lengths: torch.Tensor,
+    block_t: int | None = None, block_p: int | None = None, block_q: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``segment_tdot_torch``, fp32 output; runs on CUDA or under TRITON_INTERPRET=1."""
+    """Same contract as ``segment_tdot_torch``, fp32 output; runs on CUDA or under TRITON_INTERPRET=1.
+    Blocks left None are the device's (kernels.blocks)."""
     if triton is None:
         raise RuntimeError("segment_tdot_triton needs triton (pip install 'gradspec[triton]')")
+    chosen = blocks("segment_tdot", A.device)
+    block_t, block_p, block_q = block_t or chosen["block_t"], block_p or chosen["block_p"], block_q or chosen["block_q"]
     N, _, p = A.shape
     q = B.shape[2]
     out = torch.empty((N, p, q), device=A.device, dtype=torch.float32)

@@ -22,6 +22,10 @@ from gradspec.linalg.host_copies import to_device
 from gradspec.linalg.policy import Policy
 
 
+# The Triton kernel of segment_gram's triton path, per precision: fp64's reads Y in its own dtype.
+TRITON_GRAM: dict[str, Callable] = {"fp64": kernels.segment_syrk64_triton, "fp32": kernels.segment_gram_triton}
+
+
 def segment_gram(
     Y: torch.Tensor, lengths: torch.Tensor, other: torch.Tensor | None = None, policy: Policy | str = "auto",
     rows: torch.Tensor | None = None,
@@ -34,8 +38,7 @@ def segment_gram(
     calls = {
         "cpp": partial(_segment_gram_cpp, Y, lengths, other, rows),
         "torch": partial(_gathered(kernels.segment_gram_torch), Y, lengths, other, rows, policy.dtype),
-        "triton": partial(_gathered(kernels.segment_syrk64_triton if policy.precision == "fp64"
-                                    else kernels.segment_gram_triton), Y, lengths, other, rows),
+        "triton": partial(_gathered(TRITON_GRAM[policy.precision]), Y, lengths, other, rows),
     }
     return stages.run("segment_gram", Y, policy, (size_bucket(Y.shape[1]), Y.shape[2], other is not None), calls)
 
