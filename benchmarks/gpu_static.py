@@ -260,11 +260,13 @@ def environment() -> dict:
     import triton
     from triton.backends.nvidia.compiler import get_ptxas
 
-    versions = {}
-    for arch in ARCHS:
+    versions, used_for = {}, {}
+    for arch in ARCHS:  # Triton runs one ptxas below sm_90, another from sm_90 on
         path = get_ptxas(arch).path
         text = subprocess.run([path, "--version"], capture_output=True, text=True).stdout
         versions[Path(path).name] = (re.findall(r"release [\d.]+, V[\d.]+", text) or ["?"])[0]
+        used_for.setdefault(Path(path).name, []).append(ARCHS[arch].name)
+    versions = {name: f"{version} ({', '.join(used_for[name])})" for name, version in versions.items()}
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = (re.findall(r"Model name:\s*(.+)", cpu) or [platform.processor()])[0].strip()
     return {"date": time.strftime("%Y-%m-%d"), "cpu": model, "cores": os.cpu_count(), "triton": triton.__version__,
@@ -287,8 +289,8 @@ def markdown(result: dict) -> str:
     bad = [r for r in rows if r.get("table") and r["problems"]]
     lines = [BEGIN, f"## {env['date']} — `gpu_static.py`: every Triton launch the dispatch can make, compiled for "
              f"{', '.join(ARCHS[a].name for a in archs)} on the CPU (issue 51, item 3)", "",
-             f"{env['cpu']}, {env['cores']} cores; Triton {env['triton']}, its bundled ptxas "
-             + ", ".join(f"{k} {v}" for k, v in env["ptxas"].items()) + f"; torch {env['torch']}. No GPU: "
+             f"{env['cpu']}, {env['cores']} cores; Triton {env['triton']} with its bundled ptxas ("
+             + "; ".join(f"{k}: {v}" for k, v in env["ptxas"].items()) + f"); torch {env['torch']}. No GPU: "
              f"`python benchmarks/gpu_static.py` ({result['seconds']:.0f} s) compiles each launch of "
              "`gradspec.linalg.triton_launches` for each architecture of `kernels.blocks.BLOCKS` "
              f"({names}) at (N, T, d, k) = {tuple(env['shape'].values())}, specialised as Triton's JIT "
@@ -306,8 +308,8 @@ def markdown(result: dict) -> str:
              "|---|---|---|" + "---|" * len(archs)]
     table = {(r["label"], r["arch"]): r for r in rows if r.get("table")}
     for label in dict.fromkeys(r["label"] for r in rows if r.get("table")):
-        first = table[label, archs[0]]
-        blocks = ", ".join(f"{k} {v}" for k, v in first["blocks"].items())
+        first = table[label, archs[0]]  # the blocks as compiled (the FMA loop's BLOCK_D is at most 8)
+        blocks = ", ".join(f"{k} {v}" for k, v in first["constexprs"].items() if k.startswith("BLOCK"))
         lines.append(f"| {label} | {first['precision']} | {blocks} | "
                      + " | ".join(_cell(table[label, a]) for a in archs) + " |")
     if result.get("rule"):

@@ -6,10 +6,11 @@ The choice, per kernel and architecture, is gpu_static.py's rule on those static
 candidate blocks 16, 32 and 64 (the same for each block argument), the largest at which every input dtype
 and flag of the kernel's main path compiles without register spills, within the architecture's
 shared memory per block, and at an occupancy of at least a quarter of the SM's warps (four warps per
-scheduler to hide memory latency). Block 64 spills in the fp64 SYRK on all three and in the fp32 Gram
-and A^T B on sm_80, and leaves the Gram at 12-19% occupancy on sm_90/sm_100 (150-204 registers):
-32 everywhere. Static numbers rule blocks out, they cannot rank the rest: a change here is for a
-timing on the GPU (benchmarks/gpu_suite.py times exactly these blocks) to justify.
+scheduler to hide memory latency). At block 64 the SYRK and the Gram spill on all three (255 registers)
+and the A^T B on sm_80, and on sm_90/sm_100 the A^T B holds 64 KiB of shared memory a block, 19%
+occupancy; at 32 every launch compiles without a spill at 25-81%: 32 everywhere. Static numbers rule
+blocks out, they cannot rank the rest (16 passes too): a change here is for a timing on the GPU
+(benchmarks/gpu_suite.py times exactly these blocks) to justify.
 """
 
 from __future__ import annotations
