@@ -21,7 +21,6 @@ from gradspec.linalg.dispatch import size_bucket
 from gradspec.linalg.host_copies import to_device
 from gradspec.linalg.policy import Policy
 
-
 # The Triton kernel of segment_gram's triton path, per precision: fp64's reads Y in its own dtype.
 TRITON_GRAM: dict[str, Callable] = {"fp64": kernels.segment_syrk64_triton, "fp32": kernels.segment_gram_triton}
 

@@ -21,8 +21,9 @@ import torch
 pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia", reason="this triton has no CUDA backend")
 
-from gradspec.choices import DTYPES  # noqa: E402
 from gradspec.kernels import blocks as block_table  # noqa: E402
+
+from gradspec.choices import DTYPES  # noqa: E402
 from gradspec.linalg.triton_launches import triton_launches  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
