@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 from gradspec.cli.options import add_options, options_from_args
 from gradspec.runs.config import ALIGN_ONLY, RunSettings, ScoreConfig
@@ -43,13 +44,19 @@ def run(args: argparse.Namespace) -> int:
     if "device" not in getattr(args, "given", {}):
         options.pop("device")  # score_dataset's default: cuda on GPU actors
     progress = options.pop("progress")
-    if not ray.is_initialized():
+    finished = options["resume"] and Path(args.out).is_file()  # a resume of a finished run does nothing
+    started = not ray.is_initialized()
+    if started:
         ray.init(address=args.address, log_to_driver=progress)
     ray.data.DataContext.get_current().enable_progress_bars = progress
-    statuses = score_dataset(args.data, args.out, concurrency=args.concurrency, num_gpus=args.num_gpus,
-                             num_cpus=args.num_cpus, merge=args.merge, **options)
+    try:
+        statuses = score_dataset(args.data, args.out, concurrency=args.concurrency, num_gpus=args.num_gpus,
+                                 num_cpus=args.num_cpus, merge=args.merge, **options)
+    finally:
+        if started:  # this command's connection (and a local cluster it started) ends with it
+            ray.shutdown()
     if args.merge:
-        print(run_summary(args.out) if statuses else f"{args.out} was already complete: nothing to resume")
+        print(f"{args.out} was already complete: nothing to resume" if finished else run_summary(args.out))
     else:
         print(f"{written(statuses, args.out + '.parts')}; when all are done: gradspec merge --out {args.out}")
     return 0
