@@ -41,8 +41,8 @@ log = logging.getLogger("gradspec")
 # The columns of the blocks score_dataset reads: a row's index in the input, its location, its record
 # (a dict, or the InputError confined to it) pickled, as gradspec's readers give it
 INDEX, WHERE, RECORD = "_gradspec_index", "_gradspec_where", "_gradspec_record"
-# What an actor returns per chunk where it writes parts: the chunk, its rows by status
-CHUNK, STATUSES = "chunk", "statuses"
+# What an actor returns where it writes parts: a row per chunk and status, with how many rows have it
+WRITTEN = pa.schema([("chunk", pa.int64()), ("status", pa.string()), ("rows", pa.int64())])
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,9 @@ class Parts:
 
 class GradspecScorer:
     """A Ray Data stage that scores rows: ``ds.map_batches(GradspecScorer, fn_constructor_kwargs={...},
-    batch_format="pyarrow", concurrency=N, num_gpus=G)``. Each actor loads the model once; each batch
-    comes back as ``gradspec score``'s rows for it (index, status, loss, the metric columns, the input's
-    other scalar columns carried), one per input row, in index order.
+    batch_format="pyarrow", compute=ray.data.ActorPoolStrategy(size=N), num_gpus=G)``. Each actor loads the
+    model once; each batch comes back as ``gradspec score``'s rows for it (index, status, loss, the metric
+    columns, the input's other scalar columns carried), one per input row, in index order.
 
     The rows of a batch are scored chunk by chunk (index // chunk_rows) as ``gradspec score`` scores them:
     where each batch holds whole chunks of the input (index_column the row's position in it), its rows are
@@ -73,7 +73,7 @@ class GradspecScorer:
         index_column: the input's column that numbers its rows (the output's index; not carried). None:
             the rows of each batch are numbered from 0, and the input's first rows checked for response
             tokens are each batch's.
-        parts: score_dataset's: write each chunk as a part of a run folder, and return a row per chunk.
+        parts: score_dataset's: write each chunk as a part of a run folder, and return what was written.
         **options: ``gradspec.score``'s options (ScoreConfig's: what is computed; of RunSettings: device,
             batch_tokens, backend, trust_remote_code, on_error). on_error is "skip" here: a row that
             cannot be read is its row's input_error; "fail" fails the batch.
@@ -102,7 +102,8 @@ class GradspecScorer:
         self.metadata = None if parts is None else _metadata(config, self.engine, parts.info, None)
 
     def __call__(self, batch: pa.Table | Any) -> pa.Table:
-        """The batch's rows scored (or, writing parts, one row per chunk: its number and statuses)."""
+        """The batch's rows scored (or, writing parts, the rows of WRITTEN: how many rows of each chunk have each
+        status)."""
         from gradspec.data.templates import RESPONSE_CHECK_ROWS
         from gradspec.runs.chunks import score_samples
         from gradspec.runs.run_folder import RunFolder, _rows_table
@@ -122,15 +123,14 @@ class GradspecScorer:
             self._check_whole(chunk, chunk_rows)
             folder.write_part(chunk, chunk_rows, {**self.metadata, **self.engine.policy.describe()})
             statuses = Counter(row["status"] for row in chunk_rows)
-            written.append({CHUNK: chunk, STATUSES: [f"{s}={n}" for s, n in sorted(statuses.items())]})
+            written.extend({"chunk": chunk, "status": s, "rows": n} for s, n in sorted(statuses.items()))
 
         # the input's first rows (the batch that holds them) are checked for response tokens, as score checks them
         head = [s for s in samples if s.index < RESPONSE_CHECK_ROWS]
         score_samples(SampleStream(iter(samples), lambda n: iter(head[:n])), self.engine, self.tokenizer, write,
                       self.config.chunk_rows, self.config.template, self.max_length, self.batch_tokens, False)
         if folder is not None:
-            return pa.Table.from_pylist(written, schema=pa.schema([(CHUNK, pa.int64()),
-                                                                   (STATUSES, pa.list_(pa.string()))]))
+            return pa.Table.from_pylist(written, schema=WRITTEN)
         table = _rows_table(rows) if rows else pa.table({"index": pa.array([], pa.int64())})
         if "error" not in table.column_names:  # every batch's rows of one schema, the errors' column too
             table = table.append_column("error", pa.nulls(table.num_rows, pa.string()))
@@ -305,11 +305,15 @@ def score_dataset(data: str | os.PathLike, out: str | os.PathLike, model: str | 
             parts = Parts(out, info, records, config, text)
             kwargs = {"parts": parts, "device": device, "batch_tokens": batch_tokens, "backend": settings.backend,
                       "trust_remote_code": settings.trust_remote_code, "on_error": settings.on_error}
-            done = ray.data.read_datasource(_Chunks(todo), override_num_blocks=len(todo)).map_batches(  # no block cut
-                GradspecScorer, fn_constructor_kwargs=kwargs, batch_size=None, batch_format="pyarrow",
-                compute=_pool(concurrency), num_gpus=num_gpus, num_cpus=num_cpus).take_all()
+            # a block per chunk (none cut), read by the actors themselves: a read asking what an actor asks is
+            # fused into it (Ray Data's operator fusion), where a read of its own could wait for CPUs the actors hold
+            resources = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+            done = ray.data.read_datasource(_Chunks(todo), override_num_blocks=len(todo), ray_remote_args=resources
+                                            ).map_batches(GradspecScorer, fn_constructor_kwargs=kwargs, batch_size=None,
+                                                          batch_format="pyarrow", compute=_pool(concurrency),
+                                                          **resources).take_all()
             for row in done:
-                statuses.update({s: int(n) for s, n in (item.rsplit("=", 1) for item in row[STATUSES])})
+                statuses[row["status"]] += row["rows"]
         if merge:
             folder.merge(records, config.chunk_rows)
     finally:

@@ -97,6 +97,27 @@ def test_pipeline_rows_are_score_rows_bit_for_bit_and_a_resume_scores_only_the_m
     assert score_dataset(data, out, tiny_model_dir, chunk_rows=CHUNK_ROWS, classic=True, resume=True) == {}
 
 
+def test_the_stage_reads_every_batch_format_and_gives_score_rows(cluster, tiny_model_dir, reference):
+    """GradspecScorer called on Ray's three batch formats of the same rows (Arrow, pandas, NumPy: Ray's default)
+    gives score's rows, bit for bit where the batch holds whole chunks (rows 0-9, chunks of 4)."""
+    import torch
+
+    rows = [{**r, "row": i} for i, r in enumerate(_rows())]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the reference's
+    try:
+        scorer = GradspecScorer(tiny_model_dir, index_column="row", chunk_rows=CHUNK_ROWS, classic=True)
+        ds = ray.data.from_items(rows)
+        outputs = [scorer(ds.take_batch(len(rows), batch_format=f)).to_pandas() for f in ("pyarrow", "pandas", "numpy")]
+    finally:
+        torch.set_num_threads(threads)
+    want = reference.iloc[:10]
+    for got in outputs:
+        columns = [c for c in want.columns if c != "error"]  # a row is named by its index here, not its line
+        pd.testing.assert_frame_equal(got[columns], want[columns])
+        assert got["error"].iloc[5] == "row 5: missing field 'output'"
+
+
 class _KilledOnce(GradspecScorer):
     """Kills its own process (SIGKILL, by its PID) in its second batch, the first time only (marker)."""
 
@@ -149,7 +170,7 @@ def test_command_reads_a_folder_of_parquet_files_and_select_reads_its_output(clu
     (folder / "_SUCCESS").write_text("")
     out = tmp_path / "ray.parquet"
     assert main(["ray-score", "--data", str(folder), "--model", str(tiny_model_dir), "--out", str(out),
-                 "--chunk-rows", "2", "--quiet"]) == 0
+                 "--chunk-rows", "2", "--num-cpus", "2", "--quiet"]) == 0  # the whole cluster: the actor reads too
     assert f"wrote {len(rows)} rows to {out}" in capsys.readouterr().out
     wide = read_scores(out)[0]
     assert wide["index"].tolist() == list(range(len(rows)))
