@@ -308,10 +308,9 @@ def score_dataset(data: str | os.PathLike, out: str | os.PathLike, model: str | 
             # a block per chunk (none cut), read by the actors themselves: a read asking what an actor asks is
             # fused into it (Ray Data's operator fusion), where a read of its own could wait for CPUs the actors hold
             resources = {"num_cpus": num_cpus, "num_gpus": num_gpus}
-            done = ray.data.read_datasource(_Chunks(todo), override_num_blocks=len(todo), ray_remote_args=resources
-                                            ).map_batches(GradspecScorer, fn_constructor_kwargs=kwargs, batch_size=None,
-                                                          batch_format="pyarrow", compute=_pool(concurrency),
-                                                          **resources).take_all()
+            done = ray.data.read_datasource(_Chunks(todo), override_num_blocks=len(todo), **resources).map_batches(
+                GradspecScorer, fn_constructor_kwargs=kwargs, batch_size=None, batch_format="pyarrow",
+                compute=_pool(concurrency), **resources).take_all()
             for row in done:
                 statuses[row["status"]] += row["rows"]
         if merge:
