@@ -21,7 +21,7 @@ from gradspec.data.readers import InputError
 from gradspec.options import OptionError, declared, nearest
 
 _NAMES = ("score", "align", "project", "select", "report", "merge", "train", "dynamics", "diagnose", "validate",
-          "env")
+          "env", "ray-score")
 
 
 class _Commands(Mapping[str, ModuleType]):
@@ -31,7 +31,7 @@ class _Commands(Mapping[str, ModuleType]):
     def __getitem__(self, name: str) -> ModuleType:
         if name not in _NAMES:
             raise KeyError(name)
-        return importlib.import_module(f"gradspec.cli.{name}")
+        return importlib.import_module(f"gradspec.cli.{name.replace('-', '_')}")
 
     def __iter__(self) -> Iterator[str]:
         return iter(_NAMES)
