@@ -11,9 +11,10 @@ one by align_mean_gradient, one by align_max. Each query's recall@100: the share
 exact scan over all 120 parts is timed on its first 20,480 rows and scaled to the store (an estimate).
 
 Each phase runs in a fresh process (its peak RSS is that process's own, ru_maxrss) pinned to 2 CPUs. The stores
-and their indexes go under $GRADSPEC_BENCH_CACHE (default a temporary folder in /tmp), one at a time, deleted
-after: about 15 GB for the first, 25 GB for the second. Run:
-``python benchmarks/bench_store.py [--rows N --k K]`` (default: both configurations), a Markdown table at the end.
+and their indexes go under $GRADSPEC_BENCH_CACHE (default /tmp), in store-<rows>-k<k>/, one at a time, deleted
+after (--keep: kept and reused): about 15 GB for the first, 25 GB for the second. Run:
+``python benchmarks/bench_store.py [--rows N --k K] [--keep]`` (default: both configurations), a Markdown table at
+the end.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def exact(path: str, rows: int, k: int) -> dict:
     from gradspec.runs.score_files import PROJECTION, read_metadata
     from gradspec.runs.store_query import kept_columns, ranked_by, scanned
 
-    reader = pq.ParquetFile(path)
+    reader = pq.ParquetFile(path, pre_buffer=False, buffer_size=1 << 20)  # as align --store reads it
     tasks = [(_task(rows, k, w), tuple(a)) for w, a in QUERIES]
     values: list[list[np.ndarray]] = [[] for _ in tasks]
     dims = PARTS * k * k
@@ -144,11 +145,15 @@ def _child(phase: str, *args) -> dict:
     return result
 
 
-def run(rows: int, k: int, root: Path) -> dict:
-    folder = Path(tempfile.mkdtemp(prefix=f"store-{rows}-k{k}-", dir=root))
-    store = folder / "store.parquet"
+def run(rows: int, k: int, root: Path, keep: bool) -> dict:
+    folder = root / f"store-{rows}-k{k}"
+    folder.mkdir(parents=True, exist_ok=True)
+    store, done = folder / "store.parquet", folder / "made"
     try:
-        made = _child("make", store, rows, k)
+        made = {"wall_s": None}
+        if not done.exists():  # a kept store is reused
+            made = _child("make", store, rows, k)
+            done.write_text("")
         built = _child("build", store)
         queries = [_child("query", store, rows, k, w, ",".join(a)) for w, a in QUERIES]
         scan = _child("exact", store, rows, k)
@@ -158,7 +163,8 @@ def run(rows: int, k: int, root: Path) -> dict:
                 "make_s": made["wall_s"], "build": built, "queries": queries,
                 "exact": {key: v for key, v in scan.items() if key != "tops"}}
     finally:
-        shutil.rmtree(folder)
+        if not keep:
+            shutil.rmtree(folder)
 
 
 def table(results: list[dict]) -> str:
@@ -189,6 +195,7 @@ def main() -> None:
     p.add_argument("args", nargs="*")
     p.add_argument("--rows", type=int)
     p.add_argument("--k", type=int)
+    p.add_argument("--keep", action="store_true", help="keep the stores (reused by a later run)")
     a = p.parse_args()
     if a.phase:
         if hasattr(os, "sched_setaffinity"):
@@ -210,7 +217,7 @@ def main() -> None:
     root = Path(os.environ.get("GRADSPEC_BENCH_CACHE", tempfile.gettempdir()))
     results = []
     for rows, k in configs:
-        results.append(run(rows, k, root))
+        results.append(run(rows, k, root, a.keep))
         print(json.dumps(results[-1]), flush=True)
     print(table(results))
 

@@ -48,7 +48,7 @@ BLOCK_BYTES = 1 << 18  # S.vectors is checked in blocks of about this size
 CANDIDATES = 10  # per row asked for, re-ranked exactly
 PROBES, PROBE_ROWS, RECALL_AT = 8, 16, 100  # recall at build: 8 queries, each the mean of 16 random rows
 TARGET_RECALL = 0.99  # nprobe is the smallest power of 2 whose measured recall reaches it
-READ_ROWS = 4096
+READ_BYTES = 64 << 20  # rows read at a time: at most 4096, and about this many bytes
 SVD_ROWS, SVD_BYTES = 20_000, 256 << 20  # the reduction is fitted on a sample of at most these rows and bytes
 
 
@@ -94,9 +94,14 @@ def _store_dims(store: str | Path) -> tuple[dict[str, Any], int]:
     return meta, len(projection["parts"]) * projection["k_in"] * projection["k_out"]
 
 
+def _step(dims: int) -> int:
+    return max(1, min(4096, READ_BYTES // (4 * dims)))
+
+
 def _normalised(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(rows scaled to unit norm, which rows are usable: finite, nonzero)."""
-    norms = np.linalg.norm(x.astype(np.float64), axis=1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        norms = np.sqrt(np.einsum("ij,ij->i", x, x, dtype=np.float64))
     usable = np.isfinite(norms) & (norms > 0)
     out = np.zeros_like(x, dtype=np.float32)
     out[usable] = x[usable] / norms[usable, None]
@@ -115,19 +120,21 @@ def build_index(store: str | Path, seed: int = 0) -> dict[str, Any]:
     recall it records: for PROBES queries (each the mean of PROBE_ROWS random rows' vectors, as a task's
     mean gradient is a mean), the share of the exact top RECALL_AT (over every row, by cosine) that the
     index's candidates re-ranked exactly find, at each nprobe tried."""
-    faiss = require_faiss()
+    require_faiss()  # before the store is read
     started = time.perf_counter()
     store = Path(store)
     _, dims = _store_dims(store)
     identity = store_identity(store)
-    rows = identity["rows"]
     block_rows = max(1, BLOCK_BYTES // (4 * dims))
+    step = _step(dims)
     hashes: list[str] = []
+    usable_parts: list[np.ndarray] = []  # each batch's rows with a finite nonzero vector
+    batch_start = [0]
 
     def write_vectors(f) -> None:  # the store's vectors as they are; a hash per block_rows rows
         pending = np.empty((0, dims), np.float32)
-        with pq.ParquetFile(regular(store)) as reader:
-            for batch in reader.iter_batches(batch_size=READ_ROWS, columns=[PROJECTION]):
+        with pq.ParquetFile(regular(store), pre_buffer=False, buffer_size=1 << 20) as reader:  # see query_store
+            for batch in reader.iter_batches(batch_size=step, columns=[PROJECTION]):
                 values = batch.column(0)
                 block = np.full((len(batch), dims), np.nan, np.float32)
                 present = ~np.asarray(values.is_null().to_numpy(zero_copy_only=False), dtype=bool)
@@ -137,6 +144,8 @@ def build_index(store: str | Path, seed: int = 0) -> dict[str, Any]:
                         raise InputError(f"{store}: its {PROJECTION} rows do not all hold the {dims} values its "
                                          f"projection (parts, k) makes")
                     block[present] = np.asarray(flat, np.float32).reshape(-1, dims)
+                usable_parts.append(np.flatnonzero(_normalised(block)[1]) + batch_start[0])
+                batch_start[0] += len(block)
                 pending = np.concatenate([pending, block])
                 whole = len(pending) // block_rows * block_rows
                 for k in range(0, whole, block_rows):
@@ -149,9 +158,16 @@ def build_index(store: str | Path, seed: int = 0) -> dict[str, Any]:
             f.write(pending.tobytes())
 
     atomic_write(vectors_path(store), write_vectors)
-    vectors = np.memmap(vectors_path(store), np.float32, "r", shape=(rows, dims))
-    usable_rows = np.concatenate([np.flatnonzero(_normalised(vectors[i:i + READ_ROWS])[1]) + i
-                                  for i in range(0, rows, READ_ROWS)]) if rows else np.zeros(0, np.int64)
+    with open_regular(vectors_path(store)) as f:
+        return _build(f, store, identity, dims, block_rows, hashes, usable_parts, seed, started)
+
+
+def _build(file, store: Path, identity: dict[str, Any], dims: int, block_rows: int, hashes: list[str],
+           usable_parts: list[np.ndarray], seed: int, started: float) -> dict[str, Any]:
+    faiss = require_faiss()
+    rows, step = identity["rows"], _step(dims)
+    vectors = _Rows(file, rows, dims)
+    usable_rows = np.concatenate(usable_parts) if usable_parts else np.zeros(0, np.int64)
     if not len(usable_rows):
         raise InputError(f"{store}: no row has a usable projected gradient to index")
     rng = np.random.default_rng(seed)
@@ -174,13 +190,13 @@ def build_index(store: str | Path, seed: int = 0) -> dict[str, Any]:
         quantizer = faiss.IndexFlatIP(reduced)
         ivf = faiss.IndexIVFScalarQuantizer(quantizer, reduced, nlist, faiss.ScalarQuantizer.QT_8bit,
                                             faiss.METRIC_INNER_PRODUCT)
-        ivf.train(np.concatenate([_normalised(vectors[train[i:i + READ_ROWS]])[0] @ basis.T
-                                  for i in range(0, len(train), READ_ROWS)]))  # reduced a batch at a time
+        ivf.train(np.concatenate([_normalised(vectors[train[i:i + step]])[0] @ basis.T
+                                  for i in range(0, len(train), step)]))  # reduced a batch at a time
         index = faiss.IndexPreTransform(transform, ivf)
         settings = {"kind": f"IVF{nlist},SQ8", "dims": dims, "reduced": reduced, "nlist": nlist}
     exact = [(np.zeros(0, np.float32), np.zeros(0, np.int64)) for _ in range(PROBES)]
-    for i in range(0, rows, READ_ROWS):
-        unit, usable = _normalised(np.asarray(vectors[i:i + READ_ROWS]))
+    for i in range(0, rows, step):
+        unit, usable = _normalised(vectors[i:i + step])
         ids = np.flatnonzero(usable) + i
         index.add_with_ids(unit[usable], ids.astype(np.int64))
         scores = probes @ unit[usable].T
@@ -233,7 +249,7 @@ def _probe_recall(index, nprobe: int | None, probes: np.ndarray, exact: list, ve
     found = []
     for p, q in enumerate(probes):
         ids = _candidates(index, nprobe, q[None, :], RECALL_AT * CANDIDATES)
-        unit, usable = _normalised(np.asarray(vectors[np.sort(ids)]))
+        unit, usable = _normalised(vectors[np.sort(ids)])
         got = _top(unit @ q, np.sort(ids), RECALL_AT)
         found.append(len(set(got.tolist()) & set(exact[p][1].tolist())) / len(exact[p][1]))
     return round(float(np.mean(found)), 4)
@@ -249,6 +265,25 @@ def _candidates(index, nprobe: int | None, queries: np.ndarray, k: int) -> np.nd
     return np.unique(ids[ids >= 0])
 
 
+class _Rows:
+    """Rows of S.vectors read with pread (a slice in one read, an array of row numbers one row each): a map of
+    the file would count every page it touched in the process's RSS."""
+
+    def __init__(self, file, rows: int, dims: int):
+        self.fd, self.rows, self.dims = file.fileno(), rows, dims
+
+    def __getitem__(self, key) -> np.ndarray:
+        width = 4 * self.dims
+        if isinstance(key, slice):
+            start, stop, _ = key.indices(self.rows)
+            data = os.pread(self.fd, (stop - start) * width, start * width)
+            return np.frombuffer(data, np.float32).reshape(-1, self.dims).copy()
+        out = np.empty((len(key), self.dims), np.float32)
+        for k, row in enumerate(np.asarray(key).tolist()):
+            out[k] = np.frombuffer(os.pread(self.fd, width, row * width), np.float32)
+        return out
+
+
 @dataclass
 class StoreIndex:
     """A verified index of a store: the FAISS index, its header, and the store's vectors mapped."""
@@ -256,7 +291,8 @@ class StoreIndex:
     store: Path
     header: dict[str, Any]
     index: Any
-    vectors: np.ndarray
+    vectors: _Rows
+    file: Any = None  # S.vectors, open
 
     def describe(self) -> str:
         s = self.header["settings"]
@@ -279,7 +315,7 @@ class StoreIndex:
         out = np.empty((len(ids), self.header["dims"]), np.float32)
         blocks = ids // block_rows
         for b in np.unique(blocks):
-            data = np.asarray(self.vectors[b * block_rows:(b + 1) * block_rows])
+            data = self.vectors[b * block_rows:(b + 1) * block_rows]
             if hashlib.sha256(data.tobytes()).hexdigest() != hashes[b]:
                 raise InputError(f"{vectors_path(self.store)}: damaged, block {b} (rows {b * block_rows}-"
                                  f"{b * block_rows + len(data) - 1}) differs from what was written; build the "
@@ -344,11 +380,10 @@ def read_index(store: str | Path) -> StoreIndex:
         raise InputError(f"{path}: its index has {index.ntotal} rows of {index.d} dimensions, the store's rows have "
                          f"{dims} and it recorded {header['indexed']}")
     _no_link(vpath, "vectors file")
-    with open_regular(vpath, "the vectors gradspec project --index wrote") as f:
-        size = os.fstat(f.fileno()).st_size
+    file = open_regular(vpath, "the vectors gradspec project --index wrote")  # held open: what is checked is read
+    size = os.fstat(file.fileno()).st_size
     if size != identity["rows"] * dims * 4:
+        file.close()
         raise InputError(f"{vpath}: damaged, {size} bytes where {identity['rows']} rows of {dims} float32 take "
                          f"{identity['rows'] * dims * 4}; build the index again ({_rebuild(store)})")
-    vectors = np.memmap(vpath, np.float32, "r", shape=(identity["rows"], dims)) if identity["rows"] else \
-        np.zeros((0, dims), np.float32)
-    return StoreIndex(store, header, index, vectors)
+    return StoreIndex(store, header, index, _Rows(file, identity["rows"], dims), file)

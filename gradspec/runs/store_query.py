@@ -95,7 +95,8 @@ def query_store(
     names = [p.name for p in engine.projection.parts]
     routed = {p.name for p in engine.projection.parts if p.routed}
     metrics = alignment_metrics(aggregates)
-    reader = pq.ParquetFile(regular(store))
+    # pre-buffered (pyarrow's default), every row group read stays allocated until the reader closes: the whole store
+    reader = pq.ParquetFile(regular(store), pre_buffer=False, buffer_size=1 << 20)
     kept = kept_columns(reader)
     statuses: Counter[str] = Counter()
     info = {**meta, "metrics": list(metrics), "task": str(Path(task).resolve()), "aggregate": ",".join(aggregates),

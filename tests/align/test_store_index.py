@@ -27,7 +27,8 @@ ROWS = [("Add {a} and {b}.", "{a} + {b} = {c}"), ("What is {a} times {b}?", "{c}
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, tiny_model_dir):
-    """A real store of 12 rows (one without response tokens) from the tiny model, with its index."""
+    """A real store of 13 rows (one without response tokens) from the tiny model, then its index, built as the
+    docs say for a store already written (--resume --index)."""
     root = tmp_path_factory.mktemp("indexed")
     rows = [{"instruction": q.format(a=a, b=b), "output": r.format(a=a, b=b, c=a + b)}
             for a, b in [(1, 2), (3, 9), (5, 5), (7, 1)] for q, r in ROWS]
@@ -36,29 +37,36 @@ def store(tmp_path_factory, tiny_model_dir):
     (root / "task.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
         {"instruction": "Sum 2 and 2.", "output": "4"}, {"instruction": "What is 7+1?", "output": "8"}]))
     out = root / "store.parquet"
-    assert main(["project", "--data", str(root / "pool.jsonl"), "--model", str(tiny_model_dir), "--out", str(out),
-                 "--k", "2", "--quiet", "--max-length", "64", "--index"]) == 0
+    command = ["project", "--data", str(root / "pool.jsonl"), "--model", str(tiny_model_dir), "--out", str(out),
+               "--k", "2", "--quiet", "--max-length", "64"]
+    assert main(command) == 0 and not index_path(out).exists()
+    assert main([*command, "--resume", "--index"]) == 0
+    assert index_path(out).is_file() and vectors_path(out).is_file()
     return out
 
 
-@pytest.mark.parametrize("aggregate", ["mean_gradient,mean", "mean_gradient", "max,mean_gradient"])
-def test_top_rows_are_the_exact_scans(store, tmp_path, aggregate, capsys):
+def test_top_rows_are_the_exact_scans(store, tmp_path, capsys):
     """--top K gives the exact scan's K best rows by ranked_by, best first, with the same columns and values."""
     task = store.parent / "task.jsonl"
     exact, top = tmp_path / "exact.parquet", tmp_path / "top.parquet"
     assert main(["align", "--store", str(store), "--target", str(task), "--out", str(exact), "--aggregate",
-                 aggregate]) == 0
-    assert main(["align", "--store", str(store), "--target", str(task), "--out", str(top), "--aggregate", aggregate,
-                 "--top", "5"]) == 0
-    printed = capsys.readouterr().out
-    by = ranked_by(tuple(aggregate.split(",")))
-    assert f"top 5 by {by}" in printed and "recall@100 1.000 measured at build" in printed
-    want, got = pd.read_parquet(exact), pd.read_parquet(top)
-    want = want.iloc[np.argsort(-want[by].fillna(-np.inf).to_numpy(), kind="stable")[:5]].reset_index(drop=True)
-    assert list(got.columns) == list(want.columns)
-    pd.testing.assert_frame_equal(got, want)
-    meta = read_metadata(top)
-    assert meta["top"]["by"] == by and meta["top"]["settings"]["kind"] == "flat" and "estimate" in meta
+                 "mean_gradient,mean,max"]) == 0
+    everything = pd.read_parquet(exact)
+    for aggregate in ["mean_gradient,mean", "mean_gradient", "max"]:
+        assert main(["align", "--store", str(store), "--target", str(task), "--out", str(top), "--aggregate",
+                     aggregate, "--top", "5", "--overwrite"]) == 0
+        printed = capsys.readouterr().out
+        by = ranked_by(tuple(aggregate.split(",")))
+        assert f"top 5 by {by}" in printed and "recall@100 1.000 measured at build" in printed
+        got = pd.read_parquet(top)
+        order = np.argsort(-everything[by].fillna(-np.inf).to_numpy(), kind="stable")[:5]
+        want = everything.iloc[order].reset_index(drop=True)[list(got.columns)]
+        assert [c for c in everything.columns if c in got.columns] == list(got.columns)
+        assert {c for c in everything.columns if c.endswith(tuple(f"align_{a}" for a in aggregate.split(",")))} \
+            <= set(got.columns)
+        pd.testing.assert_frame_equal(got, want)
+        meta = read_metadata(top)
+        assert meta["top"]["by"] == by and meta["top"]["settings"]["kind"] == "flat" and "estimate" in meta
 
 
 def test_each_query_gives_its_columns_cosines():
