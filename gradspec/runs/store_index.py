@@ -44,7 +44,7 @@ MAGIC = b"GRADSPEC-FAISS-1\n"
 INDEX_SUFFIX, VECTORS_SUFFIX = ".faiss", ".vectors"
 FLAT_ROWS = 20_000  # up to this many rows, the exact flat index
 REDUCED = 256  # dimensions an IVF index sees (the re-rank sees them all)
-BLOCK_BYTES = 1 << 18  # S.vectors is checked in blocks of about this size
+BLOCK_BYTES = 1 << 16  # S.vectors is checked in blocks of about this size
 CANDIDATES = 10  # per row asked for, re-ranked exactly
 PROBES, PROBE_ROWS, RECALL_AT = 8, 16, 100  # recall at build: 8 queries, each the mean of 16 random rows
 TARGET_RECALL = 0.99  # nprobe is the smallest power of 2 whose measured recall reaches it
@@ -362,7 +362,7 @@ def read_index(store: str | Path) -> StoreIndex:
         header = json.loads(data[start:start + length])
         if header.get("format") != 1:
             raise ValueError(f"format {header.get('format')!r}, not 1")
-        body = data[start + length:]
+        body = memoryview(data)[start + length:]  # not a copy: an index of a million rows is hundreds of MB
     except (ValueError, struct.error, UnicodeDecodeError) as e:
         raise InputError(f"{path}: not a readable index ({e})") from None
     identity = store_identity(store)

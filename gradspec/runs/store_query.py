@@ -162,22 +162,39 @@ def top_rows(index, reader: pq.ParquetFile, kept: list[str], names: list[str], t
              aggregates: tuple[str, ...], routed: set[str], top: int) -> tuple[pa.Table, dict[str, Any]]:
     """(the top rows by ranked_by, highest first, with the columns the exact scan gives them and the same
     values; what the file's metadata says of the search). The index gives candidates (its top
-    CANDIDATES x top rows per query vector); their values are computed from the store's own vectors."""
+    CANDIDATES x top rows per query vector); from the store's own vectors, their whole-model column is
+    computed as the scan computes it (projected_cosines, row by row), the top kept, and only those rows' parts."""
     from gradspec.runs.store_index import index_path
 
     by = ranked_by(aggregates)
-    ids = index.candidates(index_queries(task_values, by), top)
-    columns = reader.read(columns=kept).take(pa.array(ids, pa.int64()))  # ids: never none (a store's index has rows)
-    flat = pa.array(index.rows(ids).ravel(), pa.float32())
-    columns = columns.append_column(PROJECTION, pa.FixedSizeListArray.from_arrays(flat, index.header["dims"]))
-    batch = columns.combine_chunks().to_batches()[0]
-    table = _aligned(batch, kept, names, alignment_metrics(aggregates), task_values, aggregates, routed)
-    values = table[by].to_numpy(zero_copy_only=False)
+    ids = index.candidates(index_queries(task_values, by), top)  # sorted; never none (an index has rows)
+    vectors = index.rows(ids)
+    whole = projected_cosines(torch.from_numpy(vectors.astype(np.float64)), task_values, ["model"], aggregates)[1]
+    values = whole[:, aggregates.index(by[len("align_"):])].numpy()
     finite = np.flatnonzero(~np.isnan(values))
     order = finite[np.argsort(-values[finite], kind="stable")][:top]
+    columns = _rows_of(reader, kept, ids[order])
+    flat = pa.array(vectors[order].ravel(), pa.float32())
+    columns = columns.append_column(PROJECTION, pa.FixedSizeListArray.from_arrays(flat, index.header["dims"]))
+    batch = pa.RecordBatch.from_arrays([c.combine_chunks() for c in columns.columns], schema=columns.schema)
+    table = _aligned(batch, kept, names, alignment_metrics(aggregates), task_values, aggregates, routed)
     info = {"rows": top, "by": by, "candidates": int(len(ids)), "index": str(index_path(index.store).resolve()),
             "settings": index.header["settings"], "recall": index.header["recall"], "described": index.describe()}
-    return table.take(pa.array(order, pa.int64())), info
+    return table, info
+
+
+def _rows_of(reader: pq.ParquetFile, kept: list[str], rows: np.ndarray) -> pa.Table:
+    """These rows' kept columns, in this order, reading only the row groups that hold them."""
+    starts = np.cumsum([0] + [reader.metadata.row_group(g).num_rows for g in range(reader.num_row_groups)])
+    groups = np.searchsorted(starts, rows, side="right") - 1
+    parts, where = [], np.empty(len(rows), np.int64)
+    for g in np.unique(groups):
+        pick = np.flatnonzero(groups == g)
+        parts.append(reader.read_row_group(int(g), columns=kept).take(pa.array(rows[pick] - starts[g])))
+        where[pick] = np.arange(len(pick)) + sum(len(p) for p in parts[:-1])
+    if not parts:
+        return reader.schema_arrow.empty_table().select(kept)
+    return pa.concat_tables(parts).take(pa.array(where))
 
 
 def _aligned(batch: pa.RecordBatch, kept: list[str], names: list[str], metrics: tuple[str, ...],

@@ -95,7 +95,7 @@ def _synthetic(path, rows, dims, seed=0):
     values = pa.array([None if i == 3 else list(v) for i, v in enumerate(x)], pa.list_(pa.float32()))
     meta = {"parts": [], "metrics": [], "projection": {"parts": ["a", "b"], "k_in": 2, "k_out": dims // 4}}
     table = pa.table({"index": np.arange(rows), "status": ["ok"] * rows, PROJECTION: values})
-    pq.write_table(table.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), path)
+    pq.write_table(table.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), path, row_group_size=700)
     return centres
 
 
