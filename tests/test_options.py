@@ -88,10 +88,11 @@ def test_score_and_align_route_each_option_where_it_belongs(monkeypatch, tmp_pat
 
 
 @pytest.mark.parametrize(("command", "own"), [
-    ("score", set()), ("align", {"store"}), ("project", set()),
+    ("score", set()), ("align", {"store", "top"}), ("project", {"index"}),
 ])
 def test_a_run_command_has_no_flag_but_the_declared_ones(command, own):
-    """Every flag of a scoring command is a declared option, but the run folder's own (and align's store)."""
+    """Every flag of a scoring command is a declared option, but the run folder's own (and align's store and top,
+    project's index)."""
     parser = argparse.ArgumentParser()
     COMMANDS[command].add_parser(parser.add_subparsers())
     dests = {a.dest for a in parser._subparsers._group_actions[0].choices[command]._actions}

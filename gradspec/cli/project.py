@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from gradspec.cli import score
 from gradspec.data.errors import check_at_least
@@ -15,8 +16,28 @@ def add_parser(sub) -> None:
                             defaults={"spectra": False, "project": 16},
                             helps={"project": "projection size per side: each sample's gradient stored under a k x k "
                                               "Kronecker projection per module, for align --store"})
+    p.add_argument("--index", action="store_true",
+                   help="then write a FAISS index beside the store (<out>.faiss, <out>.vectors: needs faiss-cpu) "
+                        "for align --store --top; with --resume, of a store already written")
 
 
 def run(args: argparse.Namespace) -> int:
     check_at_least({"project": args.project})
-    return score.run(args)
+    if args.index:
+        from gradspec.runs.store_index import require_faiss
+
+        require_faiss()  # refused before the run, not after it
+    code = score.run(args)
+    if args.index:
+        from gradspec.runs.run_folder import RunFolder
+        from gradspec.runs.store_index import build_index, index_path
+
+        if not Path(args.out).is_file() or any(RunFolder(args.out).path.glob("*.parquet")):
+            print(f"no index yet: the store is not merged; after `gradspec merge --out {args.out}`, run this "
+                  f"command again with --resume --index")
+            return code
+        header = build_index(args.out)
+        r = header["recall"]
+        print(f"wrote {index_path(args.out)} ({header['settings']['kind']}, {header['indexed']} rows, "
+              f"{header['build_s']:.1f} s): recall@{r['at']} {r['value']:.3f} on {r['probes']} probe queries")
+    return code

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +70,22 @@ def task_vectors(engine: SpectralEngine, batches: list) -> torch.Tensor:
 def query_store(
     store: str | Path, task: str | Path, out: str | Path, aggregate: str | list[str] = DEFAULT_AGGREGATES, *,
     device: str = "cpu", batch_tokens: int | None = None, overwrite: bool = False, trust_remote_code: bool = False,
+    top: int | None = None,
 ) -> Counter[str]:
     """Writes out: the store's rows (index, status, loss, lengths, carried columns) with the projected
-    cosines per part and over the model; returns the count of each status."""
+    cosines per part and over the model; returns the count of each status. top: only the top rows by
+    ranked_by(aggregates), found through the store's index (gradspec.runs.store_index) and their values
+    computed exactly, as the whole scan computes them; the file's metadata says how (top)."""
     aggregates = check_aggregates(aggregate)
     if Path(out).exists() and not overwrite:
         raise OptionExists((), f"{out} exists; pass {mention('overwrite')} or choose another {mention('out')}")
     meta = read_metadata(store)
+    if top is not None:
+        from gradspec.runs.store_index import read_index
+
+        if top < 1:
+            raise OptionExists((), f"{mention('top')} {top}: give a number of rows of 1 or more")
+        index = read_index(store)  # refused before the model loads
     engine, tokenizer = store_engine(meta, store, device, trust_remote_code)
     fields = Fields(**meta.get("fields", {}))
     batches = task_batches(task, tokenizer, fields, meta.get("template", "plain"),
@@ -85,20 +95,24 @@ def query_store(
     names = [p.name for p in engine.projection.parts]
     routed = {p.name for p in engine.projection.parts if p.routed}
     metrics = alignment_metrics(aggregates)
-    reader = pq.ParquetFile(regular(store))
-    kept = [f.name for f in reader.schema_arrow if f.name != PROJECTION and "/" not in f.name
-            and not f.name.startswith("align_")]
+    # pre-buffered (pyarrow's default), every row group read stays allocated until the reader closes: the whole store
+    reader = pq.ParquetFile(regular(store), pre_buffer=False, buffer_size=1 << 20)
+    kept = kept_columns(reader)
     statuses: Counter[str] = Counter()
     info = {**meta, "metrics": list(metrics), "task": str(Path(task).resolve()), "aggregate": ",".join(aggregates),
             "store": str(Path(store).resolve()), "task_examples": {"kept": len(task_values)},
             "estimate": f"cosines of Kronecker-projected gradients (k_in = k_out = {meta['projection']['k_in']})"}
     schema = None
+    if top is not None:
+        table, info["top"] = top_rows(index, reader, kept, names, task_values, aggregates, routed, top)
+        tables = iter([table])
+    else:
+        tables = scanned(reader, kept, names, task_values, aggregates, routed)
 
     def write(f) -> None:
         nonlocal schema
         writer = None
-        for batch in reader.iter_batches(batch_size=READ_ROWS):
-            table = _aligned(batch, kept, names, metrics, task_values, aggregates, routed)
+        for table in tables:
             statuses.update(table["status"].to_pylist())
             if writer is None:
                 schema = table.schema.with_metadata({METADATA_KEY: json.dumps(info).encode()})
@@ -109,6 +123,78 @@ def query_store(
 
     atomic_write(out, write)
     return statuses
+
+
+def kept_columns(reader: pq.ParquetFile) -> list[str]:
+    """The store's columns an alignment file carries (all but the vectors and any earlier alignment)."""
+    return [f.name for f in reader.schema_arrow if f.name != PROJECTION and "/" not in f.name
+            and not f.name.startswith("align_")]
+
+
+def scanned(reader: pq.ParquetFile, kept: list[str], names: list[str], task_values: torch.Tensor,
+            aggregates: tuple[str, ...], routed: set[str]) -> Iterator[pa.Table]:
+    """The exact scan: every row of the store with its cosines, a batch at a time."""
+    metrics = alignment_metrics(aggregates)
+    for batch in reader.iter_batches(batch_size=READ_ROWS):
+        yield _aligned(batch, kept, names, metrics, task_values, aggregates, routed)
+
+
+def ranked_by(aggregates: tuple[str, ...]) -> str:
+    """The whole-model column --top ranks by: align_mean, else align_mean_gradient, else align_max (the
+    one select --by alignment reads, where there is one)."""
+    return f"align_{next(a for a in ('mean', 'mean_gradient', 'max') if a in aggregates)}"
+
+
+def index_queries(task_values: torch.Tensor, by: str) -> np.ndarray:
+    """The vectors whose nearest rows by cosine hold the top rows by this column: the task's mean gradient
+    (align_mean_gradient); the mean of its unit vectors (align_mean: mean_j cos(x, v_j) = cos(x, q) |q|);
+    each of its vectors (align_max: a row of the top K by the max is in the top K of the example where
+    its max is reached, so the union of the per-example tops holds the top K)."""
+    v = task_values.double()
+    if by == "align_mean_gradient":
+        return v.mean(0, keepdim=True).numpy()
+    if by == "align_mean":
+        return (v / v.norm(dim=1, keepdim=True)).mean(0, keepdim=True).numpy()
+    return v.numpy()
+
+
+def top_rows(index, reader: pq.ParquetFile, kept: list[str], names: list[str], task_values: torch.Tensor,
+             aggregates: tuple[str, ...], routed: set[str], top: int) -> tuple[pa.Table, dict[str, Any]]:
+    """(the top rows by ranked_by, highest first, with the columns the exact scan gives them and the same
+    values; what the file's metadata says of the search). The index gives candidates (its top
+    CANDIDATES x top rows per query vector); from the store's own vectors, their whole-model column is
+    computed as the scan computes it (projected_cosines, row by row), the top kept, and only those rows' parts."""
+    from gradspec.runs.store_index import index_path
+
+    by = ranked_by(aggregates)
+    ids = index.candidates(index_queries(task_values, by), top)  # sorted; never none (an index has rows)
+    vectors = index.rows(ids)
+    whole = projected_cosines(torch.from_numpy(vectors.astype(np.float64)), task_values, ["model"], aggregates)[1]
+    values = whole[:, aggregates.index(by[len("align_"):])].numpy()
+    finite = np.flatnonzero(~np.isnan(values))
+    order = finite[np.argsort(-values[finite], kind="stable")][:top]
+    columns = _rows_of(reader, kept, ids[order])
+    flat = pa.array(vectors[order].ravel(), pa.float32())
+    columns = columns.append_column(PROJECTION, pa.FixedSizeListArray.from_arrays(flat, index.header["dims"]))
+    batch = pa.RecordBatch.from_arrays([c.combine_chunks() for c in columns.columns], schema=columns.schema)
+    table = _aligned(batch, kept, names, alignment_metrics(aggregates), task_values, aggregates, routed)
+    info = {"rows": top, "by": by, "candidates": int(len(ids)), "index": str(index_path(index.store).resolve()),
+            "settings": index.header["settings"], "recall": index.header["recall"], "described": index.describe()}
+    return table, info
+
+
+def _rows_of(reader: pq.ParquetFile, kept: list[str], rows: np.ndarray) -> pa.Table:
+    """These rows' kept columns, in this order, reading only the row groups that hold them."""
+    starts = np.cumsum([0] + [reader.metadata.row_group(g).num_rows for g in range(reader.num_row_groups)])
+    groups = np.searchsorted(starts, rows, side="right") - 1
+    parts, where = [], np.empty(len(rows), np.int64)
+    for g in np.unique(groups):
+        pick = np.flatnonzero(groups == g)
+        parts.append(reader.read_row_group(int(g), columns=kept).take(pa.array(rows[pick] - starts[g])))
+        where[pick] = np.arange(len(pick)) + sum(len(p) for p in parts[:-1])
+    if not parts:
+        return reader.schema_arrow.empty_table().select(kept)
+    return pa.concat_tables(parts).take(pa.array(where))
 
 
 def _aligned(batch: pa.RecordBatch, kept: list[str], names: list[str], metrics: tuple[str, ...],
