@@ -159,13 +159,13 @@ def _read_jsonl(path: Path, wanted: Callable[[int], bool]) -> Iterator[tuple[str
                 yield where, None
                 continue
             try:
-                record = _require_object(_parse_json(raw, where), where)
+                record = require_object(parse_json(raw, where), where)
             except InputError as e:
                 record = e
             yield where, record
 
 
-def _parse_json(raw: bytes, where: str, whole_file: bool = False) -> Any:
+def parse_json(raw: bytes, where: str, whole_file: bool = False) -> Any:
     """raw's JSON value, or an InputError naming where (and, in a whole file, the line): Python's
     parser also refuses a number of over 4300 digits and nesting deeper than its recursion limit, each
     with an error (ValueError, RecursionError) that would name no file."""
@@ -183,7 +183,7 @@ def _parse_json(raw: bytes, where: str, whole_file: bool = False) -> Any:
 def read_json(path: str | Path) -> Any:
     """A JSON file's value, read as a regular file; an InputError naming the file (and the line) where it is
     not JSON Python reads."""
-    return _parse_json(read_bytes(path), str(path), whole_file=True)
+    return parse_json(read_bytes(path), str(path), whole_file=True)
 
 
 def _read_json(path: Path) -> Iterator[tuple[str, Record]]:
@@ -195,7 +195,7 @@ def _read_json(path: Path) -> Iterator[tuple[str, Record]]:
     for i, record in enumerate(data):
         where = f"{path} element {i}"
         try:
-            yield where, _require_object(record, where)
+            yield where, require_object(record, where)
         except InputError as e:
             yield where, e
 
@@ -204,7 +204,7 @@ def _read_parquet(path: Path, wanted: Callable[[int], bool]) -> Iterator[tuple[s
     row = 0
     for batch in _parquet_batches(path):
         rows = range(row, row + batch.num_rows)
-        records = _parquet_records(batch, path, row) if any(wanted(i) for i in rows) else [None] * batch.num_rows
+        records = parquet_records(batch, path, row) if any(wanted(i) for i in rows) else [None] * batch.num_rows
         for i, record in zip(rows, records, strict=True):
             yield f"{path} row {i}", record if wanted(i) else None
         row += batch.num_rows
@@ -231,7 +231,7 @@ def _parquet_read(path: Path, read: Callable[..., Any], *args: Any) -> Any:
         return read(*args)
 
 
-def _parquet_records(batch: Any, path: Path, first: int) -> list[Record]:
+def parquet_records(batch: Any, path: Path, first: int) -> list[Record]:
     """A batch's rows as records; where a value will not convert (a string that is not UTF-8, a
     timestamp beyond Python's dates), which fails the whole batch, each row alone, the bad ones an
     InputError naming the row and column."""
@@ -255,7 +255,7 @@ def _parquet_record(batch: Any, k: int, where: str) -> Record:
     return record
 
 
-def _require_object(record: Any, where: str) -> dict:
+def require_object(record: Any, where: str) -> dict:
     if not isinstance(record, dict):
         raise InputError(f"{where}: expected a JSON object, got {type(record).__name__}")
     return record

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradspec.data.errors import InputError
-from gradspec.data.readers import Record, _parquet_records, _parse_json, _require_object
+from gradspec.data.readers import Record, parquet_records, parse_json, require_object
 from gradspec.files import parquet_errors
 
 SUFFIXES = (".json", ".jsonl", ".parquet")
@@ -182,7 +182,7 @@ def _jsonl_piece(piece: Piece) -> Iterator[tuple[str, Record]]:
             continue
         where = f"{piece.label}:{lineno}"
         try:
-            record: Record = _require_object(_parse_json(line, where), where)
+            record: Record = require_object(parse_json(line, where), where)
         except InputError as e:
             record = e
         yield where, record
@@ -192,7 +192,7 @@ def _jsonl_piece(piece: Piece) -> Iterator[tuple[str, Record]]:
 def _json_rows(filesystem, path: str, label: str) -> list[Any]:
     """A JSON file's rows: its list, or its one object."""
     with filesystem.open_input_stream(path) as f:
-        data = _parse_json(f.read(), label, whole_file=True)
+        data = parse_json(f.read(), label, whole_file=True)
     if isinstance(data, dict):
         data = [data]
     if not isinstance(data, list):
@@ -205,7 +205,7 @@ def _json_piece(piece: Piece) -> Iterator[tuple[str, Record]]:
     for i in range(piece.first, piece.first + piece.rows):
         where = f"{piece.label} element {i}"
         try:
-            yield where, _require_object(data[i], where)
+            yield where, require_object(data[i], where)
         except InputError as e:
             yield where, e
 
@@ -232,7 +232,7 @@ def _parquet_piece(piece: Piece) -> Iterator[tuple[str, Record]]:
     with parquet_errors(piece.label):
         table = file.read_row_groups(groups) if groups else pa.table({})
     table = table.slice(piece.first - (first or 0), piece.rows)
-    records = _parquet_records(table, piece.label, piece.first)
+    records = parquet_records(table, piece.label, piece.first)
     for k, record in enumerate(records):
         yield f"{piece.label} row {piece.first + k}", record
 

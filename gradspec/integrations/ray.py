@@ -81,7 +81,7 @@ class GradspecScorer:
 
     def __init__(self, model: str | os.PathLike | None = None, *, index_column: str | None = None,
                  parts: Parts | None = None, **options: Any) -> None:
-        from gradspec.runs.scoring import _metadata, load_engine
+        from gradspec.runs.scoring import load_engine, run_metadata
 
         given, settings_given = split_options(options, ScoreConfig, RunSettings, caller="GradspecScorer")
         settings = RunSettings(**{"on_error": "skip", **settings_given})
@@ -99,14 +99,14 @@ class GradspecScorer:
         self.batch_tokens = settings.batch_tokens or _batch_tokens(settings.device)
         self.engine, self.tokenizer, _, self.max_length = load_engine(
             config, settings.device, settings.backend, settings.trust_remote_code, self.batch_tokens, False)
-        self.metadata = None if parts is None else _metadata(config, self.engine, parts.info, None)
+        self.metadata = None if parts is None else run_metadata(config, self.engine, parts.info, None)
 
     def __call__(self, batch: pa.Table | Any) -> pa.Table:
         """The batch's rows scored (or, writing parts, the rows of WRITTEN: how many rows of each chunk have each
         status)."""
         from gradspec.data.templates import RESPONSE_CHECK_ROWS
         from gradspec.runs.chunks import score_samples
-        from gradspec.runs.run_folder import RunFolder, _rows_table
+        from gradspec.runs.run_folder import RunFolder, rows_table
 
         samples = sorted(self._samples(batch), key=lambda s: s.index)
         indices = [s.index for s in samples]
@@ -131,7 +131,7 @@ class GradspecScorer:
                       self.config.chunk_rows, self.config.template, self.max_length, self.batch_tokens, False)
         if folder is not None:
             return pa.Table.from_pylist(written, schema=WRITTEN)
-        table = _rows_table(rows) if rows else pa.table({"index": pa.array([], pa.int64())})
+        table = rows_table(rows) if rows else pa.table({"index": pa.array([], pa.int64())})
         if "error" not in table.column_names:  # every batch's rows of one schema, the errors' column too
             table = table.append_column("error", pa.nulls(table.num_rows, pa.string()))
         return table
@@ -156,13 +156,13 @@ class GradspecScorer:
         """(index, location, record) per row of the batch: score_dataset's blocks carry them; any other
         batch's columns are the record's (index_column, where given, its index)."""
         from gradspec.data.in_memory import InMemoryRows
-        from gradspec.data.readers import _parquet_records
+        from gradspec.data.readers import parquet_records
 
         if isinstance(batch, pa.Table) and RECORD in batch.column_names:
             return list(zip(batch[INDEX].to_pylist(), batch[WHERE].to_pylist(),
                             map(pickle.loads, batch[RECORD].to_pylist()), strict=True))
         if isinstance(batch, pa.Table):
-            records = _parquet_records(batch, "batch", 0)
+            records = parquet_records(batch, "batch", 0)
         else:
             import pandas as pd
 
@@ -264,7 +264,7 @@ def score_dataset(data: str | os.PathLike, out: str | os.PathLike, model: str | 
     import torch
 
     from gradspec.runs.run_folder import RunFolder, Shard
-    from gradspec.runs.scoring import _check_out, _run_info
+    from gradspec.runs.scoring import check_out, run_info
 
     data, out = os.fspath(data), os.path.abspath(os.fspath(out))
     given, settings_given = split_options(options, ScoreConfig, RunSettings, caller="score_dataset")
@@ -282,9 +282,9 @@ def score_dataset(data: str | os.PathLike, out: str | os.PathLike, model: str | 
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, int(num_cpus)))  # the run's numerics are its actors' (_use_assigned_cpus)
     try:
-        identity, complete = _check_out(config, out, None, Shard(), settings.resume, settings.overwrite, device,
+        identity, complete = check_out(config, out, None, Shard(), settings.resume, settings.overwrite, device,
                                         batch_tokens)
-        info = _run_info(config, None, identity, device, batch_tokens)
+        info = run_info(config, None, identity, device, batch_tokens)
     finally:
         torch.set_num_threads(threads)
     if complete:

@@ -179,7 +179,7 @@ class RunFolder(LockedFolder):
     def write_partial(self, chunk: int, rows: list[dict[str, Any]]) -> None:
         """The rows of an unfinished chunk scored so far, with the run's config fingerprint and its chunk,
         checksummed as a part is: what a kill costs is then the time since this write, not the whole chunk's."""
-        write_parquet(_rows_table(rows), self.partial(chunk), {FINGERPRINT: self._run_fingerprint(),
+        write_parquet(rows_table(rows), self.partial(chunk), {FINGERPRINT: self._run_fingerprint(),
                                                                PART: {"chunk": chunk}}, checksummed=True)
 
     def partial_rows(self, chunk: int) -> list[dict[str, Any]]:
@@ -476,7 +476,7 @@ class RunFolder(LockedFolder):
 
     def write_part(self, chunk: int, rows: list[dict[str, Any]], metadata: dict[str, Any]) -> None:
         """A chunk's rows, with the run's config fingerprint and the rows it holds in its metadata."""
-        self.write_table(chunk, _rows_table(rows), metadata)
+        self.write_table(chunk, rows_table(rows), metadata)
 
     def write_table(self, chunk: int, table: pa.Table, metadata: dict[str, Any]) -> None:
         """write_part of rows already made a table (its index column: the chunk's rows, in order)."""
@@ -603,7 +603,7 @@ class RunFolder(LockedFolder):
                     log.warning("removed %s, left by a merge that was stopped while writing it", p)
 
 
-def _rows_table(rows: list[dict[str, Any]]) -> pa.Table:
+def rows_table(rows: list[dict[str, Any]]) -> pa.Table:
     """Output rows as a table: every row's columns (not the first's alone), or a ValueError naming the rows
     where a carried input column mixes types."""
     try:

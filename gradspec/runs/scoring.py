@@ -85,7 +85,7 @@ def run(
     mine = ranks or shard or Shard()
     check_settings(config, device, device_map)
     batch_tokens = batch_tokens or batch_tokens_for(device, device_map)
-    identity, complete = _check_out(config, out, ranks, mine, resume, overwrite, device, batch_tokens)
+    identity, complete = check_out(config, out, ranks, mine, resume, overwrite, device, batch_tokens)
     if complete:  # resumed after its merge: nothing left to do
         log.info("%s is already complete: nothing to resume", out)
         return Counter(pq.read_table(out, columns=["status"])["status"].to_pylist())
@@ -97,11 +97,11 @@ def run(
         engine, tokenizer, sharding, max_length = load_engine(config, device, backend, trust_remote_code,
                                                               batch_tokens, shown, device_map, fsdp)
         folder = RunFolder(out)
-        info = _run_info(config, group, identity, device, batch_tokens)
+        info = run_info(config, group, identity, device, batch_tokens)
         try:  # the lock this process takes in the run folder is released however the run ends, errors included
             created = start_folder(folder, info, group, mine, resume, overwrite, records)
             wanted, total = _chunks_to_score(config, mine, folder.done(), records)
-            metadata = _metadata(config, engine, info, sharding)
+            metadata = run_metadata(config, engine, info, sharding)
             statuses = _score_into(folder, created, config, engine, tokenizer, metadata, wanted, on_error,
                                    max_length, batch_tokens, shown, total, flush_minutes)
             if group is not None:
@@ -129,8 +129,8 @@ def _refuse_combinations(config: ScoreConfig, ranks: Shard | None, shard: Shard 
                           f"rank has its own GPU: use {mention('fsdp')} to shard a model too large for one")
 
 
-def _check_out(config: ScoreConfig, out: str | Path, ranks: Shard | None, mine: Shard, resume: bool,
-               overwrite: bool, device: str, batch_tokens: int) -> tuple[dict[str, Any] | None, bool]:
+def check_out(config: ScoreConfig, out: str | Path, ranks: Shard | None, mine: Shard, resume: bool,
+              overwrite: bool, device: str, batch_tokens: int) -> tuple[dict[str, Any] | None, bool]:
     """An --out in the way, before the model loads (rank 0 checks for torchrun). Returns the model's
     identity as found on disk (its folder, a fingerprint of its files), not as named: None until it
     is on this machine (a Hub id not in the cache yet), then taken after it loads; and whether a
@@ -166,8 +166,8 @@ def _check_input(config: ScoreConfig, on_error: str) -> int:
     return records
 
 
-def _run_info(config: ScoreConfig, group: Group | None, identity: dict[str, Any] | None,
-              device: str, batch_tokens: int) -> dict[str, Any]:
+def run_info(config: ScoreConfig, group: Group | None, identity: dict[str, Any] | None,
+             device: str, batch_tokens: int) -> dict[str, Any]:
     """The run's description (config, model identity, numerics), the same in every rank's parts."""
     if group is None or group.rank == 0:  # torchrun's other ranks take rank 0's
         identity = identity or model_identity(config.model) or \
@@ -212,8 +212,8 @@ def _chunks_to_score(config: ScoreConfig, mine: Shard, done: set[int],
     return wanted, total
 
 
-def _metadata(config: ScoreConfig, engine: SpectralEngine, info: dict[str, Any],
-              sharding: Any) -> dict[str, Any]:
+def run_metadata(config: ScoreConfig, engine: SpectralEngine, info: dict[str, Any],
+                 sharding: Any) -> dict[str, Any]:
     """The metadata of each part (and so of the score file), the precision policy's aside."""
     metadata = {**file_metadata(engine.parts, engine.metric_names, info), **engine.describe()}
     if sharding is not None:

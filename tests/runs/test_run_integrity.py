@@ -624,7 +624,7 @@ def test_rows_taken_back_from_a_partial_write_are_the_rows_that_were_written(tmp
     folder.write_partial(0, rows)
     back = folder.partial_rows(0)
     assert back[0]["projected_gradient"].dtype == np.float32 and "a/m" not in back[1]
-    assert run_folder._rows_table(back).equals(run_folder._rows_table(rows))
+    assert run_folder.rows_table(back).equals(run_folder.rows_table(rows))
 
 
 def _finished(proc, timeout=300):
