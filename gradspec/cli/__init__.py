@@ -20,8 +20,8 @@ from gradspec.cli.options import flags_of
 from gradspec.data.readers import InputError
 from gradspec.options import OptionError, declared, nearest
 
-_NAMES = ("score", "align", "project", "select", "report", "merge", "train", "dynamics", "diagnose", "validate",
-          "env", "ray-score")
+_NAMES = ("score", "ray-score", "align", "project", "select", "report", "merge", "train", "dynamics", "diagnose",
+          "validate", "env")
 
 
 class _Commands(Mapping[str, ModuleType]):

@@ -140,10 +140,10 @@ def test_a_model_folder_that_cannot_load(capsys, tmp_path, tiny_model_dir):
     (["score", "--modle", "m"], "unrecognized arguments: --modle m (--modle: did you mean --model?); see gradspec "
                                 "score -h"),
     (["select", "--scores", "s.parquet"], "the following arguments are required: --out, --by; see gradspec select -h"),
-    (["scor"], "argument command: invalid choice: 'scor' (did you mean score? choose from score, align, project, "
-               "select, report, merge, train, dynamics, diagnose, validate, env); see gradspec -h"),
-    (["sel", "--out", "x"], "argument command: invalid choice: 'sel' (choose from score, align, project, select, "
-                            "report, merge, train, dynamics, diagnose, validate, env); see gradspec -h"),
+    (["scor"], "argument command: invalid choice: 'scor' (did you mean score? choose from score, ray-score, align, "
+               "project, select, report, merge, train, dynamics, diagnose, validate, env); see gradspec -h"),
+    (["sel", "--out", "x"], "argument command: invalid choice: 'sel' (choose from score, ray-score, align, project, "
+                            "select, report, merge, train, dynamics, diagnose, validate, env); see gradspec -h"),
 ])
 def test_argument_errors_are_one_line_too(capsys, nothing_loads, argv, message):
     with pytest.raises(SystemExit) as stop:
