@@ -153,9 +153,10 @@ def write_checksummed(path: str | Path, write: Callable[[IO[bytes]], None]) -> N
     atomic_write(check, lambda f: f.write(written[0].encode()))
 
 
-def checksum_problem(path: str | Path) -> str | None:
+def checksum_problem(path: str | Path, data: bytes | None = None) -> str | None:
     """Why path's bytes are not those written (\"damaged, ...\"), or None. FileNotFoundError where path
-    itself is gone."""
+    itself is gone. data: path's bytes, already read (checked as read, not read again: what is checked is what
+    the caller parses)."""
     try:
         expected = read_text(checksum_path(path)).strip()
     except FileNotFoundError:
@@ -163,7 +164,7 @@ def checksum_problem(path: str | Path) -> str | None:
     except (OSError, UnicodeDecodeError) as e:
         return f"damaged, its checksum cannot be read ({e})"
     try:
-        actual = sha256(path)
+        actual = sha256(path) if data is None else hashlib.sha256(data).hexdigest()
     except NotRegularFile as e:
         return f"damaged, {str(e).partition(': ')[2]}"
     if actual not in expected.split():  # one digest, or two while write_checksummed replaces the file

@@ -37,7 +37,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from gradspec.errors import InputError
-from gradspec.files import atomic_write, checksum_path, open_regular, read_text, regular, write_checksummed
+from gradspec.files import atomic_write, checksum_path, checksum_problem, open_regular, regular, write_checksummed
 from gradspec.runs.score_files import PROJECTION, read_metadata
 
 MAGIC = b"GRADSPEC-FAISS-1\n"
@@ -294,6 +294,10 @@ class StoreIndex:
     vectors: _Rows
     file: Any = None  # S.vectors, open
 
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
     def describe(self) -> str:
         s = self.header["settings"]
         r = self.header["recall"]
@@ -347,13 +351,9 @@ def read_index(store: str | Path) -> StoreIndex:
     _no_link(checksum_path(path), "index checksum")
     with open_regular(path, "an index from gradspec project --index") as f:
         data = f.read()
-    try:
-        expected = read_text(checksum_path(path)).split()
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"{path}: damaged, its checksum cannot be read ({e})") from None
-    if hashlib.sha256(data).hexdigest() not in expected:
-        raise InputError(f"{path}: damaged, its bytes differ from those written (checksum mismatch); build it again "
-                         f"({_rebuild(store)})")
+    problem = checksum_problem(path, data)
+    if problem is not None:
+        raise InputError(f"{path}: {problem}; build it again ({_rebuild(store)})")
     try:
         if not data.startswith(MAGIC):
             raise ValueError("not an index gradspec wrote")

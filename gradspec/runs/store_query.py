@@ -104,7 +104,10 @@ def query_store(
             "estimate": f"cosines of Kronecker-projected gradients (k_in = k_out = {meta['projection']['k_in']})"}
     schema = None
     if top is not None:
-        table, info["top"] = top_rows(index, reader, kept, names, task_values, aggregates, routed, top)
+        try:
+            table, info["top"] = top_rows(index, reader, kept, names, task_values, aggregates, routed, top)
+        finally:
+            index.close()  # its vectors file, held open since it was checked
         tables = iter([table])
     else:
         tables = scanned(reader, kept, names, task_values, aggregates, routed)
