@@ -61,10 +61,10 @@ def write(model: Path, out: Path) -> None:
         ["score", *common, "--out", "scores.parquet", "--classic"],
         ["align", *common, "--target", "task.jsonl", "--out", "align.parquet"],
         ["train", "--model", str(model.resolve()), "--data", "train.jsonl", "--out", "train", "--epochs", "2",
-                  "--batch-size", "4", "--learning-rate", "1e-2", "--monitor-every", "2", "--seed", "0"],
+         "--batch-size", "4", "--learning-rate", "1e-2", "--monitor-every", "2", "--seed", "0"],
         ["validate", *common, "--target", "task.jsonl", "--out", "validate.parquet",
-                     "--subsets", "4", "--batch-size", "2", "--learning-rate", "1e-3", "--seeds", "1",
-                     "--outcome", "scores.parquet:nuclear_norm", "--length-buckets", "2"],
+         "--subsets", "4", "--batch-size", "2", "--learning-rate", "1e-3", "--seeds", "1",
+         "--outcome", "scores.parquet:nuclear_norm", "--length-buckets", "2"],
     ]
     for args in runs:
         if main(args) != 0:
