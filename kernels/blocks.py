@@ -42,9 +42,12 @@ def architecture(index: int) -> int:
     return 10 * major + minor
 
 
-def blocks(kernel: str, device: torch.device) -> dict[str, int]:
-    """The block arguments kernel launches with on device: its architecture's row of BLOCKS, else ELSEWHERE's."""
+def blocks(kernel: str, device: torch.device, **given: int | None) -> dict[str, int]:
+    """The block arguments kernel launches with on device: its architecture's row of BLOCKS, else ELSEWHERE's;
+    a block given (not None) in place of the table's; in the launcher's argument order."""
     if device.type != "cuda":
-        return ELSEWHERE[kernel]
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return BLOCKS.get(architecture(index), ELSEWHERE)[kernel]
+        table = ELSEWHERE[kernel]
+    else:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        table = BLOCKS.get(architecture(index), ELSEWHERE)[kernel]
+    return {name: given.get(name) or block for name, block in table.items()}

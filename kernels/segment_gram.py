@@ -81,8 +81,7 @@ def segment_gram_triton(
     Blocks left None are the device's (kernels.blocks)."""
     if triton is None:
         raise RuntimeError("segment_gram_triton needs triton (pip install 'gradspec[triton]')")
-    chosen = blocks("segment_gram", Y.device)
-    block_t, block_d = block_t or chosen["block_t"], block_d or chosen["block_d"]
+    block_t, block_d = blocks("segment_gram", Y.device, block_t=block_t, block_d=block_d).values()
     N, T, d = Y.shape
     n_tiles = triton.cdiv(T, block_t)
     gram = torch.empty((N, T, T), device=Y.device, dtype=torch.float32)

@@ -96,8 +96,7 @@ def segment_syrk64_triton(
     Blocks left None are the device's (kernels.blocks)."""
     if triton is None:
         raise RuntimeError("segment_syrk64_triton needs triton (pip install 'gradspec[triton]')")
-    chosen = blocks("segment_syrk64", Y.device)
-    block_t, block_d = block_t or chosen["block_t"], block_d or chosen["block_d"]
+    block_t, block_d = blocks("segment_syrk64", Y.device, block_t=block_t, block_d=block_d).values()
     N, T, d = Y.shape
     tiles = lower_tiles(triton.cdiv(T, block_t), Y.device)
     gram = torch.zeros((N, T, T), device=Y.device, dtype=torch.float64)

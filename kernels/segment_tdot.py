@@ -58,8 +58,8 @@ def segment_tdot_triton(
     Blocks left None are the device's (kernels.blocks)."""
     if triton is None:
         raise RuntimeError("segment_tdot_triton needs triton (pip install 'gradspec[triton]')")
-    chosen = blocks("segment_tdot", A.device)
-    block_t, block_p, block_q = block_t or chosen["block_t"], block_p or chosen["block_p"], block_q or chosen["block_q"]
+    block_t, block_p, block_q = blocks("segment_tdot", A.device, block_t=block_t, block_p=block_p,
+                                       block_q=block_q).values()
     N, _, p = A.shape
     q = B.shape[2]
     out = torch.empty((N, p, q), device=A.device, dtype=torch.float32)

@@ -112,6 +112,8 @@ def test_the_launchers_take_their_blocks_from_the_table_by_device(monkeypatch):
     monkeypatch.setattr(block_table, "architecture", lambda index: 90)
     monkeypatch.setitem(block_table.BLOCKS, 90, {"segment_gram": {"block_t": 16, "block_d": 64}})
     assert block_table.blocks("segment_gram", torch.device("cuda", 0)) == {"block_t": 16, "block_d": 64}
+    assert block_table.blocks("segment_gram", torch.device("cuda", 0), block_t=None, block_d=8) == {
+        "block_t": 16, "block_d": 8}
     Y, lengths = torch.empty(2, 40, 8, device="meta"), torch.full((2,), 40, device="meta")
     segment_gram.segment_gram_triton(Y, lengths)
     segment_gram.segment_gram_triton(Y, lengths, block_t=16, block_d=8)
