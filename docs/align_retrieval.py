@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pools import DATA, gsm8k_samples
 
 from gradspec.alignment.cosines import projected_cosines
 from gradspec.alignment.projection import leading_block
@@ -33,7 +34,6 @@ from gradspec.data.templates import tokenize
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.runs.store_query import task_vectors
 
-DATA = Path(__file__).resolve().parents[2] / "shared/data/gradient_unified"
 MAX_LENGTH, K, BIG = 512, (4, 8, 16), 16
 KINDS = ("instruction", "reasoning", "code")
 
@@ -43,7 +43,7 @@ def samples_by_kind():
     instruction = []
     for source in ("wiz", "her", "mag"):
         instruction += list(read_samples(DATA / f"reward/{source}_10k_highest_200.json", Fields()))[:27]
-    reasoning = list(read_samples(DATA / "reasoning/gsm8k_R1.json", Fields()))[:80]
+    reasoning = gsm8k_samples()[:80]
     code = list(humaneval_samples(80))
     random.Random(0).shuffle(instruction)
     kinds = {"instruction": instruction[:80], "reasoning": reasoning, "code": code}

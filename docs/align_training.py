@@ -13,13 +13,13 @@ difficulty subsets: 1,000 in all. max_length 256, plain template, q/k/v/o.
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from pools import gsm8k_samples, instruction_samples, write_jsonl
 
 import gradspec
 from gradspec.data.batching import Item
@@ -29,7 +29,6 @@ from gradspec.data.templates import tokenize
 from gradspec.engine.loss import item_losses
 from gradspec.runs.score_files import module_mean
 
-DATA = Path(__file__).resolve().parents[2] / "shared/data/gradient_unified"
 MAX_LENGTH, PICK = 256, 100
 
 
@@ -37,19 +36,8 @@ def rows(samples):
     return [{"messages": s.messages} for s in samples]
 
 
-def write_jsonl(path: Path, records) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
 def build(out: Path) -> tuple[Path, Path, Path]:
-    instruction = []
-    for metric in ("reward", "ifd_gpt2", "diff"):
-        for source in ("wiz", "her", "mag"):
-            for side in ("highest", "lowest"):
-                instruction += list(read_samples(DATA / f"{metric}/{source}_10k_{side}_200.json", Fields()))[:45]
-    random.Random(0).shuffle(instruction)
-    gsm8k = list(read_samples(DATA / "reasoning/gsm8k_R1.json", Fields()))
+    instruction, gsm8k = instruction_samples(45), gsm8k_samples()
     pool = instruction[:800] + gsm8k[:100] + list(humaneval_samples(100))
     return (write_jsonl(out / "pool.jsonl", rows(pool)), write_jsonl(out / "task.jsonl", rows(gsm8k[100:120])),
             write_jsonl(out / "heldout.jsonl", rows(gsm8k[120:150])))

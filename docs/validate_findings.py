@@ -22,7 +22,6 @@ script runs end to end (no numbers to keep).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
@@ -31,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from pools import gsm8k_samples, instruction_samples, write_jsonl
 
-from gradspec.data.readers import Fields, humaneval_samples, read_samples
+from gradspec.data.readers import Fields, humaneval_samples
 from gradspec.runs.checkpoint_sum import sum_over_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared/data/gradient_unified"
 SMOKE = os.environ.get("FINDINGS_SMOKE") == "1"
 MAX_LENGTH = "128" if SMOKE else "256"
 SIZES = (6, 3, 3, 2) if SMOKE else (64, 32, 32, 8)  # instruction, gsm8k, HumanEval, target
@@ -54,20 +53,9 @@ def alpaca(sample) -> dict:
     return {"instruction": user, "output": answer}
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def build(out: Path) -> tuple[Path, Path]:
     n_instruction, n_gsm8k, n_code, n_target = SIZES
-    instruction = []
-    for metric in ("reward", "ifd_gpt2", "diff"):
-        for source in ("wiz", "her", "mag"):
-            for side in ("highest", "lowest"):
-                instruction += list(read_samples(DATA / f"{metric}/{source}_10k_{side}_200.json", Fields()))[:12]
-    random.Random(0).shuffle(instruction)
-    gsm8k = list(read_samples(DATA / "reasoning/gsm8k_R1.json", Fields()))
+    instruction, gsm8k = instruction_samples(12), gsm8k_samples()
     pool = instruction[:n_instruction] + gsm8k[:n_gsm8k] + list(humaneval_samples(n_code))
     target = gsm8k[n_gsm8k:n_gsm8k + n_target]
     return (write_jsonl(out / "pool.jsonl", [alpaca(s) for s in pool]),
