@@ -97,7 +97,7 @@ class BatchLayout:
 class PackedLayout(BatchLayout):
     """A packed (padding-free) batch: several sequences per row, each a sample, given as (row,
     start, length) runs of the (rows, T) input. ``whole`` gathers them into right-padded
-    (sequences, longest, d) tensors, so every capture sees one sample per row as before."""
+    (sequences, longest, d) tensors, so every capture sees one sample per row, as in a padded batch."""
 
     def __init__(self, sequences: list[tuple[int, int, int]], shape: tuple[int, int], device: torch.device | str
                  ) -> None:

@@ -141,7 +141,7 @@ class ScoreConfig:
             del info["seed"]
         if not self.project:
             del info["project"]
-        if self.task is None or not self.attribution:  # a run describes itself as before these options existed
+        if self.task is None or not self.attribution:  # unused options stay out: old runs' fingerprints still match
             del info["attribution"]
         if self.task is None or self.precondition == "none":
             del info["precondition"]
@@ -153,7 +153,7 @@ class ScoreConfig:
                 info["fit_data"]
         if self.precondition != "adam":
             del info["optimizer_state"]
-        if self.task is None:  # a spectra run describes itself as before alignment existed
+        if self.task is None:  # a spectra run's fingerprint holds no alignment option
             del info["task"], info["aggregate"]
         if self.task is None and not self.project:
             del info["spectra"]

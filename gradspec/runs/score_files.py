@@ -339,7 +339,7 @@ def read_batches(source: str | Path | pq.ParquetFile, columns: list[str] | None,
     """The rows of a Parquet file in order, of these columns only (None: all), about BATCH_BYTES at a
     time (row_bytes: what a row takes in memory as the caller holds it; default 8 a column), at least one
     table (empty for a file without rows). Row groups smaller than a batch are read together (a run's
-    parts, in a file merged before issue 39), up to twice a batch whole, larger ones in slices (pyarrow
+    parts, in files merged by old versions), up to twice a batch whole, larger ones in slices (pyarrow
     holds a row group read in slices about twice over, and its iter_batches over many row groups keeps
     every one it read until the end: each is sliced alone)."""
     file = source if isinstance(source, pq.ParquetFile) else pq.ParquetFile(source)
