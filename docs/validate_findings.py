@@ -15,7 +15,7 @@ time; validate --length-buckets adds them).
     .venv/bin/python docs/validate_findings.py [OUT]    # hours on 2 CPU cores: not run in CI
 
 Every step is skipped where its output exists and the retrains resume, so a stopped run is run again
-with the same command. bergson lives in a venv of its own (benchmarks/bergson_env.sh, made under OUT
+with the same command. bergson lives in a venv of its own (benchmarks/peers/bergson_env.sh, made under OUT
 unless BERGSON_PYTHON names its python). FINDINGS_SMOKE=1: a few rows and retrains, to check the
 script runs end to end (no numbers to keep).
 """
@@ -109,11 +109,11 @@ def bergson(out: Path, pool: Path, target: Path, preconditioner: str) -> Path:
         return path
     python = os.environ.get("BERGSON_PYTHON") or str(out / "bergson/.venv-bergson/bin/python")
     if not Path(python).exists():
-        run("bash", str(REPO / "benchmarks/bergson_env.sh"), str(out / "bergson"))
+        run("bash", str(REPO / "benchmarks/peers/bergson_env.sh"), str(out / "bergson"))
     from gradspec.data.models import default_model_path
 
     raw = out / f"bergson_{preconditioner}_raw.parquet"
-    run(python, str(REPO / "benchmarks/bergson_filtered.py"), "--filter-modules", "*.mlp.*,lm_head", "--model",
+    run(python, str(REPO / "benchmarks/peers/bergson_filtered.py"), "--filter-modules", "*.mlp.*,lm_head", "--model",
         str(default_model_path()), "--pool", str(pool), "--target", str(target), "--out", str(raw),
         "--preconditioner", preconditioner, "--loss-reduction", "mean", "--max-length", MAX_LENGTH,
         "--workdir", str(out / "bergson" / preconditioner))

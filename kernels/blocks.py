@@ -1,5 +1,5 @@
 """The block sizes each kernel launches with, per GPU architecture: one table, which the launchers read
-(by their tensors' device) and which benchmarks/gpu_static.py compiles and checks for every architecture
+(by their tensors' device) and which benchmarks/gpu/gpu_static.py compiles and checks for every architecture
 it names (registers, spills, shared memory, occupancy: the table in benchmarks/RESULTS.md).
 
 The choice, per kernel and architecture, is gpu_static.py's rule on those static numbers: of the
@@ -10,7 +10,7 @@ scheduler to hide memory latency). At block 64 the SYRK and the Gram spill on al
 and the A^T B on sm_80, and on sm_90/sm_100 the A^T B holds 64 KiB of shared memory a block, 19%
 occupancy; at 32 every launch compiles without a spill at 25-81%: 32 everywhere. Static numbers rule
 blocks out, they cannot rank the rest (16 passes too): a change here is for a timing on the GPU
-(benchmarks/gpu_suite.py times exactly these blocks) to justify.
+(benchmarks/gpu/gpu_suite.py times exactly these blocks) to justify.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The sub-packages import one another one way: no cycle between them, and nothing below the top
-imports the top.
+"""Imports run one way: no cycle between sub-packages, none between the modules of one package, and
+nothing below the top imports the top. The same module check holds for benchmarks/ (a package too).
 
 Every module of the package (gradspec/**/*.py, and kernels/, which ships as gradspec.kernels) is
 parsed with ``ast``; each ``import gradspec.x...`` and ``from gradspec.x... import ...`` (relative
@@ -14,6 +14,15 @@ The top (gradspec/__init__.py, gradspec/__main__.py, gradspec/environment.py and
 import anything; nothing imports gradspec/__init__ or __main__, only the top imports
 gradspec.environment, and only __main__ imports gradspec.cli (cli's own modules import each other
 freely: that is within one unit).
+
+Modules: an edge a -> b for each import a writes of b (``from pkg.x import name`` is an import of
+pkg.x, ``from pkg import x`` of the module pkg.x where x is one), lazy and TYPE_CHECKING ones
+included, for the reason above: a cycle of modules is one idea split across files that cannot be read
+apart. Only the imports a module writes count, not the package __init__ files Python runs on the way:
+``pkg/__init__`` importing pkg.a while pkg.a imports pkg.b is a chain (pkg -> pkg.a -> pkg.b), not a
+cycle, so an __init__ that re-exports its modules makes none of them cyclic. A module that imports its
+own package (``from pkg import name`` where name is re-exported there) while that __init__ imports
+the module is a cycle (pkg -> pkg.a -> pkg): it reads a half-initialised package.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from pathlib import Path
 
 import gradspec
 
+REPO = Path(__file__).resolve().parents[1]
 ROOT = "gradspec"
 EXTENSIONS = {"gradspec._C"}  # built from csrc/ (optional: a checkout may lack it); it imports nothing
 TOP = {"gradspec", "gradspec.__main__", "gradspec.environment", "gradspec.cli"}
@@ -97,25 +107,35 @@ def imports_of(name: str, path: Path, known: set[str], root: str) -> list[tuple[
     return found
 
 
-def import_graph(
+def module_graph(
     root: str, dirs: dict[str, Path], extensions: set[str] = frozenset()
 ) -> dict[tuple[str, str], list[str]]:
-    """(importing unit, imported unit) -> the import lines that make the edge (between units only).
-    extensions: compiled modules, so that ``from gradspec import _C`` is known for a module import."""
+    """(importing module, imported module) -> the import lines that make the edge (a module's imports of
+    itself aside). extensions: compiled modules, so that ``from gradspec import _C`` is known for a module."""
     modules = package_modules(root, dirs)
     known = set(modules) | set(extensions)
     edges: dict[tuple[str, str], list[str]] = defaultdict(list)
     for name, path in modules.items():
         for imported, line, text, lazy in imports_of(name, path, known, root):
-            a, b = unit(name), unit(imported)
-            if a != b:
+            if imported != name:
                 where = " (inside a function)" if lazy else ""
-                edges[a, b].append(f"{path}:{line}: {' '.join(text.split())}{where}")
+                edges[name, imported].append(f"{path}:{line}: {' '.join(text.split())}{where}")
+    return dict(edges)
+
+
+def import_graph(
+    root: str, dirs: dict[str, Path], extensions: set[str] = frozenset()
+) -> dict[tuple[str, str], list[str]]:
+    """(importing unit, imported unit) -> the import lines that make the edge (between units only)."""
+    edges: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for (a, b), lines in module_graph(root, dirs, extensions).items():
+        if unit(a) != unit(b):
+            edges[unit(a), unit(b)] += lines
     return dict(edges)
 
 
 def cycles(edges: dict[tuple[str, str], list[str]]) -> list[list[str]]:
-    """One cycle (a, b, ..., a) per strongly connected set of two or more units."""
+    """One cycle (a, b, ..., a) per strongly connected set of two or more nodes (units or modules)."""
     graph: dict[str, set[str]] = defaultdict(set)
     for a, b in edges:
         graph[a].add(b)
@@ -174,8 +194,9 @@ def describe(cycle: list[str], edges: dict[tuple[str, str], list[str]]) -> str:
 
 
 def gradspec_dirs() -> dict[str, Path]:
-    dirs = {ROOT: Path(gradspec.__path__[0])}
-    kernels = Path(importlib.util.find_spec("gradspec.kernels").submodule_search_locations[0])
+    dirs = {ROOT: Path(gradspec.__path__[0]).resolve()}
+    # resolved: a worktree links gradspec/kernels to ../kernels, which rglob does not follow
+    kernels = Path(importlib.util.find_spec("gradspec.kernels").submodule_search_locations[0]).resolve()
     if not kernels.is_relative_to(dirs[ROOT]):  # a checkout: kernels/ beside gradspec/ (package_dir)
         dirs[f"{ROOT}.kernels"] = kernels
     return dirs
@@ -187,6 +208,23 @@ def test_no_cycle_between_subpackages():
     assert any(a == "gradspec.linalg" and b == "gradspec.kernels" for a, b in edges)
     found = cycles(edges)
     assert not found, "import cycles between sub-packages:\n" + "\n".join(describe(c, edges) for c in found)
+
+
+def test_no_cycle_between_modules():
+    """Inside a sub-package too: every module of gradspec, lazy and TYPE_CHECKING imports included."""
+    edges = module_graph(ROOT, gradspec_dirs(), EXTENSIONS)
+    assert ("gradspec.alignment.capture", "gradspec.alignment.cosines") in edges  # the walk sees modules
+    found = cycles(edges)
+    assert not found, "import cycles between modules:\n" + "\n".join(describe(c, edges) for c in found)
+
+
+def test_no_cycle_between_benchmark_modules():
+    """benchmarks/ is a package (its scripts run as ``python -m benchmarks.<group>.<name>``): the same check."""
+    edges = module_graph("benchmarks", {"benchmarks": REPO / "benchmarks"})
+    assert ("benchmarks.gpu.gpu_suite", "benchmarks.gpu.cost_model") in edges  # the walk sees the package
+    assert ("benchmarks.throughput.bench_score", "benchmarks.common") in edges
+    found = cycles(edges)
+    assert not found, "import cycles between benchmark modules:\n" + "\n".join(describe(c, edges) for c in found)
 
 
 def test_nothing_below_the_top_imports_it():
@@ -210,3 +248,37 @@ def test_the_walk_finds_a_lazy_cycle_and_names_its_lines(tmp_path):
     assert cycles(edges) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
     assert edges["pkg.b", "pkg.c"] == [f"{pkg / 'b' / 'two.py'}:2: from ..c import three (inside a function)"]
     assert edges["pkg.c", "pkg.a"] == [f"{pkg / 'c' / 'three.py'}:1: from pkg import a"]
+
+
+def _package(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_the_module_walk_finds_a_cycle_inside_one_package(tmp_path):
+    """A cycle of three modules of one sub-package, closed by a TYPE_CHECKING import and a lazy relative
+    one, is found with its lines; the sub-package graph does not see it."""
+    pkg = _package(tmp_path / "pkg", {
+        "__init__.py": "", "sub/__init__.py": "from pkg.sub.a import A\n",
+        "sub/a.py": "from pkg.sub.b import B\nA = 1\n",
+        "sub/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.sub.c import C\nB = 2\n",
+        "sub/c.py": "def f():\n    from . import a\n"})
+    edges = module_graph("pkg", {"pkg": pkg})
+    assert cycles(edges) == [["pkg.sub.a", "pkg.sub.b", "pkg.sub.c", "pkg.sub.a"]]
+    assert edges["pkg.sub.c", "pkg.sub.a"] == [f"{pkg / 'sub' / 'c.py'}:2: from . import a (inside a function)"]
+    assert edges["pkg.sub.b", "pkg.sub.c"] == [f"{pkg / 'sub' / 'b.py'}:3: from pkg.sub.c import C"]
+    assert cycles(import_graph("pkg", {"pkg": pkg})) == []  # one unit: the sub-package check misses it
+    assert "pkg.sub.a -> pkg.sub.b -> pkg.sub.c -> pkg.sub.a" in describe(cycles(edges)[0], edges)
+
+
+def test_an_init_that_re_exports_makes_no_module_cyclic(tmp_path):
+    """pkg/__init__ importing pkg.a, which imports pkg.b, is a chain; a module that imports a name from
+    its own package's __init__, which imports that module, is a cycle."""
+    pkg = _package(tmp_path / "pkg", {"__init__.py": "from pkg.a import A\nfrom pkg.b import B\n",
+                                      "a.py": "from pkg.b import B\nA = B\n", "b.py": "B = 1\n"})
+    edges = module_graph("pkg", {"pkg": pkg})
+    assert set(edges) == {("pkg", "pkg.a"), ("pkg", "pkg.b"), ("pkg.a", "pkg.b")} and cycles(edges) == []
+    (pkg / "b.py").write_text("from pkg import A\nB = 1\n")
+    assert cycles(module_graph("pkg", {"pkg": pkg})) == [["pkg", "pkg.b", "pkg"]]

@@ -8,33 +8,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from gradspec.alignment.cosines import cosines, flag_alignment
-from gradspec.layers.hooks import BatchLayout, Capture, Captured
+from gradspec.alignment.kept_capture import KeptCapture
+from gradspec.layers.hooks import BatchLayout, Captured
 from gradspec.layers.registry import Part, Target
-from gradspec.linalg.host_copies import HostCopies
 
 if TYPE_CHECKING:
     from gradspec.alignment.task import TaskGradients
-
-
-class KeptCapture(Capture):
-    """A capture whose results, kept per part in ``kept`` as tensors over the batch's N samples, are
-    copied to the host by to_host (pinned, on the caller's thread, so they do not queue behind the
-    next batch's device work) and given back by release."""
-
-    def __init__(self, targets: list[Target], batch: BatchLayout) -> None:
-        super().__init__(targets, batch)
-        self.kept: dict[str, tuple[torch.Tensor, ...]] = {}
-        self._copies = HostCopies()
-
-    def to_host(self) -> None:
-        self.kept = {name: tuple(self._copies(t) for t in values) for name, values in self.kept.items()}
-        self._copies.queued()
-
-    def wait_host(self) -> None:
-        self._copies.wait()
-
-    def release(self) -> None:
-        self.kept = {}
 
 
 class AlignmentCapture(KeptCapture):

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from gradspec.alignment.batches import numbered
-from gradspec.alignment.capture import KeptCapture
 from gradspec.alignment.directions import masked
+from gradspec.alignment.kept_capture import KeptCapture
 from gradspec.choices import DAMPING
 from gradspec.errors import OptionInputError
 from gradspec.files import NotRegularFile, checksum_path, checksum_problem, create_new, regular, write_checksum

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from gradspec.alignment.capture import KeptCapture
 from gradspec.alignment.directions import masked
+from gradspec.alignment.kept_capture import KeptCapture
 from gradspec.layers.hooks import BatchLayout, Captured
 from gradspec.layers.registry import Part, Target
 from gradspec.options import OptionError, mention

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from gradspec.alignment.batches import numbered
-from gradspec.alignment.capture import KeptCapture
 from gradspec.alignment.directions import (
     ROUTES,
     PartDirections,
@@ -30,6 +29,7 @@ from gradspec.alignment.directions import (
     per_sample_gradients,
     route_for,
 )
+from gradspec.alignment.kept_capture import KeptCapture
 from gradspec.alignment.preconditioner import Preconditioner
 from gradspec.choices import DEFAULT_AGGREGATES, check_aggregates
 from gradspec.layers.hooks import BatchLayout, Captured

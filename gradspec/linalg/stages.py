@@ -1,7 +1,7 @@
 """Which path runs a stage (gradspec.linalg.policy.STAGES), and running it.
 
 The policy's forced path, else the only one, else on the CPU the first of a fixed preference
-(the extension wins at every size there: benchmarks/bench_eigen.py; a fixed path keeps reruns
+(the extension wins at every size there: benchmarks/throughput/bench_eigen.py; a fixed path keeps reruns
 bit-identical), else on a GPU the path measured fastest for this (stage, precision, size bucket)
 on the first batch that needs it. Every path of a stage gives the same numbers at one precision.
 """

@@ -6,9 +6,9 @@ has a Triton path on a GPU, grams.TRITON_GRAM which kernel the segment Gram's pa
 gradspec.choices.DTYPES the model dtypes that reach the segment Gram as they are (the sketch's products
 are cast to the precision's dtype first: lowrank.sketch_gram), kernels.blocks.BLOCKS the block sizes per
 architecture; the fp64 SYRK's FMA loop is the launch it falls back to where the fp64 dot fails to
-compile. benchmarks/gpu_static.py compiles each launch for every architecture of BLOCKS,
+compile. benchmarks/gpu/gpu_static.py compiles each launch for every architecture of BLOCKS,
 tests/kernels/test_compile_for_gpus.py fails on one that does not compile cleanly, and
-benchmarks/gpu_suite.py times each on the GPU: a new choice in any of those tables is compiled,
+benchmarks/gpu/gpu_suite.py times each on the GPU: a new choice in any of those tables is compiled,
 checked and timed with no other list to keep.
 """
 

@@ -1,4 +1,4 @@
-"""benchmarks/cost_model.py: its FLOP counts by hand, the engine's core/materialised rule, how its
+"""benchmarks/gpu/cost_model.py: its FLOP counts by hand, the engine's core/materialised rule, how its
 predictions scale with the rates, and its rates measured on this CPU (no timing is asserted)."""
 
 import json
@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # benchmarks/ is a package at the root of the checkout
 
-import cost_model as cm  # noqa: E402
+from benchmarks.common import SHAPES  # noqa: E402
+from benchmarks.gpu import cost_model as cm  # noqa: E402
 
 # One layer: q 8 -> 8, k and v 8 -> 4 (head_dim 4, one KV head), o 8 -> 8, gate and up 8 -> 12, down 12 -> 8.
 TINY = dict(hidden_size=8, intermediate_size=12, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -89,8 +90,6 @@ def test_core_or_materialised_switches_at_the_smaller_side(module):
 
 def test_materialised_rule_on_the_real_shapes():
     """At T = 512 SmolLM2's k/v (192) and Qwen2.5's (256) are materialised, Llama-3-8B's (1024) are not."""
-    from gpu_suite import SHAPES
-
     eig = {name: cm.spectral_work(shape, "attn", 512)["gram"].eig for name, (_, shape) in SHAPES.items()}
     assert eig == {"SmolLM2-135M": ((192, 60),), "Qwen2.5-1.5B": ((256, 56),), "Llama-3-8B": ()}
 
@@ -160,8 +159,6 @@ def test_measure_rates_on_this_cpu_quick():
     assert [n for n, _ in r.host.syevd] == list(cm.QUICK_SYEVD_SIZES)
     again = cm.Rates.from_dict(json.loads(json.dumps(r.as_dict())))
     assert again.floor == r.floor and again.host.syevd == r.host.syevd
-    from gpu_suite import SHAPES
-
     _, md = cm.report(r, {"SmolLM2-135M": SHAPES["SmolLM2-135M"]})
     assert "prediction" in md and "| **total, serial** (score) |" in md
     p = cm.predict_best(SHAPES["SmolLM2-135M"][1], "attn", 512, 256, r, batch=16)

@@ -14,9 +14,9 @@ import pytest
 from conftest import FP32_RTOL, FP64_RTOL
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # benchmarks/ is a package at the root of the checkout
 
-import gpu_acceptance as acceptance  # noqa: E402
+from benchmarks.gpu import gpu_acceptance as acceptance  # noqa: E402
 
 FORCED = {"fp64/host-eigen", "fp64/device-eigen", "fp64/triton-syrk", "fp32/triton-gram", "fp32/torch-gram",
           "fp32/lowrank-triton", "fp32/lowrank-torch"}
@@ -41,7 +41,7 @@ def smoke(tmp_path_factory):
     python3.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": os.pathsep.join(site.getsitepackages())}
-    run = subprocess.run(["bash", "benchmarks/gpu_run.sh", str(out), "--smoke", "--no-suite"], cwd=tree,
+    run = subprocess.run(["bash", "benchmarks/gpu/gpu_run.sh", str(out), "--smoke", "--no-suite"], cwd=tree,
                          capture_output=True, text=True, env=env)
     assert (out / "acceptance.json").exists(), run.stdout[-3000:] + run.stderr[-3000:]
     return run, json.loads((out / "acceptance.json").read_text()), (out / "acceptance.md").read_text()

@@ -8,16 +8,16 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # benchmarks/ is a package at the root of the checkout
 
-import gpu_suite  # noqa: E402
+from benchmarks.gpu import gpu_suite  # noqa: E402
 
 
 def test_gpu_suite_smoke_runs_on_cpu(tmp_path):
     """The GPU suite's reduced form: tiny shapes on the CPU, every configuration measured."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}  # the kernel section runs on the CPU through the interpreter
-    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--smoke", "--out", str(tmp_path)],
-                   check=True, capture_output=True, text=True, env=env)
+    subprocess.run([sys.executable, "-m", "benchmarks.gpu.gpu_suite", "--smoke", "--out", str(tmp_path)],
+                   check=True, capture_output=True, text=True, env=env, cwd=ROOT)
     result = json.loads((tmp_path / "results.json").read_text())
     rows = result["rows"]
     assert len(rows) == 4 and all("skipped" not in r for r in rows)

@@ -65,7 +65,7 @@ def _thread_policy(env: dict[str, str], code: str) -> str:
 
 def test_the_gradspec_command_s_thread_pools_sleep_when_idle_unless_the_user_said_otherwise():
     """The console entry sets OpenMP's wait policy passive and OpenBLAS to one thread before torch and NumPy
-    load (spinning pools made a shared machine 100x slower: benchmarks/bench_contention.py); a value the
+    load (spinning pools made a shared machine 100x slower: benchmarks/throughput/bench_contention.py); a value the
     user set is kept, and a program that imported torch first is left as it is."""
     show = ("import os\nfrom gradspec.cli import polite_threads\n{before}polite_threads()\n"
             "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('OPENBLAS_NUM_THREADS'))")

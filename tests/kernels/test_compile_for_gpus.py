@@ -3,7 +3,7 @@ flag and block size) compiles for each architecture of kernels.blocks.BLOCKS (sm
 H200; sm_100: B200) on the CPU, with no register spill and within the architecture's shared memory per
 block, and the fp64 SYRK's dot is DMMA (fp64 mma.sync.aligned.m8n8k4 in its PTX) on all three.
 
-The whole matrix, not a sample of it: benchmarks/gpu_static.py --subset dispatch compiles it once for the
+The whole matrix, not a sample of it: benchmarks/gpu/gpu_static.py --subset dispatch compiles it once for the
 module (75 kernels, about 40 CPU-seconds over two processes) in its own process, where TRITON_INTERPRET
 is unset (conftest sets it here, and the interpreter's kernels cannot be compiled); each launch and
 architecture is then one test on its row.
@@ -27,9 +27,9 @@ from gradspec.choices import DTYPES  # noqa: E402
 from gradspec.linalg.triton_launches import triton_launches  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # benchmarks/ is a package at the root of the checkout
 
-import gpu_static  # noqa: E402
+from benchmarks.gpu import gpu_static  # noqa: E402
 
 ARCHS = sorted(block_table.BLOCKS)
 CASES = [(launch.label, arch) for launch in triton_launches() for arch in ARCHS]
@@ -40,8 +40,8 @@ def compiled(tmp_path_factory) -> dict[tuple[str, int], dict]:
     """(label, architecture) -> its row from gpu_static.py, compiled once for the module."""
     out = tmp_path_factory.mktemp("gpu_static") / "rows.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_static.py"), "--subset", "dispatch",
-                           "--json", str(out)], env=env, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "benchmarks.gpu.gpu_static", "--subset", "dispatch",
+                           "--json", str(out)], env=env, capture_output=True, text=True, cwd=ROOT)
     if not out.exists():
         pytest.fail(f"gpu_static.py wrote no rows (exit code {done.returncode}):\n{done.stderr[-4000:]}")
     return {(row["label"], row["arch"]): row for row in json.loads(out.read_text())["rows"]}

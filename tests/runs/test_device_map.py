@@ -1,7 +1,7 @@
 """--device-map: one process, the model dispatched by accelerate. The CPU has one device, so what
 runs here is accelerate's dispatch itself: its hooks on every module, and weights offloaded to disk
 (on the meta device between calls), which the engine must not need to read. Several GPUs are left
-to benchmarks/gpu_acceptance.py (its device-map check splits a model between a GPU and the host)."""
+to benchmarks/gpu/gpu_acceptance.py (its device-map check splits a model between a GPU and the host)."""
 
 import json
 
