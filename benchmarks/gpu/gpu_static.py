@@ -44,8 +44,8 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-
 from gradspec.kernels import blocks as block_table
+
 from gradspec.linalg.triton_launches import SHORT, TritonLaunch, triton_launches
 
 HERE = Path(__file__).resolve().parent

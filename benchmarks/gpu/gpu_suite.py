@@ -323,6 +323,7 @@ def kernel_rows(args: argparse.Namespace) -> list[dict]:
     the largest error relative to the largest entry. The model's dtype first, the FMA fallbacks last;
     launches not started within KERNEL_SECTION_S are recorded as skipped."""
     from gradspec.kernels.blocks import blocks
+
     from gradspec.linalg.triton_launches import triton_launches
 
     def relative_error(got, want) -> float:
