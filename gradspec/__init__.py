@@ -24,6 +24,7 @@ _EXPORTS = {
     "score": "gradspec.runs.api", "align": "gradspec.runs.api",
     "read_scores": "gradspec.runs.score_files", "iter_scores": "gradspec.runs.score_files",
     "read_metadata": "gradspec.runs.score_files", "read_monitor": "gradspec.training.monitor_parts",
+    "sum_over_checkpoints": "gradspec.runs.checkpoint_sum",
     "SpectralEngine": "gradspec.engine.spectral_engine", "BatchScores": "gradspec.engine.spectral_engine",
     "SpectralMonitor": "gradspec.training.monitor", "SpectralMonitorCallback": "gradspec.training.monitor_callback",
     "register_layer_kind": "gradspec.layers:register", "linear_target": "gradspec.layers",

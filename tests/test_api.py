@@ -13,23 +13,32 @@ import pytest
 import gradspec
 import gradspec.training
 
-# The core, and the module that defines each name (what it must resolve to).
-CORE = {
-    "score": "gradspec.runs.api", "align": "gradspec.runs.api", "read_scores": "gradspec.runs.score_files",
-    "iter_scores": "gradspec.runs.score_files", "read_metadata": "gradspec.runs.score_files",
-    "read_monitor": "gradspec.training.monitor_parts", "SpectralEngine": "gradspec.engine.spectral_engine",
-    "BatchScores": "gradspec.engine.spectral_engine", "SpectralMonitor": "gradspec.training.monitor",
-    "SpectralMonitorCallback": "gradspec.training.monitor_callback", "register_layer_kind": "gradspec.layers.registry",
-    "register_metric": "gradspec.linalg.metrics", "linear_target": "gradspec.layers.linear",
-    "Target": "gradspec.layers.registry", "Part": "gradspec.layers.registry", "Fields": "gradspec.data.readers",
-    "InputError": "gradspec.errors", "OptionError": "gradspec.options", "RunLocked": "gradspec.files.locks",
+# The core and the recipes, by the module that defines them (what each name must resolve to).
+CORE_BY_MODULE = {
+    "gradspec.runs.api": ("score", "align"),
+    "gradspec.runs.score_files": ("read_scores", "iter_scores", "read_metadata"),
+    "gradspec.runs.checkpoint_sum": ("sum_over_checkpoints",),
+    "gradspec.training.monitor_parts": ("read_monitor",),
+    "gradspec.engine.spectral_engine": ("SpectralEngine", "BatchScores"),
+    "gradspec.training.monitor": ("SpectralMonitor",),
+    "gradspec.training.monitor_callback": ("SpectralMonitorCallback",),
+    "gradspec.layers.registry": ("register_layer_kind", "Target", "Part"),
+    "gradspec.layers.linear": ("linear_target",),
+    "gradspec.linalg.metrics": ("register_metric",),
+    "gradspec.data.readers": ("Fields",),
+    "gradspec.errors": ("InputError",),
+    "gradspec.options": ("OptionError",),
+    "gradspec.files.locks": ("RunLocked",),
 }
-TRAINING = {
-    "WITCollator": "gradspec.training.wit", "WITLoss": "gradspec.training.wit", "use_wit_loss": "gradspec.training.wit",
-    "wit_loss": "gradspec.training.wit", "with_sample_index": "gradspec.training.sample_index",
-    "keep_sample_index": "gradspec.training.sample_index", "SFTMixTrainer": "gradspec.training.sftmix",
-    "DynamicsCallback": "gradspec.training.dynamics", "load_model": "gradspec.data.models",
+TRAINING_BY_MODULE = {
+    "gradspec.training.wit": ("WITCollator", "WITLoss", "use_wit_loss", "wit_loss"),
+    "gradspec.training.sample_index": ("with_sample_index", "keep_sample_index"),
+    "gradspec.training.sftmix": ("SFTMixTrainer",),
+    "gradspec.training.dynamics": ("DynamicsCallback",),
+    "gradspec.data.models": ("load_model",),
 }
+CORE = {name: module for module, names in CORE_BY_MODULE.items() for name in names}
+TRAINING = {name: module for module, names in TRAINING_BY_MODULE.items() for name in names}
 MOVED_TO_TRAINING = ("WITCollator", "WITLoss", "use_wit_loss", "wit_loss", "with_sample_index", "keep_sample_index",
                      "SFTMixTrainer", "DynamicsCallback")
 

@@ -200,7 +200,7 @@ def _why_none_moved(rows: pd.DataFrame) -> str:
     """Why no sample's course can be drawn: no index to follow a sample by, or no sample seen twice."""
     if not _indexed(rows):
         return ("No row has a sample_index, so no sample can be followed from step to step (give the rows their "
-                "index: gradspec.with_sample_index).")
+                "index: gradspec.training.with_sample_index).")
     samples = rows["sample_index"].dropna().nunique()
     return (f"Each of the {samples} samples was monitored at one step only (each seen once, as in one epoch "
             "monitored every few steps): a sample's course needs it monitored at two steps (more epochs, or "
