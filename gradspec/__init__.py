@@ -1,43 +1,46 @@
 """gradspec: score SFT data by the singular-value spectra of per-sample layer-wise gradients, and align
-it with a task by exact gradient cosines."""
+it with a task by exact gradient cosines.
 
-import importlib
+The public API is the names below (``gradspec.__all__``): scoring and reading scores, the engine and
+the live monitor, the registration points for a layer kind or a metric, the input fields and the
+errors a caller catches. The training recipes (WIT, sample indices, SFTMix, dynamics) are in
+``gradspec.training``.
+"""
+
 from importlib.metadata import PackageNotFoundError, version
 
-from gradspec.environment import environment  # eager and light: the name is both a module and a function
+from gradspec import environment  # noqa: F401  (light; the module, callable for one release: see its end)
+from gradspec.exports import lazy_names
 
 try:
     __version__ = version("gradspec")  # the installed distribution's: what score files record
 except PackageNotFoundError:  # a source tree that was never installed
     __version__ = "0+unknown"
 
-# Each public name and the module that defines it, imported on first use: `import gradspec` (and the
-# command line, whose argument errors should be instant) does not load torch, pandas or transformers.
+# Each public name and the module that defines it ("module:attribute" where the names differ), imported
+# on first use: `import gradspec` (and the command line, whose argument errors should be instant) does
+# not load torch, pandas or transformers.
 _EXPORTS = {
-    "Fields": "data.readers", "InputError": "data.readers", "BatchScores": "engine.spectral_engine",
-    "SpectralEngine": "engine.spectral_engine", "linear_target": "layers",
-    "register_layer_kind": "layers", "METRICS": "linalg.metrics", "register_metric": "linalg.metrics",
-    "align": "runs.api", "score": "runs.api", "read_metadata": "runs.score_files", "read_scores": "runs.score_files",
-    "iter_scores": "runs.score_files",
-    "WITCollator": "training.wit", "WITLoss": "training.wit", "use_wit_loss": "training.wit",
-    "wit_loss": "training.wit", "with_sample_index": "training.sample_index",
-    "keep_sample_index": "training.sample_index", "SFTMixTrainer": "training.sftmix",
-    "DynamicsCallback": "training.dynamics",
-    "SpectralMonitor": "training.monitor", "SpectralMonitorCallback": "training.monitor_callback",
-    "read_monitor": "training.monitor_parts",
+    "score": "gradspec.runs.api", "align": "gradspec.runs.api",
+    "read_scores": "gradspec.runs.score_files", "iter_scores": "gradspec.runs.score_files",
+    "read_metadata": "gradspec.runs.score_files", "read_monitor": "gradspec.training.monitor_parts",
+    "sum_over_checkpoints": "gradspec.runs.checkpoint_sum",
+    "SpectralEngine": "gradspec.engine.spectral_engine", "BatchScores": "gradspec.engine.spectral_engine",
+    "SpectralMonitor": "gradspec.training.monitor", "SpectralMonitorCallback": "gradspec.training.monitor_callback",
+    "register_layer_kind": "gradspec.layers:register", "linear_target": "gradspec.layers",
+    "Target": "gradspec.layers", "Part": "gradspec.layers", "register_metric": "gradspec.linalg.metrics",
+    "Fields": "gradspec.data.readers",
+    "InputError": "gradspec.errors", "OptionError": "gradspec.options", "RunLocked": "gradspec.files.locks",
 }
-_NAMES = {"register_layer_kind": "register"}  # exported under another name than its module's
 
-__all__ = ["__version__", "environment", *_EXPORTS]
+# Names that moved, kept for one release: where each still resolves, and what to use instead.
+_TRAINING = ("WITCollator", "WITLoss", "use_wit_loss", "wit_loss", "with_sample_index", "keep_sample_index",
+             "SFTMixTrainer", "DynamicsCallback")
+_MOVED = {
+    **{name: (f"gradspec.training:{name}", f"use gradspec.training.{name}") for name in _TRAINING},
+    "METRICS": ("gradspec.linalg.metrics:METRICS", "an engine's metric columns, in order, are "
+                "SpectralEngine(...).metric_names; a score file's are read_metadata(path)['metrics']"),
+}
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"gradspec.{_EXPORTS[name]}"), _NAMES.get(name, name))
-        globals()[name] = value  # once
-        return value
-    raise AttributeError(f"module 'gradspec' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__all__ = ["__version__", *_EXPORTS]
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, _MOVED)

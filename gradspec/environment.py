@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
+import types
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
+from gradspec.exports import deprecated
 from gradspec.runs.numerics import cpu
 
 CUPY = ("cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x")  # CuPy's wheels are named by CUDA major version
@@ -57,3 +60,15 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "versions": {p: v for p in PACKAGES if (v := _version(p)) is not None},
     }
+
+
+class _CallableForOneRelease(types.ModuleType):
+    """gradspec.environment was the function until this release: calling the module still runs it,
+    with a DeprecationWarning (the module and the function no longer share the name gradspec.environment)."""
+
+    def __call__(self) -> dict[str, Any]:
+        deprecated("calling gradspec.environment", "call gradspec.environment.environment() (or run `gradspec env`)")
+        return environment()
+
+
+sys.modules[__name__].__class__ = _CallableForOneRelease

@@ -1,17 +1,95 @@
-"""The public API stays importable from gradspec as the README documents it."""
+"""The public API: exactly the core names in gradspec, the training recipes in gradspec.training, the
+names that moved still resolving for one release with a warning, and each documented where it lives."""
 
+import importlib
 import inspect
 import re
 import subprocess
 import sys
+import types
+
+import pytest
 
 import gradspec
+import gradspec.training
+
+# The core and the recipes, by the module that defines them (what each name must resolve to).
+CORE_BY_MODULE = {
+    "gradspec.runs.api": ("score", "align"),
+    "gradspec.runs.score_files": ("read_scores", "iter_scores", "read_metadata"),
+    "gradspec.runs.checkpoint_sum": ("sum_over_checkpoints",),
+    "gradspec.training.monitor_parts": ("read_monitor",),
+    "gradspec.engine.spectral_engine": ("SpectralEngine", "BatchScores"),
+    "gradspec.training.monitor": ("SpectralMonitor",),
+    "gradspec.training.monitor_callback": ("SpectralMonitorCallback",),
+    "gradspec.layers.registry": ("register_layer_kind", "Target", "Part"),
+    "gradspec.layers.linear": ("linear_target",),
+    "gradspec.linalg.metrics": ("register_metric",),
+    "gradspec.data.readers": ("Fields",),
+    "gradspec.errors": ("InputError",),
+    "gradspec.options": ("OptionError",),
+    "gradspec.files.locks": ("RunLocked",),
+}
+TRAINING_BY_MODULE = {
+    "gradspec.training.wit": ("WITCollator", "WITLoss", "use_wit_loss", "wit_loss"),
+    "gradspec.training.sample_index": ("with_sample_index", "keep_sample_index"),
+    "gradspec.training.sftmix": ("SFTMixTrainer",),
+    "gradspec.training.dynamics": ("DynamicsCallback",),
+    "gradspec.data.models": ("load_model",),
+}
+CORE = {name: module for module, names in CORE_BY_MODULE.items() for name in names}
+TRAINING = {name: module for module, names in TRAINING_BY_MODULE.items() for name in names}
+MOVED_TO_TRAINING = ("WITCollator", "WITLoss", "use_wit_loss", "wit_loss", "with_sample_index", "keep_sample_index",
+                     "SFTMixTrainer", "DynamicsCallback")
 
 
-def test_every_public_name_is_importable_from_gradspec():
-    for name in gradspec.__all__:
-        assert getattr(gradspec, name) is not None, name
-    from gradspec import SpectralMonitor, SpectralMonitorCallback, WITCollator  # noqa: F401  (the README's imports)
+def _defined(module: str, name: str):
+    return getattr(importlib.import_module(module), "register" if name == "register_layer_kind" else name)
+
+
+def test_gradspec_exports_exactly_the_core():
+    assert sorted(gradspec.__all__) == sorted(["__version__", *CORE])
+    assert len(gradspec.__all__) == len(set(gradspec.__all__))
+    for name, module in CORE.items():
+        assert getattr(gradspec, name) is _defined(module, name), name
+    assert set(gradspec.__all__) <= set(dir(gradspec)) and not set(MOVED_TO_TRAINING) & set(dir(gradspec))
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        gradspec.nothing  # noqa: B018
+
+
+def test_gradspec_training_exports_the_recipes():
+    assert sorted(gradspec.training.__all__) == sorted(TRAINING)
+    for name, module in TRAINING.items():
+        assert getattr(gradspec.training, name) is _defined(module, name), name
+    from gradspec.training import SFTMixTrainer, WITCollator  # noqa: F401  (the docs' imports)
+
+
+@pytest.mark.parametrize("name", MOVED_TO_TRAINING)
+def test_a_recipe_at_the_top_still_resolves_for_one_release_with_a_warning(name):
+    with pytest.warns(DeprecationWarning, match=rf"gradspec\.{name} is deprecated .*use gradspec\.training\.{name}$"):
+        old = getattr(gradspec, name)
+    assert old is getattr(gradspec.training, name) and name not in gradspec.__all__
+    with pytest.warns(DeprecationWarning, match=f"use gradspec.training.{name}"):
+        exec(f"from gradspec import {name}", {})
+
+
+def test_metrics_at_the_top_warns_and_says_where_the_columns_are_named():
+    from gradspec.linalg.metrics import METRICS
+
+    with pytest.warns(DeprecationWarning, match=r"gradspec\.METRICS is deprecated.*metric_names.*read_metadata"):
+        assert gradspec.METRICS is METRICS
+    assert "METRICS" not in gradspec.__all__
+
+
+def test_gradspec_environment_is_the_module_and_calling_it_still_works_for_one_release(monkeypatch):
+    """The module and its function no longer share a name: gradspec.environment is the module, whatever
+    was imported; calling it (what gradspec.environment() did) runs the function, with a warning."""
+    module = importlib.import_module("gradspec.environment")
+    assert gradspec.environment is module and isinstance(module, types.ModuleType)
+    assert inspect.isfunction(module.environment) and "environment" not in gradspec.__all__
+    monkeypatch.setattr(module, "environment", lambda: {"python": "3"})
+    with pytest.warns(DeprecationWarning, match=r"call gradspec\.environment\.environment\(\)"):
+        assert gradspec.environment() == {"python": "3"}
 
 
 def test_import_gradspec_does_not_load_the_trainer():
@@ -30,8 +108,9 @@ def test_the_version_is_the_one_score_files_record():
 
 
 # Docstrings: the public API's are Google style. score and align (gradspec.runs.api) and Fields and
-# InputError (gradspec.data) are documented where they live, by their own change.
-DOCUMENTED_ELSEWHERE = {"score", "align", "Fields", "InputError"}
+# InputError (gradspec.data) are documented where they live, by their own change; so is load_model
+# (gradspec.data.models: its parameters are described in prose, its Args: section is that module's change).
+DOCUMENTED_ELSEWHERE = {"score", "align", "Fields", "InputError", "load_model"}
 
 
 def _section(doc: str | None, name: str) -> list[str] | None:
@@ -83,10 +162,15 @@ def _public_methods(cls) -> list[tuple[str, object, bool]]:
 
 
 def api_docstring_problems() -> list[str]:
+    """Those of gradspec's names and gradspec.training's; an error's docstring only (a caller catches
+    it, gradspec raises it)."""
     problems = []
-    for name in gradspec.__all__:
-        obj = getattr(gradspec, name)
+    public = [(name, getattr(gradspec, name)) for name in gradspec.__all__]
+    for name, obj in public + [(name, getattr(gradspec.training, name)) for name in gradspec.training.__all__]:
         if name in DOCUMENTED_ELSEWHERE or not callable(obj):
+            continue
+        if inspect.isclass(obj) and issubclass(obj, Exception):
+            problems += [] if (obj.__doc__ or "").strip() else [f"{name}: no docstring"]
             continue
         if not inspect.isclass(obj):
             problems += _problems(name, obj, obj.__doc__, skip_first=False)
@@ -135,8 +219,9 @@ def test_the_docstring_check_reads_google_sections():
 
 def test_import_gradspec_is_light():
     """The public names load on first use: `import gradspec` (and so the command line, before it knows
-    its command) loads neither torch, pandas nor transformers."""
-    code = "import sys, gradspec; print(sorted({'torch', 'pandas', 'transformers'} & set(sys.modules)))"
+    its command) and `import gradspec.training` load neither torch, pandas nor transformers."""
+    code = ("import sys, gradspec, gradspec.training\n"
+            "print(sorted({'torch', 'pandas', 'transformers'} & set(sys.modules)))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
 
 

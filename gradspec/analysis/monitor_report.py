@@ -15,22 +15,20 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import pandas as pd
+import pyarrow.dataset as ds
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import pyarrow.dataset as ds  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from gradspec.analysis.report import ROLE_ORDER, report_folder  # noqa: E402
-from gradspec.choices import ALL_ROLES  # noqa: E402
-from gradspec.data.errors import InputError  # noqa: E402
-from gradspec.layers.roles import roles_of  # noqa: E402
-from gradspec.layers.targets import layer_index  # noqa: E402
-from gradspec.runs.score_files import complete, schema_metadata  # noqa: E402
-from gradspec.training.monitor_parts import parts_folder  # noqa: E402
+from gradspec.analysis.report import ROLE_ORDER, report_folder
+from gradspec.choices import ALL_ROLES
+from gradspec.data.errors import InputError
+from gradspec.layers.roles import roles_of
+from gradspec.layers.targets import layer_index
+from gradspec.runs.score_files import complete, schema_metadata
+from gradspec.training.monitor_parts import parts_folder
 
 METRICS = ("effective_rank", "nuclear_norm")
 MOVED = 10  # samples listed as having moved most
@@ -110,11 +108,12 @@ def _per_sample(rows: pd.DataFrame, parts: pd.DataFrame, metric: str, role: str)
     return rows[[f"{n}/{metric}" for n in parts.loc[parts["role"] == role, "name"]]].mean(axis=1)
 
 
-def _panels(count: int, size: float) -> tuple[plt.Figure, list[plt.Axes]]:
+def _panels(count: int, size: float) -> tuple[Figure, list[Axes]]:
     """A figure of count panels, four to a row; the panels left over hidden."""
     columns = min(4, count)
     rows = -(-count // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(size * columns, size * rows), squeeze=False)
+    fig = Figure(figsize=(size * columns, size * rows))
+    axes = fig.subplots(rows, columns, squeeze=False)
     for ax in axes.flat[count:]:
         ax.set_visible(False)
     return fig, list(axes.flat)
@@ -138,7 +137,6 @@ def _plot_heatmaps(rows: pd.DataFrame, parts: pd.DataFrame, metric: str, path: P
     fig.suptitle(f"{metric}: mean over each step's samples")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _plot_roles(rows: pd.DataFrame, parts: pd.DataFrame, metric: str, path: Path) -> None:
@@ -159,7 +157,6 @@ def _plot_roles(rows: pd.DataFrame, parts: pd.DataFrame, metric: str, path: Path
     fig.suptitle(f"{metric} per role over the run")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def moved_samples(rows: pd.DataFrame, parts: pd.DataFrame, metric: str = "effective_rank",
@@ -203,7 +200,7 @@ def _why_none_moved(rows: pd.DataFrame) -> str:
     """Why no sample's course can be drawn: no index to follow a sample by, or no sample seen twice."""
     if not _indexed(rows):
         return ("No row has a sample_index, so no sample can be followed from step to step (give the rows their "
-                "index: gradspec.with_sample_index).")
+                "index: gradspec.training.with_sample_index).")
     samples = rows["sample_index"].dropna().nunique()
     return (f"Each of the {samples} samples was monitored at one step only (each seen once, as in one epoch "
             "monitored every few steps): a sample's course needs it monitored at two steps (more epochs, or "
@@ -212,7 +209,8 @@ def _why_none_moved(rows: pd.DataFrame) -> str:
 
 def _plot_moved(rows: pd.DataFrame, parts: pd.DataFrame, moved: pd.DataFrame, metric: str, path: Path) -> None:
     value = rows[[f"{n}/{metric}" for n in parts["name"]]].mean(axis=1)
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+    fig = Figure(figsize=(6, 3.6))
+    ax = fig.subplots()
     for index in moved["sample_index"]:
         mine = value[rows["sample_index"] == index].groupby(rows["step"]).mean()
         ax.plot(mine.index, mine.values, marker="o", markersize=3, label=str(index))
@@ -223,7 +221,6 @@ def _plot_moved(rows: pd.DataFrame, parts: pd.DataFrame, moved: pd.DataFrame, me
     ax.legend(title="sample_index", fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def write_monitor_report(path: str | Path, out: str | Path, overwrite: bool = False) -> Path:

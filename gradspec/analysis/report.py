@@ -17,24 +17,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import matplotlib
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+from scipy import stats
+from tqdm import tqdm
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import pyarrow as pa  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-from scipy import stats  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from gradspec.analysis.select import check_status, row_indices  # noqa: E402
-from gradspec.choices import ALL_ROLES, LORA_ROLES, METRICS  # noqa: E402
-from gradspec.data.errors import InputError, check_writable  # noqa: E402
-from gradspec.files import parquet_errors  # noqa: E402
-from gradspec.options import OptionError, OptionExists, mention  # noqa: E402
-from gradspec.runs.score_files import column, complete, read_batches, read_metadata  # noqa: E402
+from gradspec.analysis.select import check_status, row_indices
+from gradspec.choices import ALL_ROLES, LORA_ROLES, METRICS
+from gradspec.data.errors import InputError, check_writable
+from gradspec.files import parquet_errors
+from gradspec.options import OptionError, OptionExists, mention
+from gradspec.runs.score_files import column, complete, read_batches, read_metadata
 
 CURVE_METRICS = ("nuclear_norm", "effective_rank")
 FRACTION = "effective_rank_fraction"  # effective rank over its ceiling min(T, d_in, d_out)
@@ -331,7 +328,8 @@ def correlations(wide: pd.DataFrame, samples: pd.DataFrame) -> tuple[pd.DataFram
 
 def _plot_layer_curves(curves: dict[str, dict[tuple[str, str], pd.DataFrame]], metric: str, path: Path) -> None:
     roles = [r for r in ROLE_ORDER if any((metric, r) in c for c in curves.values())]
-    fig, axes = plt.subplots(1, len(roles), figsize=(3.2 * len(roles), 3.2), squeeze=False)
+    fig = Figure(figsize=(3.2 * len(roles), 3.2))
+    axes = fig.subplots(1, len(roles), squeeze=False)
     for ax, role in zip(axes[0], roles, strict=True):
         for label, found in curves.items():
             by_layer = found[(metric, role)]
@@ -345,12 +343,12 @@ def _plot_layer_curves(curves: dict[str, dict[tuple[str, str], pd.DataFrame]], m
     fig.suptitle(f"{metric} per layer")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _plot_distributions(samples: dict[str, pd.DataFrame], metric: str, path: Path) -> None:
     roles = [r for r in ROLE_ORDER if (metric, r) in next(iter(samples.values())).columns]
-    fig, axes = plt.subplots(1, len(roles), figsize=(3.2 * len(roles), 3.2), squeeze=False)
+    fig = Figure(figsize=(3.2 * len(roles), 3.2))
+    axes = fig.subplots(1, len(roles), squeeze=False)
     for ax, role in zip(axes[0], roles, strict=True):
         ax.boxplot([s[(metric, role)].dropna() for s in samples.values()], tick_labels=list(samples))
         ax.set_title(role)
@@ -358,7 +356,6 @@ def _plot_distributions(samples: dict[str, pd.DataFrame], metric: str, path: Pat
     fig.suptitle(f"{metric} per sample")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def text_color(rgba: tuple[float, ...]) -> str:
@@ -371,7 +368,8 @@ def _plot_heatmap(corr: pd.DataFrame, title: str, path: Path) -> None:
     """Cells sized to their numbers, each number white on a dark cell and black on a light one, and the
     figure cut to what it draws (bbox_inches="tight": no margin a square image leaves in a wide figure)."""
     values = corr.to_numpy(dtype=float)
-    fig, ax = plt.subplots(figsize=(1.5 + 0.55 * corr.shape[1], 1.0 + 0.45 * corr.shape[0]))
+    fig = Figure(figsize=(1.5 + 0.55 * corr.shape[1], 1.0 + 0.45 * corr.shape[0]))
+    ax = fig.subplots()
     im = ax.imshow(values, cmap="RdBu_r", vmin=-1, vmax=1)
     ax.set_xticks(range(corr.shape[1]), corr.columns, rotation=45, ha="right")
     ax.set_yticks(range(corr.shape[0]), corr.index)
@@ -381,7 +379,6 @@ def _plot_heatmap(corr: pd.DataFrame, title: str, path: Path) -> None:
     fig.colorbar(im, ax=ax, shrink=0.8)
     ax.set_title(title)
     fig.savefig(path, dpi=110, bbox_inches="tight", pad_inches=0.05)
-    plt.close(fig)
 
 
 FEW_ROWS = 10  # below this many scored rows in a group, the report says its statistics mean little

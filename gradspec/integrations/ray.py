@@ -2,7 +2,7 @@
 
 ``GradspecScorer`` is a callable class for ``Dataset.map_batches``: each actor loads the model once
 (gradspec.runs.scoring.load_engine) and turns each batch of rows, in any layout gradspec reads (Alpaca,
-chat messages, ShareGPT, prompt/completion; gradspec.data.readers.Fields), into the rows ``gradspec score``
+chat messages, ShareGPT, prompt/completion; gradspec.Fields), into the rows ``gradspec score``
 writes, through the same function (gradspec.runs.chunks.score_samples): the same columns, statuses and
 flags. A row that cannot be read is its row's ``input_error``, never a failed job.
 

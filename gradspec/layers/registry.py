@@ -23,7 +23,20 @@ class Part:
 
     It is ``parameter[index]`` of the model (stored (d_in, d_out) where transposed), and its output
     features are ``features`` (start, stop, step) of the D its target captures. A routed part (an
-    expert) sees only the tokens routed to it: a sample that sends it none has no values there."""
+    expert) sees only the tokens routed to it: a sample that sends it none has no values there.
+
+    Args:
+        name: The output's column prefix, <name>/<metric>: the module's name, or the module's and the
+            part's where one module holds several (fused projections, experts).
+        role: The part's role (q, k, v, o, gate, up, down, router, ...): presets and reports group by it.
+        d_in: Its input features.
+        d_out: Its output features.
+        parameter: The model's parameter (named as in named_parameters) that holds it.
+        index: Its block of that parameter (() for the whole), as for ``parameter[index]``.
+        transposed: Whether the parameter stores it (d_in, d_out), as GPT-2's Conv1D does.
+        features: Its output features within the D its target captures, as (start, stop, step).
+        routed: Whether it sees only the tokens routed to it (an expert).
+    """
 
     name: str
     role: str
@@ -36,24 +49,60 @@ class Part:
     routed: bool = False
 
     def output_features(self, D: torch.Tensor) -> torch.Tensor:
-        """This part's columns of a captured output gradient (..., features)."""
+        """This part's columns of a captured output gradient.
+
+        Args:
+            D: A captured output gradient (..., the target's output features).
+
+        Returns:
+            D's columns of this part (..., d_out).
+        """
         return D[..., slice(*self.features)]
 
     def slice(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Its (d_out, d_in) block of a tensor shaped like its parameter (the .grad, an optimizer's moments)."""
+        """Its block of a tensor shaped like its parameter: the reference reads gradients and optimizer
+        moments per part this way.
+
+        Args:
+            tensor: Shaped like the part's parameter (its .grad, an optimizer's moments).
+
+        Returns:
+            The (d_out, d_in) block (a view).
+        """
         block = tensor[self.index]
         return block.T if self.transposed else block
 
     def gradient(self, parameters: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Its (d_out, d_in) gradient from the parameters' .grad (the reference's)."""
+        """Its gradient, as the reference (autograd) left it.
+
+        Args:
+            parameters: The model's named parameters, after a backward.
+
+        Returns:
+            The (d_out, d_in) block of its parameter's .grad.
+        """
         return self.slice(parameters[self.parameter].grad)
 
     def take(self, rows: tuple[int, ...]) -> Part:
-        """The part of these rows of its Captured: itself (a Stack: the stack of their members)."""
+        """The part that these rows of its Captured belong to (a Stack's rows belong to several members).
+
+        Args:
+            rows: Positions of rows of its Captured, increasing.
+
+        Returns:
+            Itself (a Stack: the stack of those rows' members).
+        """
         return self
 
     def member(self, row: int) -> Part:
-        """The part that row k of its Captured belongs to: itself (a Stack: that row's member)."""
+        """The part that one row of its Captured belongs to.
+
+        Args:
+            row: A row's position in its Captured.
+
+        Returns:
+            Itself (a Stack: that row's member).
+        """
         return self
 
 
@@ -81,7 +130,15 @@ class Stack(Part):
 
 class Target:
     """A module whose parts are scored, and how it is captured: ``attach`` installs hooks that call
-    deliver(part, captured) for each part as its output gradient arrives in the backward."""
+    deliver(part, captured) for each part as its output gradient arrives in the backward. A layer kind
+    with its own capture subclasses it (gradspec/layers/experts.py); a linear-like one uses
+    ``linear_target``.
+
+    Args:
+        name: The module's name in the model.
+        module: The module.
+        parts: The weight matrices it holds that are scored.
+    """
 
     kind = ""  # the registered kind that recognised the module (set by target_of)
 
@@ -89,17 +146,36 @@ class Target:
         self.name, self.module, self.parts = name, module, tuple(parts)
 
     def with_parts(self, parts: tuple[Part, ...]) -> Target:
-        """The same target, scoring only these of its parts."""
+        """The same target, scoring only some of its parts (a preset or --modules chose them).
+
+        Args:
+            parts: The parts kept, among its own.
+
+        Returns:
+            A copy of this target with those parts.
+        """
         other = object.__new__(type(self))
         other.__dict__.update(self.__dict__, parts=tuple(parts))
         return other
 
     def attach(self, batch, deliver: Callable) -> list:
-        """Hooks for one batch (gradspec.layers.hooks.BatchLayout) -> handles with .remove()."""
+        """Installs the hooks that capture each part's inputs and output gradients for one batch.
+
+        Args:
+            batch: The batch's layout (gradspec.layers.hooks.BatchLayout): which tokens are whose.
+            deliver: Called as deliver(part, captured) as each part's output gradient arrives.
+
+        Returns:
+            The hooks' handles, each with .remove().
+        """
         raise NotImplementedError
 
     def describe(self) -> dict | None:
-        """What a score file should record of how this target was captured (None: nothing)."""
+        """What a score file should record of how this target was captured.
+
+        Returns:
+            A JSON-ready dict, or None where there is nothing to record.
+        """
         return None
 
 

@@ -35,8 +35,8 @@ def register_metric(name: str, metric: Metric | None = None) -> Metric | Callabl
     if not name or "/" in name:
         raise ValueError(f"a metric's name is a non-empty column suffix without '/', got {name!r}")
     if name in _BUILT_IN:
-        raise ValueError(f"{name} is a built-in metric (gradspec.METRICS), which gradspec itself reads; register "
-                         "yours under another name")
+        raise ValueError(f"{name} is a built-in metric (one of {', '.join(sorted(_BUILT_IN))}), which gradspec "
+                         "itself reads; register yours under another name")
 
     def add(fn: Metric) -> Metric:
         _METRICS[name] = fn

@@ -50,7 +50,7 @@ def sample_indices(rows: Sequence[Mapping[str, Any]]) -> torch.Tensor | None:
         return None
     if not all(have):
         raise ValueError(f"batch row {have.index(False)} has no {SAMPLE_INDEX} where others have one: give every "
-                         "row its index (gradspec.with_sample_index) or none")
+                         "row its index (gradspec.training.with_sample_index) or none")
     values = [row[SAMPLE_INDEX] for row in rows]
     for i, value in enumerate(values):
         if isinstance(value, bool) or not hasattr(value, "__index__"):  # int, NumPy's and torch's integers

@@ -170,7 +170,7 @@ class WITCollator:
 
     A row with no response token (its response cannot be located, is empty, or lies beyond
     max_length) gets no labels: it trains on nothing, not on its prompt alone. Rows that carry a
-    ``sample_index`` (gradspec.with_sample_index) give the batch that column, the spectral
+    ``sample_index`` (gradspec.training.with_sample_index) give the batch that column, the spectral
     monitor's map back to the data.
 
     Args:

@@ -8,22 +8,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import pyarrow as pa  # noqa: E402
-
-from gradspec.analysis.report import report_folder  # noqa: E402
-from gradspec.data.errors import InputError  # noqa: E402
-from gradspec.files import parquet_errors  # noqa: E402
-from gradspec.invocation import program  # noqa: E402
-from gradspec.runs.score_files import parquet_schema, schema_metadata  # noqa: E402
-from gradspec.validation.lds import lds, predictions  # noqa: E402
-from gradspec.validation.outcome import outcome_table  # noqa: E402
-from gradspec.validation.scores import read_score  # noqa: E402
+from gradspec.analysis.report import report_folder
+from gradspec.data.errors import InputError
+from gradspec.files import parquet_errors
+from gradspec.invocation import program
+from gradspec.runs.score_files import parquet_schema, schema_metadata
+from gradspec.validation.lds import lds, predictions
+from gradspec.validation.outcome import outcome_table
+from gradspec.validation.scores import read_score
 
 NEEDED = ("kind", "members", "target_loss")
 
@@ -207,7 +204,8 @@ def _recipe(info: dict) -> str:
 
 
 def _plot_lds(table: pd.DataFrame, path: Path, confidence: float) -> None:
-    fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(table), 3.4))
+    fig = Figure(figsize=(1.5 + 1.2 * len(table), 3.4))
+    ax = fig.subplots()
     x = np.arange(len(table))
     below = np.clip(table["lds"] - table["low"], 0, None)
     above = np.clip(table["high"] - table["lds"], 0, None)
@@ -218,11 +216,11 @@ def _plot_lds(table: pd.DataFrame, path: Path, confidence: float) -> None:
     ax.set_ylabel(f"LDS ({confidence:.0%} interval)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _plot_points(points: dict[str, tuple[np.ndarray, np.ndarray]], path: Path) -> None:
-    fig, axes = plt.subplots(1, len(points), figsize=(3.2 * len(points), 3.2), squeeze=False)
+    fig = Figure(figsize=(3.2 * len(points), 3.2))
+    axes = fig.subplots(1, len(points), squeeze=False)
     for ax, (name, (predicted, measured)) in zip(axes[0], points.items(), strict=True):
         ax.scatter(predicted, measured, s=14)
         ax.set_title(name, fontsize=9)
@@ -230,13 +228,13 @@ def _plot_points(points: dict[str, tuple[np.ndarray, np.ndarray]], path: Path) -
     axes[0][0].set_ylabel("measured target loss (mean)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _plot_outcome(table: pd.DataFrame, path: Path) -> None:
     shown = table[table["selection"] != "random"]
     labels = [s + (f"\n{b} buckets" if b else "") for s, b in zip(shown["selection"], shown["buckets"], strict=True)]
-    fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(shown), 3.4))
+    fig = Figure(figsize=(1.5 + 1.2 * len(shown), 3.4))
+    ax = fig.subplots()
     below = np.nan_to_num(np.clip(shown["gain"] - shown["gain_low"], 0, None))
     above = np.nan_to_num(np.clip(shown["gain_high"] - shown["gain"], 0, None))
     ax.bar(range(len(shown)), shown["gain"], yerr=[below, above], capsize=4)
@@ -245,4 +243,3 @@ def _plot_outcome(table: pd.DataFrame, path: Path) -> None:
     ax.set_ylabel("target loss gain over random")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
