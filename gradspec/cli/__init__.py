@@ -124,9 +124,9 @@ def _terminated(signum: int, frame: object) -> NoReturn:
 
 
 # Thread pools that sleep when idle rather than spin: on a shared machine a spinning OpenMP barrier waits out
-# whole time slices of a thread the kernel has descheduled (measured: up to 100x the quiet time beside a CPU hog on
-# 2 cores; benchmarks/throughput/bench_contention.py). NumPy's and SciPy's OpenBLAS (two pools of their own beside torch's
-# OpenMP) get one thread: their work here is small, and the extension holds them at one thread anyway.
+# whole time slices of a thread the kernel has descheduled (measured: up to 100x the quiet time beside a CPU hog
+# on 2 cores; benchmarks/throughput/bench_contention.py). NumPy's and SciPy's OpenBLAS (two pools of their own
+# beside torch's OpenMP) get one thread: their work here is small, and the extension holds them at one thread anyway.
 POLITE_THREADS = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_NUM_THREADS": "1"}
 
 
