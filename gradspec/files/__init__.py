@@ -14,15 +14,19 @@ from gradspec.files.primitives import (
     load_torch,
     open_regular,
     parquet_errors,
+    place_folder,
     read_bytes,
     read_text,
     regular,
     sha256,
     temporary,
+    temporary_of,
     write_checksum,
     write_checksummed,
+    write_folder,
 )
 
 __all__ = ["CHECKSUM", "NotRegularFile", "atomic_write", "checksum_path", "checksum_problem", "create_new",
-           "is_temporary", "load_failure", "load_torch", "open_regular", "parquet_errors", "read_bytes", "read_text",
-           "regular", "sha256", "temporary", "write_checksum", "write_checksummed"]
+           "is_temporary", "load_failure", "load_torch", "open_regular", "parquet_errors", "place_folder", "read_bytes",
+           "read_text", "regular", "sha256", "temporary", "temporary_of", "write_checksum", "write_checksummed",
+           "write_folder"]
