@@ -25,12 +25,13 @@ from gradspec.files.primitives import atomic_write
 
 GROUP_BYTES = 64 << 20
 PART = re.compile(r"(\d{8,})\.parquet")  # a part's name: its number, 8 digits at least
+SUFFIX = ".parts"  # a parts folder's name: its file's, then this
 
 
 def parts_folder(out: str | Path) -> Path:
     """Where the parts of ``out`` are kept until they are compacted into it: ``<out>.parts/``."""
     out = Path(out)
-    return out.with_name(out.name + ".parts")
+    return out.with_name(out.name + SUFFIX)
 
 
 def part_path(folder: Path, number: int) -> Path:
