@@ -1,6 +1,7 @@
-"""Everything gradspec does to the disk, once: reading only regular files, atomic writes and their
-temporaries, checksums, and the folders it writes and deletes in (locks, no link followed, only its own
-files deleted). Score runs, the monitor, training, dynamics, validation and model conversion use these."""
+"""Everything gradspec does to the disk, once: reading only regular files, atomic writes of files and
+folders and their temporaries, checksums, and the folders it writes and deletes in (files.locks: locks, no
+link followed, only its own files deleted; files.parts: numbered parts and their compaction). Score runs,
+the monitor, training, dynamics, validation and model conversion use these."""
 
 from gradspec.files.primitives import (
     CHECKSUM,

@@ -4,12 +4,12 @@ compacted into ``out`` at its end.
 
 Each part is written aside and renamed with its checksum beside it (write_checksummed), so a run killed at
 any moment leaves whole parts its checksums accept: it loses at most the step it was writing. Each step costs
-the same write whatever the run's length, and nothing of earlier steps is held in memory. The folder is
-guarded as a scoring run's (gradspec.files.locks): one writer holds its run.lock (a live scoring run or
-another monitor on the same ``out`` is refused), no link is followed to it, and only the monitor's own files
-are deleted there. ``read_monitor`` reads either form as one table; parts whose columns differ (a resumed run
-with other modules) are joined, a column a part lacks null in its rows; a part whose bytes are not those
-written is refused, naming it.
+the same write whatever the run's length, and nothing of earlier steps is held in memory. The folder is of
+one kind with a scoring run's (gradspec.files.parts): one writer holds its run.lock (a live scoring run or
+another monitor on the same ``out`` is refused), no link is followed to it, only the monitor's own files are
+deleted there, and its parts are compacted as a run's are merged. ``read_monitor`` reads either form as one
+table; parts whose columns differ (a resumed run with other modules) are joined, a column a part lacks null
+in its rows; a part whose bytes are not those written is refused, naming it.
 """
 
 from __future__ import annotations
