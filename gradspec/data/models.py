@@ -21,7 +21,7 @@ import torch
 from gradspec.choices import DEFAULT_MODEL, DEVICE_MAPS
 from gradspec.choices import DTYPES as DTYPE_NAMES
 from gradspec.data.hub import HUB_ID, hub_reachable
-from gradspec.files import read_text
+from gradspec.files import read_text, write_folder
 from gradspec.options import OptionError, mention
 
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default's own repository on the Hub
@@ -175,7 +175,8 @@ def cache_dir() -> Path:
 
 
 def default_model_path() -> Path:
-    """Folder with the default model as safetensors, converted from the GGUF on first use."""
+    """Folder with the default model as safetensors, converted from the GGUF on first use (written aside and
+    renamed: a conversion stopped half-way leaves no folder that looks converted)."""
     target = cache_dir() / DEFAULT_MODEL
     if (target / "config.json").exists():
         return target
@@ -193,10 +194,12 @@ def default_model_path() -> Path:
     del config.quantization_config  # dequantised: plain fp32 weights from here on
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(gguf_model.state_dict())
-    tmp = target.with_name(target.name + ".tmp")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    tmp.rename(target)
+
+    def save(folder: Path) -> None:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    write_folder(target, save, keep_first=True)  # two processes converting at once: the first one's is kept
     return target
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradspec.files.primitives import is_temporary, read_text, temporary
+from gradspec.files.primitives import create_new, is_temporary, read_text
 from gradspec.options import OptionError, mention
 
 log = logging.getLogger("gradspec")
@@ -35,7 +35,8 @@ LOCK_BEAT_S = 30.0  # a lock's owner refreshes its file's time this often
 LOCK_STALE_S = 600.0  # a lock on another host not refreshed for this long: its owner is gone
 _WHOLE = "run.lock"
 _SHARD_LOCK = re.compile(r"shard-(\d+)-of-(\d+)\.lock")
-_LOCK_LEFTOVER = re.compile(r".+\.lock\.(tmp|stale)\d+")  # a lock's write, or its takeover, cut short
+_ANY_LOCK = re.compile(r".+\.lock")  # what a lock's temporary (a write cut short) is of
+_STALE = re.compile(r".+\.lock\.stale\d+")  # a gone owner's lock set aside by a takeover cut short
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,8 @@ class LockedFolder:
 
     def ours(self, name: str) -> bool:
         """Whether a file of the folder is one its writer makes (or a killed write's temporary of one)."""
-        return bool(self.OURS.fullmatch(name) or is_temporary(name, self.OURS) or _LOCK_LEFTOVER.fullmatch(name))
+        return bool(self.OURS.fullmatch(name) or is_temporary(name, self.OURS) or is_temporary(name, _ANY_LOCK)
+                    or _STALE.fullmatch(name))
 
     def guarded(self) -> tuple[Path, ...]:
         """The folders that must not be links: gradspec deletes in them."""
@@ -109,17 +111,12 @@ class LockedFolder:
                            "token": uuid.uuid4().hex})
         for _ in range(10):
             self.path.mkdir(parents=True, exist_ok=True)
-            tmp = temporary(path)
             try:
-                tmp.write_text(text)
-                os.link(tmp, path)
-                break
-            except FileExistsError:
-                self._remove_stale(path)
+                if create_new(path, text):
+                    break
             except FileNotFoundError:  # the folder was removed meanwhile: make it again
                 continue
-            finally:
-                tmp.unlink(missing_ok=True)
+            self._remove_stale(path)
         else:
             raise RunLocked(f"{path}: could not take this lock (other processes keep taking it)")
         self._lock = _Lock(path, text)

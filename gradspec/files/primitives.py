@@ -3,8 +3,9 @@ before anything blocks (a FIFO, a device or a socket where a file should be woul
 every file it writes is written aside and renamed (a kill leaves the old file or the whole new one);
 checksums are streamed; a name written "only if absent" is taken by a hard link, atomically.
 
-Temporaries are named ``<name>.tmp<pid>`` (``temporary``), and ``is_temporary`` is their one matcher:
-what a killed write leaves is recognised the same way wherever it is tidied up.
+Temporaries, of files and folders alike, are named ``<name>.tmp<pid>`` (``temporary``), and
+``temporary_of``/``is_temporary`` are their one matcher: what a killed write leaves is recognised the same
+way wherever it is listed or tidied up.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import os
 import pickle
 import re
+import shutil
 import stat
 import warnings
 from collections.abc import Callable, Iterator
@@ -172,19 +174,26 @@ def checksum_problem(path: str | Path, data: bytes | None = None) -> str | None:
     return None
 
 
-def temporary(path: str | Path) -> Path:
-    """Where this process writes path before renaming it into place: <name>.tmp<pid>."""
+def temporary(path: str | Path, pid: int | None = None) -> Path:
+    """Where a process writes path before renaming it into place: <name>.tmp<pid> (pid: this process's;
+    another where several processes write one folder and one of them renames it)."""
     path = Path(path)
-    return path.with_name(f"{path.name}.tmp{os.getpid()}")
+    return path.with_name(f"{path.name}.tmp{os.getpid() if pid is None else pid}")
+
+
+def temporary_of(name: str) -> str | None:
+    """The name a temporary of ``temporary``'s is written for (None: name is no temporary)."""
+    found = _TEMPORARY.fullmatch(name)
+    return None if found is None else found[1]
 
 
 def is_temporary(name: str, of: re.Pattern[str] | str | None = None) -> bool:
     """Whether a file name is a temporary of ``temporary``'s (of a name that ``of`` matches in full, or
     equals; None: of any name)."""
-    found = _TEMPORARY.fullmatch(name)
-    if found is None or of is None:
-        return found is not None
-    return of.fullmatch(found[1]) is not None if isinstance(of, re.Pattern) else found[1] == of
+    target = temporary_of(name)
+    if target is None or of is None:
+        return target is not None
+    return of.fullmatch(target) is not None if isinstance(of, re.Pattern) else target == of
 
 
 def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None],
@@ -230,6 +239,38 @@ def create_new(path: str | Path, data: str | bytes) -> bool:
         return False
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_folder(path: str | Path, write: Callable[[Path], None], keep_first: bool = False) -> bool:
+    """write(folder) into a temporary folder beside path, then put in place (place_folder): path is
+    never half written, and two processes writing it at once write apart. A failed write leaves no
+    temporary. Returns whether this call's folder is at path (keep_first: see place_folder)."""
+    tmp = temporary(path)
+    try:
+        write(tmp)
+        return place_folder(tmp, path, keep_first)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def place_folder(tmp: str | Path, path: str | Path, keep_first: bool = False) -> bool:
+    """A folder written whole at tmp renamed onto path; returns whether it is there now. An earlier
+    folder at path (not a link) is replaced, or with keep_first kept, tmp left for the caller to remove
+    (another process wrote the same folder first)."""
+    tmp, path = Path(tmp), Path(path)
+    if keep_first:
+        try:
+            os.rename(tmp, path)
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST) and path.is_dir():
+                return False
+            raise
+        return True
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return True
 
 
 @contextmanager

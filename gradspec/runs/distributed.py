@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradspec.files.locks import Shard
 from gradspec.options import OptionError
-from gradspec.runs.run_folder import Shard
 
 WAIT = timedelta(days=3)  # how long rank 0 waits for the slowest rank before it merges
 COLLECTIVE_WAIT = timedelta(minutes=30)  # a collective of --fsdp's passes: a rank that died ends the run in this

@@ -12,7 +12,7 @@ from gradspec.alignment.kfac import KFACFactors, fit_factors
 from gradspec.alignment.preconditioner import Preconditioner
 from gradspec.files import sha256
 from gradspec.options import OptionError, mention
-from gradspec.runs.run_folder import model_identity
+from gradspec.runs.run_folder.fingerprints import model_identity
 from gradspec.runs.task_set import task_batches
 
 log = logging.getLogger("gradspec")

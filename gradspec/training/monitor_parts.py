@@ -4,19 +4,18 @@ compacted into ``out`` at its end.
 
 Each part is written aside and renamed with its checksum beside it (write_checksummed), so a run killed at
 any moment leaves whole parts its checksums accept: it loses at most the step it was writing. Each step costs
-the same write whatever the run's length, and nothing of earlier steps is held in memory. The folder is
-guarded as a scoring run's (gradspec.files.locks): one writer holds its run.lock (a live scoring run or
-another monitor on the same ``out`` is refused), no link is followed to it, and only the monitor's own files
-are deleted there. ``read_monitor`` reads either form as one table; parts whose columns differ (a resumed run
-with other modules) are joined, a column a part lacks null in its rows; a part whose bytes are not those
-written is refused, naming it.
+the same write whatever the run's length, and nothing of earlier steps is held in memory. The folder is of
+one kind with a scoring run's (gradspec.files.parts): one writer holds its run.lock (a live scoring run or
+another monitor on the same ``out`` is refused), no link is followed to it, only the monitor's own files are
+deleted there, and its parts are compacted as a run's are merged. ``read_monitor`` reads either form as one
+table; parts whose columns differ (a resumed run with other modules) are joined, a column a part lacks null
+in its rows; a part whose bytes are not those written is refused, naming it.
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,41 +25,21 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from gradspec.data.errors import InputError
-from gradspec.files import (
-    atomic_write,
-    checksum_path,
-    checksum_problem,
-    is_temporary,
-    regular,
-    write_checksum,
-    write_checksummed,
+from gradspec.files import checksum_path, checksum_problem, is_temporary, regular, write_checksum, write_checksummed
+from gradspec.files.parts import (
+    PartsFolder,
+    conformed,
+    part_files,
+    part_numbers,
+    parts_folder,
+    row_groups,
+    widened,
+    write_compacted,
 )
-from gradspec.files.locks import LockedFolder
-from gradspec.runs.run_folder import conformed
 
-_PART = re.compile(r"^(\d{8,})\.parquet$")
-# Compaction writes its row groups at about this size: a row group per part would give a run of 10,000
-# steps a footer of 10,000 groups' column statistics, slow to open.
-GROUP_BYTES = 64 << 20
+__all__ = ["MonitorParts", "part_files", "parts_folder", "read_monitor"]
+
 READ_TOGETHER = 64
-
-
-def parts_folder(out: str | Path) -> Path:
-    """Where a monitor writing ``out`` keeps its parts until the run's end: ``<out>.parts/``."""
-    out = Path(out)
-    return out.with_name(out.name + ".parts")
-
-
-def part_path(folder: Path, number: int) -> Path:
-    return folder / f"{number:08d}.parquet"
-
-
-def part_files(folder: Path) -> list[Path]:
-    """The folder's parts in the order written (none where there is no folder)."""
-    if not folder.is_dir():
-        return []
-    numbered = [(int(m[1]), p) for p in folder.iterdir() if (m := _PART.match(p.name))]
-    return [p for _, p in sorted(numbered)]
 
 
 def read_monitor(path: str | Path) -> pd.DataFrame:
@@ -86,35 +65,26 @@ def read_monitor(path: str | Path) -> pd.DataFrame:
     if not parts:
         raise InputError(f"{path}: no monitor file, nor its parts ({folder}); under torch.distributed each rank "
                          "writes its own: <name>.rank<r>.parquet")
-    return pa.concat_tables(list(_groups(parts, _schema(parts)))).to_pandas()
+    return pa.concat_tables(list(row_groups(_blocks(parts, _schema(parts))))).to_pandas()
 
 
 def _schema(parts: list[Path]) -> pa.Schema:
     """Every part's columns, in the order they first appear (parts of a resumed run may have others)."""
-    schema = _read(parts[0], schema_only=True)
-    for p in parts[1:]:  # one at a time: 10,000 schemas of 100 columns held at once are 250 MB
-        other = _read(p, schema_only=True)
-        if not other.equals(schema):
-            schema = pa.unify_schemas([schema, other], promote_options="permissive")
+    schema = None
+    for p in parts:  # one at a time: 10,000 schemas of 100 columns held at once are 250 MB
+        schema = widened(schema, _read(p, schema_only=True))
     return schema
 
 
-def _groups(parts: list[Path], schema: pa.Schema) -> Iterator[pa.Table]:
-    """The parts conformed to the schema, gathered into tables of about GROUP_BYTES. A part as read holds
-    far more memory than its rows (measured: ~150 KB for 6 KB of rows), so every READ_TOGETHER parts
-    are copied into one block at once and the parts' own buffers freed."""
-    blocks: list[pa.Table] = []
+def _blocks(parts: list[Path], schema: pa.Schema) -> Iterator[pa.Table]:
+    """The parts conformed to the schema, READ_TOGETHER at a time copied into one block: a part as read
+    holds far more memory than its rows (measured: ~150 KB for 6 KB of rows), freed by the copy."""
     read: list[pa.Table] = []
-    size = 0
     for i, p in enumerate(parts, 1):
         read.append(conformed(_read(p), schema))
-        if len(read) < READ_TOGETHER and i < len(parts):
-            continue
-        blocks.append(pa.concat_tables(read).combine_chunks())
-        read, size = [], size + blocks[-1].nbytes
-        if size >= GROUP_BYTES or i == len(parts):
-            yield pa.concat_tables(blocks)
-            blocks, size = [], 0
+        if len(read) >= READ_TOGETHER or i == len(parts):
+            yield pa.concat_tables(read).combine_chunks()
+            read = []
 
 
 def _write_steps_upto(path: Path, f, upto: float) -> None:
@@ -141,14 +111,11 @@ def _read(path: Path, columns: list[str] | None = None, schema_only: bool = Fals
     return pq.read_schema(path) if schema_only else pq.read_table(path, columns=columns)
 
 
-class MonitorParts(LockedFolder):
+class MonitorParts(PartsFolder):
     """A monitor's ``<out>.parts/``: its numbered parts and their checksums, held by one writer."""
 
-    OURS = re.compile(r"\d{8,}\.parquet(\.sha256)?")
-
     def __init__(self, out: str | Path) -> None:
-        self.out = Path(out)
-        super().__init__(parts_folder(self.out))
+        super().__init__(out)
         self.next = 0  # the number of the next part
 
     def open(self, overwrite: bool, resumed_at: float | None) -> None:
@@ -176,24 +143,17 @@ class MonitorParts(LockedFolder):
     def write(self, table: pa.Table) -> None:
         """A step's rows as the next part, then its checksum."""
         self.path.mkdir(parents=True, exist_ok=True)
-        write_checksummed(part_path(self.path, self.next), lambda f: pq.write_table(table, f))
+        write_checksummed(self.part(self.next), lambda f: pq.write_table(table, f))
         self.next += 1
 
     def compact(self) -> None:
-        """The parts into ``out`` (written aside, then renamed), streamed part by part in row groups of
-        about GROUP_BYTES, never all in memory; then the parts removed and the lock given up. Without
-        parts: the lock given up."""
+        """The parts into ``out`` (write_compacted: streamed part by part, never all in memory); then the
+        parts removed and the lock given up. Without parts: the lock given up."""
         try:
             parts = part_files(self.path)
             if parts:
                 schema = _schema(parts)
-
-                def write(f) -> None:
-                    with pq.ParquetWriter(f, schema) as writer:
-                        for group in _groups(parts, schema):
-                            writer.write_table(group)
-
-                atomic_write(self.out, write)
+                write_compacted(self.out, schema, _blocks(parts, schema))
                 self.clear()  # a kill before this leaves parts the file holds: read_monitor and a resume take the file
         finally:
             self.release()
@@ -210,8 +170,8 @@ class MonitorParts(LockedFolder):
             _check_monitor_file(self.out)
             self.clear()  # left by a compaction cut short after its file was in place: the file has their rows
             self.path.mkdir(parents=True, exist_ok=True)
-            os.replace(self.out, part_path(self.path, 0))
-            write_checksum(part_path(self.path, 0))
+            os.replace(self.out, self.part(0))
+            write_checksum(self.part(0))
         for p in part_files(self.path):
             _check_monitor_file(p)
             if math.isinf(upto):
@@ -227,5 +187,5 @@ class MonitorParts(LockedFolder):
         for p in self.path.iterdir() if self.path.is_dir() else ():
             if is_temporary(p.name, self.OURS):
                 p.unlink(missing_ok=True)
-        parts = part_files(self.path)
-        return int(_PART.match(parts[-1].name)[1]) + 1 if parts else 0
+        numbers = part_numbers(self.path)
+        return numbers[-1] + 1 if numbers else 0

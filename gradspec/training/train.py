@@ -18,6 +18,8 @@ from gradspec.data.models import check_device, check_model
 from gradspec.data.readers import Fields, Sample, data_samples
 from gradspec.data.shared_options import device_option, fields_option, limit_option, max_length_option, template_option
 from gradspec.data.templates import NO_RESPONSE, check_response_tokens, tokenize
+from gradspec.files import place_folder, temporary, temporary_of
+from gradspec.files.parts import SUFFIX as PARTS
 from gradspec.options import OptionError, OptionExists, check_options, mention, nearest, option
 
 if TYPE_CHECKING:
@@ -29,10 +31,6 @@ LOSSES = ("ntp", "wit", "sftmix")
 # what a run writes into --out: checkpoint-N stands for Trainer's checkpoints (--trainer-args save_steps=N)
 OUTPUTS = ("model", "dynamics.parquet", "monitor.parquet", "checkpoint-N")
 MODEL = OUTPUTS[0]
-# A partial output: the temporary it is written to beside it, <name>.tmp<pid> for a file (score_files.atomic_write),
-# model.tmp for the model folder (renamed into place once whole: _save_model); left where a run was killed writing it;
-# and the monitor's parts, <name>.parts/ (compacted into its file at the training's end), left by a run killed before
-_PARTIAL = re.compile(r"\.tmp\d*$|\.parts$")
 _RANK = re.compile(r"\.rank\d+(?=\.parquet$)")  # under torchrun each rank's monitor file: monitor.rank<r>.parquet
 _STEP = re.compile(r"(?<=^checkpoint-)\d+$")
 
@@ -283,7 +281,7 @@ def _check_labels(samples: list[Sample], tokenizer, template: str, max_length: i
 
 def run_files(out: str | Path) -> list[Path]:
     """A run's files in its out folder: its OUTPUTS (under torchrun one monitor file per rank), then the
-    partial ones a run killed while writing them left (their temporaries: _PARTIAL).
+    partial ones a run killed while writing them left (_partial_of).
 
     Args:
         out: The run's out folder.
@@ -293,37 +291,43 @@ def run_files(out: str | Path) -> list[Path]:
     """
     out = Path(out)
     files = [p for p in out.iterdir() if _output_of(p.name) in OUTPUTS] if out.is_dir() else []
-    return sorted(files, key=lambda p: (bool(_PARTIAL.search(p.name)), OUTPUTS.index(_output_of(p.name)), p.name))
+    return sorted(files, key=lambda p: (_partial_of(p.name) is not None, OUTPUTS.index(_output_of(p.name)), p.name))
+
+
+def _partial_of(name: str) -> str | None:
+    """The output a partial one in out is of (None: name is no partial output): the temporary a file or the
+    model folder is written to beside it (files.temporary), left where a run was killed writing it; or the
+    monitor's parts folder (compacted into its file at the training's end), left by a run killed before."""
+    return temporary_of(name) or (name.removesuffix(PARTS) if name.endswith(PARTS) else None)
 
 
 def _output_of(name: str) -> str:
     """The OUTPUTS name a file in out stands for (a rank's monitor file, a partial one: theirs)."""
-    return _STEP.sub("N", _RANK.sub("", _PARTIAL.sub("", name)))
+    return _STEP.sub("N", _RANK.sub("", _partial_of(name) or name))
 
 
 def _earlier_run(out: Path, files: list[Path]) -> str:
     """What an earlier run left, as the refusal names it: each file there, a partial one said to be, and
     whether that run finished (its model, saved last and whole, is there)."""
-    names = [f"{p.name}{'/' if p.is_dir() else ''}{' (partial)' if _PARTIAL.search(p.name) else ''}" for p in files]
-    finished = (out / MODEL).is_dir() and not any(_PARTIAL.search(p.name) for p in files)
+    names = [f"{p.name}{'/' if p.is_dir() else ''}{' (partial)' if _partial_of(p.name) else ''}" for p in files]
+    finished = (out / MODEL).is_dir() and not any(_partial_of(p.name) for p in files)
     return ("an earlier run's " if finished else "what an earlier run left, stopped before it finished: ") + \
         ", ".join(names)
 
 
 def _save_model(trainer, tokenizer, path: Path) -> None:
     """The trained model and its tokenizer at path, whole or not at all: written into a temporary folder
-    beside it (path.tmp), renamed into place once complete. A failed write (a full disk) leaves no path
-    and an OSError naming it; the run's other outputs, written before, stay."""
+    beside it (files.temporary, named by the main process's pid on every rank), put in place once complete
+    (files.place_folder: a resumed run's model, the stopped run's, replaced). A failed write (a full disk)
+    leaves no path and an OSError naming it; the run's other outputs, written before, stay."""
     from safetensors import SafetensorError
 
-    partial = path.with_name(f"{path.name}.tmp")
+    partial = temporary(path, _main_pid())
     try:
         trainer.save_model(str(partial))  # on every rank: a model sharded at load is gathered across them
         if trainer.args.should_save:
             tokenizer.save_pretrained(str(partial))
-            if path.is_dir() and not path.is_symlink():  # a resumed run's: the stopped run's model, replaced now
-                shutil.rmtree(path)
-            os.replace(partial, path)
+            place_folder(partial, path)
     except BaseException as error:
         if trainer.args.should_save:
             shutil.rmtree(partial, ignore_errors=True)
@@ -332,3 +336,15 @@ def _save_model(trainer, tokenizer, path: Path) -> None:
         kept = [p.name for p in run_files(path.parent)]
         raise OSError(f"{path}: {getattr(error, 'strerror', None) or error}; the model is not saved"
                       + (f" ({', '.join(kept)} kept)" if kept else "")) from error
+
+
+def _main_pid() -> int:
+    """The pid of the process that saves the model (rank 0's under torch.distributed), the same on every
+    rank: the ranks of a sharded model write their shares into one temporary folder."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return os.getpid()
+    pid = [os.getpid()]
+    dist.broadcast_object_list(pid, src=0)
+    return pid[0]

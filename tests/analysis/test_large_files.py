@@ -27,8 +27,9 @@ from gradspec.analysis import report
 from gradspec.analysis.report import per_sample, write_report
 from gradspec.analysis.select import choose, criteria, write_selection
 from gradspec.cli import main
+from gradspec.files import parts as file_parts
 from gradspec.linalg.metrics import METRICS
-from gradspec.runs import run_folder, score_files
+from gradspec.runs import score_files
 from gradspec.runs.config import ScoreConfig
 from gradspec.runs.run_folder import NUMERICS, RunFolder
 from gradspec.runs.score_files import file_metadata, read_scores
@@ -90,7 +91,7 @@ def scores(run):
     out.parent.mkdir()
     shutil.copytree(run / "run" / "s.parquet.parts", out.parent / "s.parquet.parts")
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(run_folder, "ROW_GROUP_BYTES", 1, raising=False)
+        m.setattr(file_parts, "GROUP_BYTES", 1)
         assert main(["merge", "--out", str(out)]) == 0
     assert pq.ParquetFile(out).metadata.num_row_groups == ROWS // CHUNK
     return out

@@ -1,11 +1,14 @@
 """gradspec.files: what is not a regular file is refused before it is opened (a FIFO would block the
-reader past any signal), checksums name what changed, temporaries are recognised by one matcher, and a
-name taken only if absent is taken once."""
+reader past any signal), checksums name what changed, temporaries are recognised by one matcher, a
+name taken only if absent is taken once, and a folder is written aside and put in place whole."""
 
 import os
 import re
 import socket
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -20,8 +23,10 @@ from gradspec.files import (
     regular,
     sha256,
     temporary,
+    temporary_of,
     write_checksum,
     write_checksummed,
+    write_folder,
 )
 
 
@@ -121,3 +126,59 @@ def test_a_file_replaced_with_its_checksum_is_accepted_wherever_the_replacement_
     assert checksum_problem(path) == "damaged, its bytes differ from those written (checksum mismatch)"
     write_checksummed(path, lambda f: f.write(b"new"))
     assert (tmp_path / "p.parquet.sha256").read_text() == sha256(path)  # one digest once it is in place
+
+
+def test_a_folder_is_written_aside_whole_or_not_at_all(tmp_path):
+    """write_folder: what the write made is at the path once it returned, nothing of a write that failed
+    is, and no temporary is left either way; an earlier folder is replaced, or with keep_first kept."""
+    target = tmp_path / "model"
+
+    def write(text):
+        return lambda folder: (folder.mkdir(), (folder / "config.json").write_text(text))
+
+    assert write_folder(target, write("one")) and (target / "config.json").read_text() == "one"
+    assert write_folder(target, write("two")) and (target / "config.json").read_text() == "two"
+    assert not write_folder(target, write("three"), keep_first=True) and (target / "config.json").read_text() == "two"
+
+    def fails(folder):
+        write("half")(folder)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        write_folder(tmp_path / "other", fails)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+    assert temporary_of(temporary(target).name) == "model" and temporary(target, 42).name == "model.tmp42"
+
+
+CONVERTS = """
+import sys, time
+from pathlib import Path
+from gradspec.files import write_folder
+target, ready, go = map(Path, sys.argv[1:4])
+def write(folder):
+    folder.mkdir()
+    (folder / "writer").write_text(sys.argv[4])
+    ready.with_name(ready.name + sys.argv[4]).touch()
+    while not go.exists():
+        time.sleep(0.02)
+    (folder / "config.json").write_text(sys.argv[4])
+print(write_folder(target, write, keep_first=True))
+"""
+
+
+def test_two_processes_writing_one_folder_at_once_write_apart_and_the_first_is_kept(tmp_path):
+    """Two processes converting the default model at once: each writes its own temporary folder (a fixed
+    name had both write into one), one of them is put in place whole, the other's removed."""
+    target, ready, go = tmp_path / "model", tmp_path / "ready", tmp_path / "go"
+    writers = [subprocess.Popen([sys.executable, "-c", CONVERTS, str(target), str(ready), str(go), name],
+                                stdout=subprocess.PIPE, text=True) for name in ("a", "b")]
+    for name, writer in zip("ab", writers, strict=True):
+        while not (tmp_path / f"ready{name}").exists():
+            assert writer.poll() is None, writer.communicate()
+            time.sleep(0.02)
+    go.touch()
+    placed = [writer.communicate(timeout=120)[0].strip() for writer in writers]
+    assert sorted(placed) == ["False", "True"]
+    first = "ab"[placed.index("True")]
+    assert (target / "writer").read_text() == (target / "config.json").read_text() == first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["go", "model", "readya", "readyb"]

@@ -10,6 +10,7 @@ alive or die meanwhile); rows are compared with an uninterrupted run, table for 
 import errno
 import json
 import os
+import pathlib
 import shutil
 import signal
 import socket
@@ -26,6 +27,7 @@ from conftest import tiny_model
 import gradspec
 from gradspec.cli import main
 from gradspec.runs import run_folder
+from gradspec.runs.run_folder import merge as run_merge
 
 ROWS = 24  # input rows
 CHUNK = "4"  # rows per part: 6 parts
@@ -439,7 +441,8 @@ def test_a_merge_killed_while_writing_leaves_no_temporary(tmp_path, tiny_model_d
     out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
     assert main(_args(tiny_model_dir, data, out, "--no-merge")) == 0
     ready, go = tmp_path / "ready", tmp_path / "go"
-    halfway = ("import os, time, gradspec.runs.run_folder as rf; real = rf.conformed\n"  # holds after the first part
+    # holds after the first part
+    halfway = ("import os, time, gradspec.runs.run_folder.merge as rf; real = rf.conformed\n"
                "def conformed(table, schema):\n"
                f"    if os.path.exists({str(ready)!r}):\n"
                f"        while not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
@@ -489,7 +492,7 @@ def test_a_damaged_manifest_is_written_again_by_resume(tmp_path, tiny_model_dir,
 
 def test_a_full_disk_is_named_and_leaves_no_temporary(tmp_path, tiny_model_dir, data, monkeypatch, capsys):
     out, parts = tmp_path / "s.parquet", tmp_path / "s.parquet.parts"
-    real = run_folder.Path.write_text
+    real = pathlib.Path.write_text
 
     def write_text(self, text, *args, **kwargs):
         if self.name.startswith("manifest.json.tmp"):
@@ -497,7 +500,7 @@ def test_a_full_disk_is_named_and_leaves_no_temporary(tmp_path, tiny_model_dir, 
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(self, text, *args, **kwargs)
 
-    monkeypatch.setattr(run_folder.Path, "write_text", write_text)
+    monkeypatch.setattr(pathlib.Path, "write_text", write_text)
     assert main(_args(tiny_model_dir, data, out)) == 2
     assert not parts.exists()  # nothing left: no zero-byte manifest temporary, no lock
     monkeypatch.undo()
@@ -526,7 +529,7 @@ def test_a_merge_stopped_before_its_file_is_in_place_loses_no_skipped_row(tmp_pa
     bad.write_text(data.read_text() + '{"instruction": "no output"}\n')
     out = tmp_path / "s.parquet"
     assert main(_args(tiny_model_dir, bad, out, "--no-merge", "--on-error", "skip")) == 0
-    real = run_folder.atomic_write
+    real = run_merge.atomic_write
 
     def atomic_write(path, write):
         if path == out.with_suffix(".errors.jsonl"):
@@ -534,7 +537,7 @@ def test_a_merge_stopped_before_its_file_is_in_place_loses_no_skipped_row(tmp_pa
         real(path, write)
 
     with monkeypatch.context() as patched:
-        patched.setattr(run_folder, "atomic_write", atomic_write)
+        patched.setattr(run_merge, "atomic_write", atomic_write)
         assert main(["merge", "--out", str(out)]) == 130
     assert not out.exists()
     assert main(["merge", "--out", str(out)]) == 0

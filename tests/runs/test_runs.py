@@ -91,18 +91,18 @@ def test_resume_after_kill_while_writing_a_part(tmp_path, tiny_model_dir, data, 
     """The process dies inside the write of part 3: its temporary file is left behind, never
     taken for a part, and the resumed run scores chunk 3 again."""
     if when == "before the rename":
-        patch = ("import os, signal, gradspec.runs.run_folder as p; real = os.replace\n"
+        patch = ("import os, signal; real = os.replace\n"
                  "def replace(src, dst):\n"
                  "    if str(dst).endswith('00000003.parquet'): os.kill(os.getpid(), signal.SIGKILL)\n"
                  "    real(src, dst)\n"
-                 "p.os.replace = replace")
+                 "os.replace = replace")
     else:
-        patch = ("import os, signal, gradspec.runs.run_folder as p; real = p.pq.write_table\n"
+        patch = ("import os, signal, pyarrow.parquet as pq; real = pq.write_table\n"
                  "def write_table(table, f):\n"
                  "    if 'index' in table.column_names and table['index'][0].as_py() == 18:\n"
                  "        f.write(b'PAR1' + b'x' * 100); f.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
                  "    real(table, f)\n"
-                 "p.pq.write_table = write_table")
+                 "pq.write_table = write_table")
     out = tmp_path / "s.parquet"
     proc = _cli(_args(tiny_model_dir, data, out), patch=patch)
     proc.wait(timeout=300)

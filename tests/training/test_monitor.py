@@ -729,6 +729,7 @@ def test_a_new_run_refuses_an_unfinished_run_s_parts_unless_overwrite(tokenizer,
 def test_compaction_writes_the_parts_concatenated_part_by_part(tokenizer, tmp_path, monkeypatch):
     """One file equal to the parts in order, other columns joined (a run resumed with other modules), written
     in row groups of about GROUP_BYTES: the parts are never all in memory at once."""
+    from gradspec.files import parts as file_parts
     from gradspec.training import monitor_parts
 
     model, out = tiny_model("llama"), tmp_path / "m.parquet"
@@ -737,7 +738,7 @@ def test_compaction_writes_the_parts_concatenated_part_by_part(tokenizer, tmp_pa
     resumed.restart(resumed_at=2)
     _steps(resumed, model, tokenizer, [3])
     parts = [pq.read_table(p) for p in part_files(tmp_path / "m.parquet.parts")]
-    monkeypatch.setattr(monitor_parts, "GROUP_BYTES", 1)  # a row group per part
+    monkeypatch.setattr(file_parts, "GROUP_BYTES", 1)  # a row group per part
     monkeypatch.setattr(monitor_parts, "READ_TOGETHER", 1)
     resumed.close()
     got, want = pq.ParquetFile(out), pa.concat_tables(parts, promote_options="permissive")
@@ -768,15 +769,15 @@ def test_each_rank_writes_its_own_parts_and_file(tokenizer, tmp_path, monkeypatc
 
 def test_a_compaction_that_fails_keeps_the_parts(tokenizer, tmp_path, monkeypatch, caplog):
     """A full disk at the run's end is logged, not raised into the finished training; the rows stay readable."""
-    from gradspec.training import monitor_parts
+    from gradspec.files import parts as file_parts
 
-    def full(path, write):
+    def full(path, write, before=None):
         raise OSError(28, "No space left on device", str(path))
 
     out = tmp_path / "m.parquet"
     monitor = SpectralMonitor(every=1, modules="q", out=out)
     _steps(monitor, tiny_model("llama"), tokenizer, [1])
-    monkeypatch.setattr(monitor_parts, "atomic_write", full)
+    monkeypatch.setattr(file_parts, "atomic_write", full)
     monitor.close()
     assert "not compacted into" in caplog.text
     assert not out.exists() and read_monitor(out)["step"].tolist() == [1, 1]

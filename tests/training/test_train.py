@@ -115,14 +115,14 @@ transformers.modeling_utils.safe_save_file = safe_save_file
 """,
 }
 LEFT = {"writing monitor rows": "monitor.parquet.parts/ (partial)",
-        "saving the model": "dynamics.parquet, monitor.parquet, model.tmp/ (partial)"}
+        "saving the model": "dynamics.parquet, monitor.parquet, model.tmp{pid}/ (partial)"}
 
 
 @pytest.mark.parametrize("moment", KILLED)
 def test_the_rerun_of_a_killed_train_names_what_it_left(moment, data, tiny_model_dir, tmp_path, capsys):
     """The refusal listed every output (model, dynamics.parquet, monitor.parquet) whatever was there, and
     a run killed saving its model left a model/ folder like a whole one: the model is now written aside
-    (model.tmp/) and renamed once whole, and the refusal names each file left, partial ones as such."""
+    (model.tmp<pid>/) and renamed once whole, and the refusal names each file left, partial ones as such."""
     import subprocess
     import sys
 
