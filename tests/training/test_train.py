@@ -96,6 +96,24 @@ def test_under_torchrun_each_rank_loads_onto_its_own_device(data, tiny_model_dir
     assert bound == ["cpu"] and loaded == ["cpu"]
 
 
+
+def test_under_torchrun_the_ranks_save_one_model_and_leave_no_temporary(data, tiny_model_dir, tmp_path):
+    """Every rank reaches the save (where a sharded model is gathered, and the ranks agree on rank 0's pid for
+    the temporary folder): the run ends with one model/ folder, whole, one monitor file per rank, and no
+    model.tmp<pid> left."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "gradspec", "train", "--model", str(tiny_model_dir), "--data", str(data),
+                           "--out", str(out), "--max-steps", "1", "--batch-size", "2", "--monitor-every", "1"],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["dynamics.parquet", "model", "monitor.rank0.parquet",
+                                                      "monitor.rank1.parquet"]
+    assert (out / "model" / "model.safetensors").is_file() and (out / "model" / "tokenizer.json").is_file()
+
 # Code run before `gradspec train` in a process that then kills itself (SIGKILL: the OOM killer, a preempted job)
 KILLED = {
     "writing monitor rows": """
