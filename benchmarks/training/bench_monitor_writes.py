@@ -1,16 +1,16 @@
 """The spectral monitor's output over a long run: write time per monitored step, the parts writer (a
-part per step in <out>.parts/, compacted at close) against the whole-file rewrite it replaced, and the
+part per step in <out>.parts/, compacted at close) against a whole-file rewrite, and the
 memory of a long monitored run of a tiny model.
 
 Write time: synthetic rows of the width of the tests' tiny Llama (2 layers, all 14 modules, every
 metric: 95 columns), 8 a step. The parts writer is SpectralMonitor's own (``_write``, then ``close``),
-run step by step to PARTS_STEPS. The whole-file rewrite is re-implemented here as the baseline (what
-``_write`` did before: every row so far concatenated, written aside and renamed), run step by step
-beside it, each step's two writes one after the other so that both see the machine's load of the
-moment, to WHOLE_STEPS only (its writes add up quadratically: 10,000 steps, about an hour here). At the
-points from WHOLE_STEPS on, its state at step s (s - 1 tables of 8 rows concatenated, as its table
-was) is built in memory and one write timed, WHOLE_ROUNDS times; at WHOLE_STEPS both ways are
-measured, to check the shortcut. Each point is the median of the 10 steps (or rounds) that end there.
+run step by step to PARTS_STEPS. The whole-file rewrite is re-implemented here as the baseline (every
+row so far concatenated, written aside and renamed), run step by step beside it, each step's two writes
+one after the other so that both see the machine's load of the moment, to WHOLE_STEPS only (its writes
+add up quadratically: 10,000 steps, about an hour here). At the points from WHOLE_STEPS on, its state
+at step s (s - 1 tables of 8 rows concatenated, as its table was) is built in memory and one write
+timed, WHOLE_ROUNDS times; at WHOLE_STEPS both ways are measured, to check the shortcut. Each point is
+the median of the 10 steps (or rounds) that end there.
 
 Memory: a fresh process trains a tiny random Llama (2 layers, width 64) with the monitor on every
 module at every step for RSS_STEPS steps of 8 rows (a plain loop), and reports its resident set size
@@ -34,7 +34,8 @@ import pytest
 from benchmarks.common import MEDIANS, REPO, child_env
 from gradspec.files import atomic_write, write_checksummed
 from gradspec.linalg.metrics import metric_names
-from gradspec.training.monitor import COLUMN_TYPES, SpectralMonitor
+from gradspec.training.monitor import SpectralMonitor
+from gradspec.training.monitor_rows import COLUMN_TYPES
 
 POINTS = (10, 100, 1_000, 10_000)
 PARTS_STEPS = int(os.environ.get("BENCH_PARTS_STEPS", 10_000))
@@ -63,7 +64,7 @@ def step_table(rows: list[dict]) -> pa.Table:
 
 
 class WholeFile:
-    """The writer before parts (SpectralMonitor._write until issue 39): every row so far, rewritten whole."""
+    """The baseline, a whole-file writer: every row so far, rewritten whole at each step."""
 
     def __init__(self, out: Path) -> None:
         self.out, self.table = out, None

@@ -17,9 +17,10 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gradspec.data.errors import check_at_least
+from gradspec.data.errors import InputError, check_at_least
+from gradspec.data.formats import read_records
+from gradspec.data.hub import Hub
 from gradspec.data.in_memory import plain_value
-from gradspec.data.readers import Hub, InputError, read_records
 from gradspec.files import atomic_write, parquet_errors, regular
 from gradspec.options import OptionError
 from gradspec.runs.score_files import (

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from gradspec.choices import BATCH_TOKENS, CPU_BATCH_TOKENS
-from gradspec.data.readers import Sample
+from gradspec.data.sample import Sample
 from gradspec.data.templates import IGNORE_INDEX, Tokenized
 
 MAX_PADDING = 0.2  # share of a batch's tokens that may be padding

@@ -5,7 +5,7 @@ error naming the row as ``data[3]`` (``task[3]``) where a file's names its line.
 A run's config names its input by a plain string (a run folder's manifest records it), so rows given
 in memory are named by a label of their content, ``<in-memory: 12 rows, sha256 1a2b3c4d5e6f7a8b>``:
 a resume with the same rows continues, other rows are another input and are refused. The readers
-(gradspec.data.readers) find the rows of a label here, while ``holding`` holds them: for the call
+(gradspec.data.formats) find the rows of a label here, while ``holding`` holds them: for the call
 that was given them, and no longer.
 """
 
@@ -54,7 +54,7 @@ class InMemoryRows:
         return len(self._dataset if self._dataset is not None else self._rows)
 
     def records(self, wanted: Callable[[int], bool] | None = None) -> Iterator[tuple[str, dict | InputError | None]]:
-        """(location, record) per row, as readers.read_records gives a file's: a row that is no mapping
+        """(location, record) per row, as formats.read_records gives a file's: a row that is no mapping
         comes back as the InputError that says so; None for rows that wanted(index) rejects."""
         for index, (where, row) in enumerate(self._rows_read(wanted)):
             if wanted is not None and not wanted(index):

@@ -238,7 +238,7 @@ class BatchCapture(Capture):
 
     def release(self) -> None:
         """Drops the batch's Grams and host copies once the eigen stage has read them (or failed)."""
-        self.core, self.materialised, self.sketched, self.solved, self.inputs = {}, [], [], [], {}
+        self.core, self.materialised, self.sketched, self.solved, self.inputs, self.x_grams = {}, [], [], [], {}, {}
 
     def finish(self, scores) -> None:
         scores.metrics, scores.spectra = self.reduce(scores.scored, scores.flags, self.keep_spectra)

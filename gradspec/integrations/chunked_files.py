@@ -4,7 +4,7 @@ Parquet files or folders of them on any filesystem pyarrow reaches (a local path
 ``plan`` reads what the cut needs once, on one machine: each Parquet file's footer (its row count), each
 JSONL file's lines (the byte offset of each chunk's first line: one pass over its bytes, none parsed), each
 JSON file whole. ``read_chunk`` then reads one chunk's rows anywhere, as gradspec's readers read them
-(gradspec.data.readers): the same records, the same per-row problems (a malformed JSON line, a Parquet
+(gradspec.data.formats): the same records, the same per-row problems (a malformed JSON line, a Parquet
 value that will not convert) in their row's place, and the same locations in their messages ("file:line",
 "file row i", "file element i"). A folder's files are read in the order of their paths, those whose name
 starts with "." or "_" (_SUCCESS, .crc) left out.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradspec.data.errors import InputError
-from gradspec.data.readers import Record, parquet_records, parse_json, require_object
+from gradspec.data.formats import Record, parquet_records, parse_json, require_object
 from gradspec.files import parquet_errors
 
 SUFFIXES = (".json", ".jsonl", ".parquet")
@@ -139,7 +139,7 @@ def plan(data: str, chunk_rows: int, limit: int | None = None) -> list[Chunk]:
 
 def read_chunk(chunk: Chunk) -> Iterator[tuple[int, str, Record]]:
     """(index in the input, location, record) of each row of a chunk, in order: a record, or the InputError
-    confined to its row, as gradspec.data.readers.read_records gives them."""
+    confined to its row, as gradspec.data.formats.read_records gives them."""
     index = chunk.start
     for piece in chunk.pieces:
         reader = {".parquet": _parquet_piece, ".json": _json_piece}.get(piece.kind, _jsonl_piece)

@@ -30,8 +30,9 @@ import pyarrow as pa
 from ray.data import Datasource, ReadTask
 from ray.data.block import BlockMetadata
 
+from gradspec.data.carried_columns import mixed_columns_of, with_text_columns
 from gradspec.data.errors import InputError
-from gradspec.data.readers import RowError, Sample, SampleStream, mixed_columns_of, to_sample, with_text_columns
+from gradspec.data.readers import RowError, Sample, SampleStream, to_sample
 from gradspec.integrations.chunked_files import Chunk, describe, plan, read_chunk
 from gradspec.options import OptionError, split_options
 from gradspec.runs.config import RunSettings, ScoreConfig
@@ -155,8 +156,8 @@ class GradspecScorer:
     def _records(self, batch: Any) -> list[tuple[int, str, Any]]:
         """(index, location, record) per row of the batch: score_dataset's blocks carry them; any other
         batch's columns are the record's (index_column, where given, its index)."""
+        from gradspec.data.formats import parquet_records
         from gradspec.data.in_memory import InMemoryRows
-        from gradspec.data.readers import parquet_records
 
         if isinstance(batch, pa.Table) and RECORD in batch.column_names:
             return list(zip(batch[INDEX].to_pylist(), batch[WHERE].to_pylist(),

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from gradspec.data.readers import InputError
+from gradspec.data.errors import InputError
 from gradspec.runs.score_files import ATTRIBUTION, read_metadata, write_parquet
 
 

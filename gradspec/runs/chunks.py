@@ -17,8 +17,10 @@ from tqdm import tqdm
 
 from gradspec.choices import CHUNK_ROWS, MAX_LENGTH
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of, token_batches
+from gradspec.data.carried_columns import mixed_columns, with_text_columns
+from gradspec.data.errors import InputError
 from gradspec.data.models import input_device
-from gradspec.data.readers import InputError, Sample, SampleStream, mixed_columns, with_text_columns
+from gradspec.data.readers import Sample, SampleStream
 from gradspec.data.templates import RESPONSE_CHECK_ROWS, check_response_tokens, tokenize
 from gradspec.engine import batch_memory
 from gradspec.engine.batch_memory import BatchMemory

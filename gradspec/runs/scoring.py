@@ -14,10 +14,10 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from gradspec.data.batching import BATCH_TOKENS, batch_tokens_for
-from gradspec.data.errors import OptionInputError, check_parquet_out, check_writable
+from gradspec.data.errors import InputError, OptionInputError, check_parquet_out, check_writable
 from gradspec.data.hub import loaded_once
 from gradspec.data.models import DEFAULT_MODEL, fit_to_context, input_device, load_model, placement
-from gradspec.data.readers import InputError, count_records, read_samples
+from gradspec.data.readers import count_records, read_samples
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.options import OptionError, mention
 from gradspec.runs.chunks import Flush, score_samples

@@ -12,8 +12,8 @@ import torch
 from gradspec.alignment.adam import read_adam_state
 from gradspec.alignment.kfac import KFACFactors
 from gradspec.cli import main
+from gradspec.data.errors import InputError
 from gradspec.data.models import load_model
-from gradspec.data.readers import InputError
 from gradspec.runs.checkpoint_sum import sum_over_checkpoints
 from gradspec.runs.score_files import read_metadata
 

@@ -4,7 +4,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gradspec.data.readers import HUMANEVAL_SIZE, Fields, InputError, count_records, humaneval_samples, read_samples
+from gradspec.data.errors import InputError
+from gradspec.data.readers import HUMANEVAL_SIZE, Fields, count_records, humaneval_samples, read_samples
 
 ROWS = [
     {"instruction": "Say hi", "output": "hi", "reward": 1.5, "id": "a"},

@@ -11,7 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from gradspec.data.readers import InputError, Sample, count_records, read_samples
+from gradspec.data.errors import InputError
+from gradspec.data.readers import Sample, count_records, read_samples
 from gradspec.data.templates import TEMPLATES, tokenize
 
 FILES = 200  # per format

@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from gradspec.cli import main
-from gradspec.data.readers import Hub, InputError, count_records, read_samples
+from gradspec.data.errors import InputError
+from gradspec.data.readers import Hub, count_records, read_samples
 
 pytest.importorskip("datasets")
 

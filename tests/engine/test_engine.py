@@ -270,3 +270,21 @@ def test_a_scale_on_low_precision_gradients_is_applied_in_fp32():
         capture.to_host()
         got[name] = capture.reduce(torch.ones(2, dtype=torch.bool), [set(), set()], False)[0]["q_proj"]
     torch.testing.assert_close(got["scaled"], got["by hand"], rtol=1e-6, atol=0)
+
+
+def test_release_forgets_every_gram_the_capture_holds():
+    """A capture released mid-backward (the monitor's, on a fault in a hook) holds no Gram afterwards, the
+    inputs' X X^T shared by the core path included: nothing of the batch is kept on the device."""
+    from gradspec.engine.capture import BatchCapture
+    from gradspec.layers.hooks import BatchLayout
+    from gradspec.layers.registry import Part
+    from gradspec.linalg.metrics import metric_names
+
+    X, D = torch.randn(2, 7, 16), torch.randn(2, 7, 8)
+    part = Part("q_proj", "q", 16, 8, "q_proj.weight", (slice(None),), False, (0, 8, 1))
+    batch = BatchLayout(torch.tensor([7, 5]), "cpu")
+    capture = BatchCapture([type("T", (), {"parts": (part,)})()], batch, "auto", None, metric_names())
+    capture.on_part(part, batch.whole(X, D))
+    assert capture.x_grams and capture.core  # both samples shorter than the part's smaller side: the core path
+    capture.release()
+    assert not capture.x_grams and not capture.core and not capture.materialised

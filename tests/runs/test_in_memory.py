@@ -9,8 +9,9 @@ import pytest
 
 import gradspec
 from gradspec.cli import main
+from gradspec.data.errors import InputError
 from gradspec.data.in_memory import holding, is_label
-from gradspec.data.readers import InputError, read_samples
+from gradspec.data.readers import read_samples
 from gradspec.options import OptionError
 from gradspec.runs.run_folder import RunFolder
 

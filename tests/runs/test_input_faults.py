@@ -163,7 +163,7 @@ def test_a_carried_column_of_mixed_types_is_text_and_merges(tmp_path, tiny_model
     table = pq.read_table(out)
     assert table.schema.field("id").type == pa.string()
     assert table["id"].to_pylist() == ["0", "1", "a7", "b8", None, "2.5"]
-    assert table.schema.field("reward").type == pa.float64()  # ints and floats: numbers, as before
+    assert table.schema.field("reward").type == pa.float64()  # ints and floats: one kind, numbers
     assert table["reward"].to_pylist() == [0, 1.5, 2, 3.5, 4, 5.5]
 
 
@@ -199,7 +199,7 @@ def test_score_samples_makes_a_chunks_mixed_column_text(tokenizer):
 
 
 def test_mixed_columns_rule():
-    from gradspec.data.readers import as_text, mixed_columns
+    from gradspec.data.carried_columns import as_text, mixed_columns
 
     samples = [Sample(0, [], {"a": 1, "b": True, "c": 1, "d": None, "e": 2**70}),
                Sample(1, [], {"a": 2.5, "b": 1, "c": "x", "d": None}),

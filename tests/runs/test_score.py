@@ -10,7 +10,7 @@ import torch
 import gradspec
 from gradspec.cli import main
 from gradspec.data import batching
-from gradspec.data.readers import InputError
+from gradspec.data.errors import InputError
 from gradspec.linalg.metrics import METRICS
 
 ROWS = [

@@ -10,9 +10,10 @@ from conftest import tiny_model
 from gradspec.engine.spectral_engine import SpectralEngine
 from gradspec.layers import checkpointing
 from gradspec.linalg.metrics import METRICS, metrics_from_singular_values
-from gradspec.training.monitor import COLUMN_TYPES, SpectralMonitor
+from gradspec.training.monitor import SpectralMonitor
 from gradspec.training.monitor_callback import SpectralMonitorCallback
 from gradspec.training.monitor_parts import part_files, read_monitor
+from gradspec.training.monitor_rows import COLUMN_TYPES
 from gradspec.training.sample_index import with_sample_index
 from gradspec.training.wit import WITCollator, WITLoss, use_wit_loss, wit_loss
 
@@ -500,7 +501,7 @@ def test_a_fault_in_the_monitor_does_not_end_the_training_step(tokenizer, tmp_pa
     that micro-batch's spectra, not the user's step: the backward completes, every gradient as without
     the monitor, the rows say monitor_failed, no hook stays."""
     from gradspec.engine.capture import BatchCapture
-    from gradspec.training import monitor as monitor_module
+    from gradspec.training import monitor_loss
 
     calls = []
     real = BatchCapture.on_part
@@ -517,7 +518,7 @@ def test_a_fault_in_the_monitor_does_not_end_the_training_step(tokenizer, tmp_pa
     if where == "hook":
         monkeypatch.setattr(BatchCapture, "on_part", third_part_fails)
     else:
-        monkeypatch.setattr(monitor_module, "sample_losses", out_of_memory)
+        monkeypatch.setattr(monitor_loss, "sample_losses", out_of_memory)
     batch = WITCollator(tokenizer)(ROWS[:2])
     grads = {}
     for monitored in (True, False):
@@ -565,7 +566,7 @@ def test_bad_arguments_are_named_when_given(make, message):
 
 
 def test_packed_sequences_from_position_ids_or_cu_seq_lens():
-    from gradspec.training.monitor import packed_sequences
+    from gradspec.training.monitor_layout import packed_sequences
 
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [0, 1, 0, 1, 2, 3, 9, 9, 9]])
     mask = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])  # the second row right-padded after its sequences

@@ -135,7 +135,7 @@ def test_a_row_whose_spans_cannot_be_located_trains_on_nothing(tokenizer):
 def test_the_losses_never_read_the_device():
     """On the meta device any read of a device value (nonzero, .item(), a host copy) raises: WIT's loss and
     the monitor's per-sample losses run there whole, so a training step never waits for the GPU."""
-    from gradspec.training.monitor import sample_losses
+    from gradspec.training.monitor_loss import sample_losses
 
     logits = torch.randn(3, 6, 11, device="meta", requires_grad=True)
     labels = torch.zeros(3, 6, dtype=torch.long, device="meta")
@@ -148,7 +148,7 @@ def test_the_losses_never_read_the_device():
 def test_the_monitor_s_losses_a_row_at_a_time_equal_the_whole_batch_s(monkeypatch):
     """The per-sample losses in chunks of rows (no fp32 copy of all the logits) equal one chunk's, and the
     weighted mean of each sample's own targets."""
-    from gradspec.training import monitor
+    from gradspec.training import monitor_loss as monitor
 
     torch.manual_seed(0)
     logits = torch.randn(4, 7, 13, dtype=torch.bfloat16)
