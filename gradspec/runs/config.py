@@ -28,6 +28,8 @@ from gradspec.choices import (
     check_aggregates,
     check_modules,
 )
+from gradspec.data.carried_columns import mixed_columns_of, with_text_columns
+from gradspec.data.errors import InputError
 from gradspec.data.hub import is_dataset_name
 from gradspec.data.in_memory import check_held, is_label
 from gradspec.data.readers import (
@@ -35,14 +37,11 @@ from gradspec.data.readers import (
     ON_ERROR,
     Fields,
     Hub,
-    InputError,
     Sample,
     SampleStream,
     count_records,
     data_samples,
-    mixed_columns_of,
     open_parquet,
-    with_text_columns,
 )
 from gradspec.data.shared_options import (
     device_option,
@@ -141,7 +140,7 @@ class ScoreConfig:
             del info["seed"]
         if not self.project:
             del info["project"]
-        if self.task is None or not self.attribution:  # unused options stay out: old runs' fingerprints still match
+        if self.task is None or not self.attribution:  # an option of no effect stays out of the record
             del info["attribution"]
         if self.task is None or self.precondition == "none":
             del info["precondition"]
@@ -153,7 +152,7 @@ class ScoreConfig:
                 info["fit_data"]
         if self.precondition != "adam":
             del info["optimizer_state"]
-        if self.task is None:  # a spectra run's fingerprint holds no alignment option
+        if self.task is None:  # a spectra run: alignment's options stay out of its record
             del info["task"], info["aggregate"]
         if self.task is None and not self.project:
             del info["spectra"]
@@ -229,7 +228,7 @@ class ScoreConfig:
     def samples(self, wanted: Callable[[int], bool] | None = None, on_error: str = "fail",
                 ended: Callable[[int], None] | None = None) -> SampleStream:
         """The rows wanted, in order, each carried column typed as in the whole input (a column whose
-        values mix kinds, as text: readers.mixed_columns_of), and the input's head (SampleStream).
+        values mix kinds, as text: carried_columns.mixed_columns_of), and the input's head (SampleStream).
         ended(n): told the input's rows when it ends before the limit (readers.read_samples)."""
         def stream() -> Iterator[Sample]:
             text = mixed_columns_of(self.data, self.fields, self.limit, self.hub)  # read at the first row
