@@ -19,6 +19,7 @@ from gradspec.data.readers import Fields, Sample, data_samples
 from gradspec.data.shared_options import device_option, fields_option, limit_option, max_length_option, template_option
 from gradspec.data.templates import NO_RESPONSE, check_response_tokens, tokenize
 from gradspec.options import OptionError, OptionExists, check_options, mention, nearest, option
+from gradspec.output_options import out_option, overwrite_option
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
@@ -44,8 +45,8 @@ class TrainConfig:
 
     data: str | None = option(None, "training data, as for score (default: HumanEval)", kind="path?")
     model: str | None = option(None, "model folder (default: SmolLM2-135M-Instruct)", kind="path?")
-    out: str = option("gradspec-train", "folder for model/, dynamics.parquet, monitor.parquet", kind="path")
-    overwrite: bool = option(False, "replace an earlier run's files in out", kind="bool")
+    out: str = out_option("gradspec-train", "folder for model/, dynamics.parquet, monitor.parquet")
+    overwrite: bool = overwrite_option("replace an earlier run's files in out")
     loss: str = option("ntp", "ntp (next-token prediction), wit (weighted instruction tuning) or sftmix",
                        choices=LOSSES)
     prompt_weight: float = option(0.3, "WIT's weight of prompt tokens (the paper's recommended region)",
