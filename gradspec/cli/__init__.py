@@ -55,8 +55,8 @@ def _joined(argv: list[str]) -> list[str]:
 
 
 def _unshown(default: object) -> bool:
-    """A default that says nothing in a help line: none, off, no values, suppressed (0 is shown: 0 == False)."""
-    return default is None or default is False or default == () or default is argparse.SUPPRESS
+    """A default that says nothing in a help line: none, off, suppressed (0 is shown: 0 == False)."""
+    return default is None or default is False or default is argparse.SUPPRESS
 
 
 class _WithDefaults(argparse.HelpFormatter):

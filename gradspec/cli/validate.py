@@ -23,11 +23,12 @@ def add_parser(sub) -> None:
     p = sub.add_parser("validate", help="does a score predict training? retrains on random subsets (LDS) and on "
                                         "each score's selection, against the loss on a target")
     add_options(p, ValidateConfig, skip=("outcome",))
-    add_options(p, ValidateConfig, only=("outcome",), helps={
+    # none given: None (the Python default, (), is no default to show in --help)
+    add_options(p, ValidateConfig, only=("outcome",), defaults={"outcome": None}, helps={
         "outcome": "selection outcome: score specs whose top --top of the pool is retrained on, beside random and "
                    "length"})
     add_options(p, ValidateSettings, skip=("scores", "runs"))
-    add_options(p, ValidateSettings, only=("scores", "runs"), helps={
+    add_options(p, ValidateSettings, only=("scores", "runs"), defaults={"scores": None, "runs": None}, helps={
         "scores": "scores to test: an attribution file (align --attribution), or a score or align file with a "
                   "per-sample column or select --by expression after ':'",
         "runs": "analyse these retrain files (validate's --out) instead of retraining"})
