@@ -84,6 +84,14 @@ class Option:
         writes: for a path a run reads where it exists and writes where nothing is there yet, what it
             writes there (factors: "the factors it fits"): a --config file may name only one that exists,
             since where a run writes is the command line's alone (as --out).
+        required: the command line must give it (an option of a command without a Python API).
+        many: the command line takes one or more values after the flag (--checkpoints A B C).
+        positional: given by place on the command line, not by a flag (report's LABEL=SCORES ...).
+        metavar: the value's name in --help where the flag's own is not the clearest (FILE, I/N).
+        parse: the command line's reading of the text given (Shard.parse), instead of the kind's; a
+            ValueError it raises is the flag's error.
+        one_of: the name of a set of options of which the command line takes one at most (exactly one
+            where they are required): select's --fraction or --count.
     """
 
     help: str = ""
@@ -99,11 +107,22 @@ class Option:
     python_flat: bool = False
     from_file: bool = True
     writes: str | None = None
+    required: bool = False
+    many: bool = False
+    positional: bool = False
+    metavar: str | None = None
+    parse: Callable[[str], Any] | None = None
+    one_of: str | None = None
 
 
 def option(default: Any, help: str = "", **what: Any) -> Any:
     """A dataclass field that is an option (Option's arguments as keywords)."""
     return dataclasses.field(default=default, metadata={"option": Option(help, **what)})
+
+
+def share(default: float, help: str, **what: Any) -> Any:
+    """An option that is a share or a probability: a number from 0 to 1."""
+    return option(default, help, kind="float", at_least=0, at_most=1, **what)
 
 
 @dataclass(frozen=True)
@@ -118,6 +137,9 @@ class Declared:
 
     @property
     def flag(self) -> str:
+        """How the command line gives it: its flag, or its name for a positional option."""
+        if self.option.positional:
+            return self.name
         return self.option.flag or "--" + self.name.replace("_", "-")
 
     @property

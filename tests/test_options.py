@@ -145,6 +145,13 @@ def test_diagnose_thresholds_are_declared_options(capsys):
     assert "gradspec: error: --conflict-share must be between 0 and 1, got 2.0" in capsys.readouterr().err
 
 
+def test_a_js_threshold_no_divergence_reaches_is_refused():
+    """The Jensen-Shannon divergence in nats is at most ln 2: a threshold above would never flag a conflict."""
+    assert Thresholds(js_threshold=0.69).js_threshold == 0.69
+    with pytest.raises(OptionError, match="^js_threshold must be between 0 and 0.693147, got 0.7$"):
+        Thresholds(js_threshold=0.7)
+
+
 @pytest.mark.parametrize(("command", "classes", "own"), [
     ("diagnose", (Reading, Thresholds), {"base", "model", "data", "checkpoints", "dynamics", "scores", "out",
                                          "overwrite"}),

@@ -3,19 +3,30 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from gradspec.cli import score
 from gradspec.cli.given import refuse_unused
+from gradspec.cli.options import add_options
+from gradspec.options import option
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreQuery:
+    """align's own options (gradspec.options): a projected store to query instead of a pass over the pool."""
+
+    store: str | None = option(None, "a store from `gradspec project` instead of --data: only the task goes "
+                               "through the model; the cosines are those of the projected gradients (estimates)",
+                               kind="path?")
+    top: int | None = option(None, "with --store: only the K rows of highest align_mean (else align_mean_gradient, "
+                             "else align_max), found through the store's FAISS index (gradspec project --index) "
+                             "and their values computed exactly; seconds for a million rows", kind="int?",
+                             metavar="K")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("align", help="exact cosines of each sample's gradient with a task's -> Parquet")
-    p.add_argument("--store", help="a store from `gradspec project` instead of --data: only the task goes through "
-                                   "the model; the cosines are those of the projected gradients (estimates)")
-    p.add_argument("--top", type=int, metavar="K",
-                   help="with --store: only the K rows of highest align_mean (else align_mean_gradient, else "
-                        "align_max), found through the store's FAISS index (gradspec project --index) and their "
-                        "values computed exactly; seconds for a million rows")
+    add_options(p, StoreQuery)
     score.add_run_arguments(p, "alignment.parquet", skip=("project",), defaults={"spectra": False},
                             helps={"task": "examples of the task to align with (same formats and fields as --data); "
                                            "required"})

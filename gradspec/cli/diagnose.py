@@ -3,23 +3,35 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from gradspec.cli.options import add_options, options_from_args
 from gradspec.data.shared_options import Reading
+from gradspec.options import option
+from gradspec.output_options import out_option, overwrite_option
+
+
+@dataclass(frozen=True, kw_only=True)
+class Diagnosed:
+    """What diagnose reads and where it writes (gradspec.options); how it reads the data is Reading's,
+    what counts as unlearned Thresholds'."""
+
+    base: str | None = option(None, "the model before fine-tuning", kind="path?", required=True)
+    model: str | None = option(None, "the fine-tuned model", kind="path?", required=True)
+    data: str | None = option(None, "its training data, in training order, as for score", kind="path?", required=True)
+    checkpoints: tuple[str, ...] | None = option(None, "earlier checkpoints, oldest first (for forgetting)",
+                                                 kind="strs?", many=True)
+    dynamics: str | None = option(None, "a dynamics file instead of --checkpoints", kind="path?")
+    scores: str | None = option(None, "a gradspec score file of the data: spectra join the evidence", kind="path?")
+    out: str = out_option("diagnosis", "output folder")
+    overwrite: bool = overwrite_option("replace an earlier diagnosis in --out")
 
 
 def add_parser(sub) -> None:
     from gradspec.diagnose.thresholds import Thresholds
 
     p = sub.add_parser("diagnose", help="find the training samples a fine-tuned model did not learn, and why")
-    p.add_argument("--base", required=True, help="the model before fine-tuning")
-    p.add_argument("--model", required=True, help="the fine-tuned model")
-    p.add_argument("--data", required=True, help="its training data, in training order, as for score")
-    p.add_argument("--checkpoints", nargs="+", help="earlier checkpoints, oldest first (for forgetting)")
-    p.add_argument("--dynamics", help="a dynamics file instead of --checkpoints")
-    p.add_argument("--scores", help="a gradspec score file of the data: spectra join the evidence")
-    p.add_argument("--out", default="diagnosis", help="output folder (default: diagnosis)")
-    p.add_argument("--overwrite", action="store_true", help="replace an earlier diagnosis in --out")
+    add_options(p, Diagnosed)
     add_options(p, Reading)
     add_options(p, Thresholds)
 

@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 from gradspec.cli.options import add_options, options_from_args
 from gradspec.data.shared_options import Reading
+from gradspec.options import option
+from gradspec.output_options import out_option, overwrite_option
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measured:
+    """What dynamics reads and where it writes (gradspec.options); how it reads the data is Reading's."""
+
+    checkpoints: tuple[str, ...] | None = option(None, "checkpoint folders, in training order", kind="strs?",
+                                                 required=True, many=True)
+    data: str | None = option(None, "the training data, as for score", kind="path?", required=True)
+    out: str = out_option("dynamics.parquet", "a .parquet file")
+    overwrite: bool = overwrite_option("replace --out if it exists")
+    learned_accuracy: float | None = option(None, "token accuracy from which a sample counts as learned (default "
+                                            "0.9)", kind="float?")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("dynamics", help="per-sample training dynamics from saved checkpoints")
-    p.add_argument("--checkpoints", nargs="+", required=True, help="checkpoint folders, in training order")
-    p.add_argument("--data", required=True, help="the training data, as for score")
-    p.add_argument("--out", default="dynamics.parquet", help="a .parquet file (default: dynamics.parquet)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    p.add_argument("--learned-accuracy", type=float,
-                   help="token accuracy from which a sample counts as learned (default 0.9)")
+    add_options(p, Measured)
     add_options(p, Reading)
 
 

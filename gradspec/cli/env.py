@@ -4,14 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from typing import Any
 
+from gradspec.cli.options import add_options
 from gradspec.environment import environment
+from gradspec.options import option
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shown:
+    """How env shows what it finds (gradspec.options)."""
+
+    json: bool = option(False, "as JSON", kind="bool")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("env", help="this machine's paths, devices, threads and versions (paste it into bug reports)")
-    p.add_argument("--json", action="store_true", help="as JSON")
+    add_options(p, Shown)
 
 
 def _lines(value: Any, prefix: str = "") -> list[str]:

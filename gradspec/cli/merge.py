@@ -3,17 +3,26 @@
 from __future__ import annotations
 
 import argparse
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+from gradspec.cli.options import add_options, shows_progress
+from gradspec.output_options import out_option, progress_option
 from gradspec.runs.config import ScoreConfig
 from gradspec.runs.run_folder import RunFolder
 
 
+@dataclass(frozen=True, kw_only=True)
+class Merged:
+    """merge's options (gradspec.options): the run whose parts it joins."""
+
+    out: str | None = out_option(None, "the --out the run was given", required=True)
+    progress: bool = progress_option()
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("merge", help="join the parts of a sharded or --no-merge run into one file")
-    p.add_argument("--out", required=True, help="the --out the run was given")
-    p.add_argument("--quiet", action="store_true", help="no progress bar (one shows on a terminal)")
+    add_options(p, Merged)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -32,6 +41,6 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.out} is already a merged file: nothing to merge")
         raise ValueError(f"{folder.path}: no run to merge (no manifest.json)")
     rows = folder.merge(ScoreConfig.from_manifest(manifest).records(), manifest["chunk_rows"],
-                        not args.quiet and sys.stderr.isatty())
+                        shows_progress(args.progress))
     print(f"wrote {rows} rows to {args.out}")
     return 0

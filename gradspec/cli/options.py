@@ -5,6 +5,7 @@ command that takes that config, a key of its --config files and a line of its --
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -14,24 +15,55 @@ _TYPES = {"int": int, "float": float}
 
 
 def add_options(parser: argparse.ArgumentParser, cls: type, skip: Collection[str] = (),
-                defaults: Mapping[str, Any] | None = None, helps: Mapping[str, str] | None = None) -> None:
-    """A flag for each of cls's options but those in skip (by name); defaults and helps: this
-    command's own where they differ from the field's."""
+                defaults: Mapping[str, Any] | None = None, helps: Mapping[str, str] | None = None,
+                only: Collection[str] | None = None) -> None:
+    """A flag for each of cls's options but those in skip (by name; with only: those alone, to place them
+    apart in --help); defaults and helps: this command's own where they differ from the field's."""
+    exclusive: dict[str, Any] = {}
     for d in declared(cls):
-        if d.name in skip:
+        if d.name in skip or (only is not None and d.name not in only):
             continue
-        default = (defaults or {}).get(d.name, d.default)
-        help_text = (helps or {}).get(d.name, d.option.flag_help or d.option.help) or None
-        kind = d.option.kind.rstrip("?")
+        opt, default = d.option, (defaults or {}).get(d.name, d.default)
+        help_text = (helps or {}).get(d.name, opt.flag_help or opt.help) or None
+        where: Any = parser
+        if opt.one_of is not None:  # one of a set: required says that one must be given
+            if opt.one_of not in exclusive:
+                exclusive[opt.one_of] = parser.add_mutually_exclusive_group(required=opt.required)
+            where = exclusive[opt.one_of]
+        what: dict[str, Any] = {"default": default, "help": help_text}
+        if not opt.positional:
+            what["dest"] = d.name
+            if opt.required and opt.one_of is None:
+                what["required"] = True
+        kind = opt.kind.rstrip("?")
         if kind == "bool":
-            action: Any = ("store_true" if not default else "store_false" if d.option.flag
-                           else argparse.BooleanOptionalAction)
-            parser.add_argument(d.flag, dest=d.name, action=action, default=default, help=help_text)
-        elif kind == "pairs":
-            parser.add_argument(d.flag, dest=d.name, nargs="+", default=default, help=help_text, metavar="KEY=VALUE")
+            what["action"] = ("store_true" if not default else "store_false" if opt.flag
+                              else argparse.BooleanOptionalAction)
         else:
-            parser.add_argument(d.flag, dest=d.name, type=_TYPES.get(kind), choices=d.option.choices,
-                                default=default, help=help_text, metavar=_key(d).upper() if d.option.flag else None)
+            what.update(type=_reader(d) if opt.parse else _TYPES.get(kind), choices=opt.choices,
+                        metavar=opt.metavar or ("KEY=VALUE" if kind == "pairs" else
+                                                _key(d).upper() if opt.flag else None))
+            if opt.many or kind == "pairs":
+                what["nargs"] = "+"
+        where.add_argument(d.flag, **what)
+
+
+def _reader(d: Declared) -> Any:
+    """The option's parse as argparse's type: its ValueError the flag's error, in its words."""
+    def read(text: str) -> Any:
+        try:
+            return d.option.parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    read.__name__ = d.name  # argparse names the type in an error it did not word
+    return read
+
+
+def shows_progress(wanted: bool) -> bool:
+    """Whether a command's progress bars show, the one rule of every command: where they are wanted (no
+    --quiet) and stderr, where tqdm writes them, is a terminal (a log file or a pipe gets none)."""
+    return wanted and sys.stderr.isatty()
 
 
 def options_from_args(cls: type, args: argparse.Namespace) -> dict[str, Any]:

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 from gradspec.cli import score
+from gradspec.cli.options import add_options
 from gradspec.data.errors import check_at_least
+from gradspec.options import option
 from gradspec.runs.config import ALIGN_ONLY
+
+
+@dataclass(frozen=True, kw_only=True)
+class Index:
+    """project's own option (gradspec.options): a FAISS index of the store, for align --store --top."""
+
+    index: bool = option(False, "then write a FAISS index beside the store (<out>.faiss, <out>.vectors: needs "
+                         "faiss-cpu) for align --store --top; with --resume, of a store already written", kind="bool")
 
 
 def add_parser(sub) -> None:
@@ -16,9 +27,7 @@ def add_parser(sub) -> None:
                             defaults={"spectra": False, "project": 16},
                             helps={"project": "projection size per side: each sample's gradient stored under a k x k "
                                               "Kronecker projection per module, for align --store"})
-    p.add_argument("--index", action="store_true",
-                   help="then write a FAISS index beside the store (<out>.faiss, <out>.vectors: needs faiss-cpu) "
-                        "for align --store --top; with --resume, of a store already written")
+    add_options(p, Index)
 
 
 def run(args: argparse.Namespace) -> int:

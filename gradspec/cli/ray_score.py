@@ -5,32 +5,49 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from gradspec.cli.options import add_options, options_from_args
+from gradspec.cli.options import add_options, options_from_args, shows_progress
+from gradspec.cli.score import Shards
+from gradspec.options import option
+from gradspec.output_options import out_option
 from gradspec.runs.config import ALIGN_ONLY, RunSettings, ScoreConfig
 
 _SKIP = ("data", "task", "aggregate", "spectra", "project", "split", "config_name", "streaming", *ALIGN_ONLY)
 
 
+@dataclass(frozen=True, kw_only=True)
+class RayInput:
+    """What ray-score reads and where it writes (gradspec.options), each read by every actor."""
+
+    data: str | None = option(None, "JSON, JSONL or Parquet file, or a folder of them: a local path every node "
+                              "reads, or a URI pyarrow reads (s3://, gs://, hdfs://, ...)", kind="path?",
+                              required=True)
+    out: str = out_option("scores.parquet", "output Parquet file, on a filesystem every actor writes (its parts: "
+                          "<out>.parts/)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """The Ray cluster ray-score runs on and its actors (gradspec.options)."""
+
+    address: str | None = option(None, "the Ray cluster to join (default: RAY_ADDRESS, else a local cluster of this "
+                                 "machine)", kind="str?")
+    concurrency: int = option(1, "actors, each holding the model", kind="int")
+    num_gpus: float = option(0, "GPUs per actor", kind="float")
+    num_cpus: float = option(1, "CPUs per actor (torch's threads in it)", kind="float")
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("ray-score", help="gradspec score on a Ray cluster's actors (Ray Data) -> Parquet")
-    p.add_argument("--data", required=True,
-                   help="JSON, JSONL or Parquet file, or a folder of them: a local path every node reads, or a URI "
-                        "pyarrow reads (s3://, gs://, hdfs://, ...)")
-    p.add_argument("--out", default="scores.parquet",
-                   help="output Parquet file, on a filesystem every actor writes (its parts: <out>.parts/)")
+    add_options(p, RayInput)
     add_options(p, ScoreConfig, skip=_SKIP)
     add_options(p, RunSettings, skip=("fsdp", "device_map", "flush_minutes"),
                 defaults={"on_error": "skip"}, helps={"device": "cpu or cuda (default: cuda where --num-gpus is "
                                                                 "above 0, else cpu)"})
-    p.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or None,
-                   help="the Ray cluster to join (default: RAY_ADDRESS, else a local cluster of this machine)")
-    p.add_argument("--concurrency", type=int, default=1, help="actors, each holding the model")
-    p.add_argument("--num-gpus", type=float, default=0, help="GPUs per actor")
-    p.add_argument("--num-cpus", type=float, default=1, help="CPUs per actor (torch's threads in it)")
-    p.add_argument("--no-merge", dest="merge", action="store_false",
-                   help="leave the parts in <out>.parts/ (merge later with `gradspec merge`)")
+    add_options(p, Cluster)
+    add_options(p, Shards, skip=("shard",))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,12 +60,12 @@ def run(args: argparse.Namespace) -> int:
     options.pop("data")  # read by Ray Data, not by gradspec's readers
     if "device" not in getattr(args, "given", {}):
         options.pop("device")  # score_dataset's default: cuda on GPU actors
-    progress = options.pop("progress")
+    quiet = not options.pop("progress")
     finished = options["resume"] and Path(args.out).is_file()  # a resume of a finished run does nothing
     started = not ray.is_initialized()
-    if started:
-        ray.init(address=args.address, log_to_driver=progress)
-    ray.data.DataContext.get_current().enable_progress_bars = progress
+    if started:  # --quiet: the actors' logs too; the bars show by the one rule
+        ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or None, log_to_driver=not quiet)
+    ray.data.DataContext.get_current().enable_progress_bars = shows_progress(not quiet)
     try:
         statuses = score_dataset(args.data, args.out, concurrency=args.concurrency, num_gpus=args.num_gpus,
                                  num_cpus=args.num_cpus, merge=args.merge, **options)

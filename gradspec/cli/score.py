@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gradspec.cli.given import refuse_unused
-from gradspec.cli.options import add_options, options_from_args
+from gradspec.cli.options import add_options, options_from_args, shows_progress
+from gradspec.options import option
+from gradspec.output_options import out_option
 from gradspec.runs.config import ALIGN_ONLY, RunSettings, ScoreConfig
 
 if TYPE_CHECKING:
@@ -16,12 +18,32 @@ if TYPE_CHECKING:
 
 
 def _shard(text: str) -> Shard:
-    from gradspec.runs.run_folder import Shard
+    from gradspec.runs.run_folder import Shard  # here: the run folder's modules load only for a run
 
-    try:
-        return Shard.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    return Shard.parse(text)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunFiles:
+    """The command line's options of a scoring run that are not its config's (gradspec.options): what it
+    reads its options from and where it writes."""
+
+    config: str | None = option(None, "options from a YAML or JSON file (keys: the flags' names), or a run's "
+                                "manifest.json or score file to replay that run; flags given here override it",
+                                kind="path?", metavar="FILE")
+    out: str = out_option("scores.parquet", "output Parquet file")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shards:
+    """How a run is split across processes: which shard this one takes, and whether its parts are merged
+    at the end (score, align, project, ray-score and validate; validate words them its own way)."""
+
+    shard: Shard | None = option(None, "score only shard I of N (e.g. a Slurm array task); join with `gradspec "
+                                 "merge` (torchrun needs no flag: each rank takes its own shard)", kind="str?",
+                                 metavar="I/N", parse=_shard)
+    merge: bool = option(True, "merge the parts into the output file", kind="bool", flag="--no-merge",
+                         flag_help="leave the parts in <out>.parts/ (merge later with `gradspec merge`)")
 
 
 def add_parser(sub) -> None:
@@ -33,17 +55,10 @@ def add_run_arguments(p: argparse.ArgumentParser, out: str, skip: tuple[str, ...
                       defaults: dict[str, Any] | None = None, helps: dict[str, str] | None = None) -> None:
     """The options of a scoring run, shared by score, align and project: ScoreConfig's (but skip) and
     RunSettings' flags, with this command's defaults and helps, and the run folder's own."""
-    p.add_argument("--config", metavar="FILE",
-                   help="options from a YAML or JSON file (keys: the flags' names), or a run's manifest.json or "
-                        "score file to replay that run; flags given here override it")
-    p.add_argument("--out", default=out, help=f"output Parquet file (default: {out})")
+    add_options(p, RunFiles, defaults={"out": out})
     add_options(p, ScoreConfig, skip=skip, defaults=defaults, helps=helps)
     add_options(p, RunSettings)
-    p.add_argument("--shard", type=_shard, metavar="I/N",
-                   help="score only shard I of N (e.g. a Slurm array task); join with `gradspec merge` "
-                        "(torchrun needs no flag: each rank takes its own shard)")
-    p.add_argument("--no-merge", dest="merge", action="store_false",
-                   help="leave the parts in <out>.parts/ (merge later with `gradspec merge`)")
+    add_options(p, Shards)
 
 
 def refuse_unused_options(args: argparse.Namespace, spectra: bool, project: int) -> None:
@@ -59,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     config = ScoreConfig(**options_from_args(ScoreConfig, args))  # every option checked before torch loads
     refuse_unused_options(args, config.spectra, config.project)
     settings = RunSettings(**options_from_args(RunSettings, args))
+    settings = replace(settings, progress=shows_progress(settings.progress))
     from gradspec.invocation import program
     from gradspec.runs.distributed import torchrun_shard
     from gradspec.runs.preconditioning import factors_to_write

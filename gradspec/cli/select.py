@@ -3,32 +3,41 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
+
+from gradspec.cli.options import add_options, shows_progress
+from gradspec.options import option
+from gradspec.output_options import out_option, overwrite_option, progress_option
+
+
+@dataclass(frozen=True, kw_only=True)
+class Selection:
+    """select's options (gradspec.options): the scores, the criterion, how many rows, where they go."""
+
+    scores: str | None = option(None, "a score file from gradspec score", kind="path?", required=True)
+    data: str | None = option(None, "the scored input (default: the one the score file names)", kind="path?")
+    out: str | None = out_option(None, "where to write the chosen rows: .jsonl, .json, .parquet, or a name without "
+                                 "a suffix for a datasets folder", required=True)
+    by: str | None = option(None, "a column, a metric averaged over modules (effective_rank), alignment (from "
+                            "gradspec align), or weighted z-scores ('effective_rank:1,nuclear_norm:-1')", kind="str?",
+                            required=True)
+    bottom: bool = option(False, "keep the lowest scores (default: the highest)", kind="bool")
+    overwrite: bool = overwrite_option("replace --out if it exists")
+    fraction: float | None = option(None, "keep this share of the complete rows (0 < F <= 1)", kind="float?",
+                                    one_of="size", required=True)
+    count: int | None = option(None, "keep this many rows", kind="int?", one_of="size", required=True)
+    length_buckets: int = option(0, "share the rows out evenly over this many length quantiles (choosing within "
+                                 "each)", kind="int")
+    progress: bool = progress_option()
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("select", help="keep the best (or worst) rows of a dataset by their scores")
-    p.add_argument("--scores", required=True, help="a score file from gradspec score")
-    p.add_argument("--data", help="the scored input (default: the one the score file names)")
-    p.add_argument("--out", required=True, help="where to write the chosen rows: .jsonl, .json, .parquet, or a "
-                   "name without a suffix for a datasets folder")
-    p.add_argument("--by", required=True,
-                   help="a column, a metric averaged over modules (effective_rank), alignment (from gradspec "
-                        "align), or weighted z-scores "
-                        "('effective_rank:1,nuclear_norm:-1')")
-    p.add_argument("--bottom", action="store_true", help="keep the lowest scores (default: the highest)")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--fraction", type=float, help="keep this share of the complete rows (0 < F <= 1)")
-    size.add_argument("--count", type=int, help="keep this many rows")
-    p.add_argument("--length-buckets", type=int, default=0, help="share the rows out evenly over this many length "
-                   "quantiles (choosing within each)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar (one shows on a terminal)")
+    add_options(p, Selection)
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
     from gradspec.analysis.select import (
         check_criteria,
         check_output,
@@ -64,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     check_criteria(parquet_schema(args.scores, "pass a score file"), args.by)
     check_output(args.out)
     check_readable(data)
-    progress = not args.quiet and sys.stderr.isatty()
+    progress = shows_progress(args.progress)
     scores = read_criteria(args.scores, args.by, progress)
     chosen = choose(scores, args.by, top=not args.bottom, fraction=args.fraction, count=args.count,
                     length_buckets=args.length_buckets)

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from gradspec.cli.given import refuse_unused
-from gradspec.cli.options import add_options, options_from_args
-from gradspec.cli.score import _shard
+from gradspec.cli.options import add_options, options_from_args, shows_progress
+from gradspec.cli.score import Shards
 from gradspec.validation.config import ValidateConfig, ValidateSettings
 
-_SPEC = "FILE[:COLUMN]"
 # What only a retrain uses: refused with --runs, which analyses retrains made before
 _RETRAIN_ONLY = ("data", "target", "model", "template", "max_length", "limit", "subsets", "fraction", "outcome",
                  "top", "seeds", "length_buckets", "epochs", "max_steps", "batch_size", "learning_rate", "lora_rank",
@@ -23,26 +23,26 @@ def add_parser(sub) -> None:
     p = sub.add_parser("validate", help="does a score predict training? retrains on random subsets (LDS) and on "
                                         "each score's selection, against the loss on a target")
     add_options(p, ValidateConfig, skip=("outcome",))
-    p.add_argument("--outcome", nargs="+", metavar=_SPEC,
-                   help="selection outcome: score specs whose top --top of the pool is retrained on, beside random "
-                        "and length")
+    # none given: None (the Python default, (), is no default to show in --help)
+    add_options(p, ValidateConfig, only=("outcome",), defaults={"outcome": None}, helps={
+        "outcome": "selection outcome: score specs whose top --top of the pool is retrained on, beside random and "
+                   "length"})
     add_options(p, ValidateSettings, skip=("scores", "runs"))
-    p.add_argument("--scores", nargs="+", metavar=_SPEC,
-                   help="scores to test: an attribution file (align --attribution), or a score or align file with "
-                        "a per-sample column or select --by expression after ':'")
-    p.add_argument("--runs", nargs="+", metavar="RETRAINS",
-                   help="analyse these retrain files (validate's --out) instead of retraining")
-    p.add_argument("--shard", type=_shard, metavar="I/N",
-                   help="run only shard I of N of the retrains; once all are done, the same command with --resume "
-                        "and no --shard merges them (torchrun needs no flag: each rank takes its own shard)")
-    p.add_argument("--no-merge", dest="merge", action="store_false",
-                   help="leave the retrains' parts in <out>.parts/ (merged later by the same command with --resume)")
+    add_options(p, ValidateSettings, only=("scores", "runs"), defaults={"scores": None, "runs": None}, helps={
+        "scores": "scores to test: an attribution file (align --attribution), or a score or align file with a "
+                  "per-sample column or select --by expression after ':'",
+        "runs": "analyse these retrain files (validate's --out) instead of retraining"})
+    add_options(p, Shards, helps={
+        "shard": "run only shard I of N of the retrains; once all are done, the same command with --resume and no "
+                 "--shard merges them (torchrun needs no flag: each rank takes its own shard)",
+        "merge": "leave the retrains' parts in <out>.parts/ (merged later by the same command with --resume)"})
 
 
 def run(args: argparse.Namespace) -> int:
     from gradspec.validation.report import analyse, summary, write_report
 
     settings = ValidateSettings(**options_from_args(ValidateSettings, args))
+    settings = replace(settings, progress=shows_progress(settings.progress))
     if settings.runs:
         refuse_unused(args, _RETRAIN_ONLY, False, "with --runs, which analyses retrains made before")
         files = list(settings.runs)

@@ -4,11 +4,13 @@ line reads them without loading the models' libraries."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from gradspec.options import check_options, option
+from gradspec.options import check_options, option, share
 
 CRITERIA = ("reproduction", "likelihood")
+JS_MAX = math.log(2)  # the Jensen-Shannon divergence's largest value in nats (two laws with no token in common)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,25 +23,23 @@ class Thresholds:
     repetitions: int = option(5, "R: draws of distractors, and sampled continuations", kind="int", at_least=1)
     criterion: str = option("reproduction", "unlearned: no continuation reproduces the response (reproduction), "
                             "or the gold response loses every draw (likelihood)", choices=CRITERIA)
-    reproduced_rouge: float = option(0.7, "token ROUGE-L a continuation must reach to reproduce the response",
-                                     kind="float", at_least=0, at_most=1)
+    reproduced_rouge: float = share(0.7, "token ROUGE-L a continuation must reach to reproduce the response")
     pool: int = option(8, "distractors are drawn from this many most similar prompts", kind="int", at_least=1)
-    learned_accuracy: float = option(0.9, "teacher-forced token accuracy that counts as learned (forgetting: "
-                                     "learned at a checkpoint, below it now)", kind="float", at_least=0, at_most=1)
-    near_duplicate: float = option(0.95, "token ROUGE-L between prompts that makes them near-duplicates",
-                                   kind="float", at_least=0, at_most=1)
-    divergent_rouge: float = option(0.5, "near-duplicates whose responses' ROUGE-L is below this diverge "
-                                    "(inconsistent data)", kind="float", at_least=0, at_most=1)
+    learned_accuracy: float = share(0.9, "teacher-forced token accuracy that counts as learned (forgetting: "
+                                    "learned at a checkpoint, below it now)")
+    near_duplicate: float = share(0.95, "token ROUGE-L between prompts that makes them near-duplicates")
+    divergent_rouge: float = share(0.5, "near-duplicates whose responses' ROUGE-L is below this diverge "
+                                   "(inconsistent data)")
     familiar_margin: float = option(0.25, "a prompt is familiar to the base model when its perplexity is within "
                                     "this share of the best-known quarter's", kind="float", at_least=0)
-    conflict_confidence: float = option(0.5, "the base model's probability on a wrong token that counts as "
-                                        "confident disagreement", kind="float", at_least=0, at_most=1)
-    conflict_share: float = option(0.3, "share of the response's tokens with confident disagreement for a "
-                                   "conflict with pre-training", kind="float", at_least=0, at_most=1)
+    conflict_confidence: float = share(0.5, "the base model's probability on a wrong token that counts as "
+                                       "confident disagreement")
+    conflict_share: float = share(0.3, "share of the response's tokens with confident disagreement for a "
+                                  "conflict with pre-training")
     js_threshold: float = option(0.1, "Jensen-Shannon divergence (nats) between the base and fine-tuned "
-                                 "next-token laws for a conflict", kind="float", at_least=0)
-    missing_probability: float = option(0.3, "mean token probability of the response below which an unfamiliar "
-                                        "prompt's knowledge is missing", kind="float", at_least=0, at_most=1)
+                                 "next-token laws for a conflict", kind="float", at_least=0, at_most=JS_MAX)
+    missing_probability: float = share(0.3, "mean token probability of the response below which an unfamiliar "
+                                       "prompt's knowledge is missing")
     rare_count: int = option(2, "a response token seen at most this often in all responses is rare", kind="int",
                              at_least=0)
     falling_loss: float = option(0.05, "relative drop of perplexity from the last checkpoint to the final model "

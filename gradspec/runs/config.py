@@ -51,6 +51,7 @@ from gradspec.data.shared_options import (
     template_option,
 )
 from gradspec.options import OptionError, check_options, mention, option, typed
+from gradspec.output_options import overwrite_option, progress_option
 
 # align's options alone: score and project leave them out
 ALIGN_ONLY = ("attribution", "precondition", "damping", "factors", "fit_data", "fit_limit", "optimizer_state")
@@ -267,10 +268,9 @@ class RunSettings:
     resume: bool = option(False, "continue an interrupted run of the same config", kind="bool")
     flush_minutes: float = option(10.0, "write the rows of an unfinished chunk this often, so that a stop costs at "
                                   "most this much scoring (a resume takes them back)", kind="float", at_least=0.01)
-    overwrite: bool = option(False, "replace the output file (and an unfinished run of it) if it exists", kind="bool",
-                             from_file=False)
+    overwrite: bool = overwrite_option("replace the output file (and an unfinished run of it) if it exists")
     trust_remote_code: bool = option(False, "run code shipped with the model", kind="bool", from_file=False)
-    progress: bool = option(True, "show a progress bar", kind="bool", flag="--quiet", flag_help="no progress bar")
+    progress: bool = progress_option()
 
     def __post_init__(self) -> None:
         check_options(self)

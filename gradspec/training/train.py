@@ -21,6 +21,7 @@ from gradspec.data.templates import NO_RESPONSE, check_response_tokens, tokenize
 from gradspec.files import place_folder, temporary, temporary_of
 from gradspec.files.parts import SUFFIX as PARTS
 from gradspec.options import OptionError, OptionExists, check_options, mention, nearest, option
+from gradspec.output_options import out_option, overwrite_option
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
@@ -42,8 +43,8 @@ class TrainConfig:
 
     data: str | None = option(None, "training data, as for score (default: HumanEval)", kind="path?")
     model: str | None = option(None, "model folder (default: SmolLM2-135M-Instruct)", kind="path?")
-    out: str = option("gradspec-train", "folder for model/, dynamics.parquet, monitor.parquet", kind="path")
-    overwrite: bool = option(False, "replace an earlier run's files in out", kind="bool")
+    out: str = out_option("gradspec-train", "folder for model/, dynamics.parquet, monitor.parquet")
+    overwrite: bool = overwrite_option("replace an earlier run's files in out")
     loss: str = option("ntp", "ntp (next-token prediction), wit (weighted instruction tuning) or sftmix",
                        choices=LOSSES)
     prompt_weight: float = option(0.3, "WIT's weight of prompt tokens (the paper's recommended region)",

@@ -25,9 +25,12 @@ from gradspec.data.readers import Fields
 from gradspec.data.shared_options import device_option, fields_option, limit_option, max_length_option, template_option
 from gradspec.errors import OptionInputError
 from gradspec.files import NotRegularFile, regular, sha256
-from gradspec.options import OptionError, check_options, mention, option, typed
+from gradspec.options import OptionError, check_options, mention, option, share, typed
+from gradspec.output_options import out_option, overwrite_option, progress_option
 from gradspec.validation.lm_eval_metric import is_lm_eval, lm_eval_metric
 from gradspec.validation.scores import split_spec
+
+SPEC = "FILE[:COLUMN]"  # a score spec, as --help names it
 
 
 def _specs(name: str, value: Any) -> tuple[str, ...]:
@@ -54,11 +57,11 @@ class ValidateConfig:
     max_length: int = max_length_option()
     limit: int | None = limit_option("train on")
     subsets: int = option(16, "LDS: retrains on random subsets of the pool (0: none)", kind="int", at_least=0)
-    fraction: float = option(0.5, "LDS: each subset's share of the pool", kind="float", at_least=0, at_most=1)
+    fraction: float = share(0.5, "LDS: each subset's share of the pool")
     outcome: tuple[str, ...] = option((), "selection outcome: score specs FILE[:COLUMN] whose top --top of the "
-                                      "pool is retrained on, beside random and length", kind="strs", convert=_specs)
-    top: float = option(0.25, "selection outcome: the share of the pool each selection keeps", kind="float",
-                        at_least=0, at_most=1)
+                                      "pool is retrained on, beside random and length", kind="strs", convert=_specs,
+                                      many=True, metavar=SPEC)
+    top: float = share(0.25, "selection outcome: the share of the pool each selection keeps")
     seeds: int = option(3, "selection outcome: retrains per selection, each with its own seed", kind="int",
                         at_least=1)
     length_buckets: int = option(5, "selection outcome: also each score's selection shared out over this many "
@@ -98,20 +101,19 @@ class ValidateConfig:
 class ValidateSettings:
     """How the command runs and what it does with the retrains; none changes a retrain."""
 
-    out: str = option("validate.parquet", "the retrains' Parquet file (one row per retrain)", kind="path")
+    out: str = out_option("validate.parquet", "the retrains' Parquet file (one row per retrain)")
     scores: tuple[str, ...] = option((), "score specs FILE[:COLUMN] to test: an attribution matrix (align "
                                      "--attribution) or a per-sample column or select --by expression",
-                                     kind="strs", convert=_specs)
+                                     kind="strs", convert=_specs, many=True, metavar=SPEC)
     runs: tuple[str, ...] = option((), "analyse these retrain files instead of retraining", kind="strs",
-                                   convert=_specs)
+                                   convert=_specs, many=True, metavar="RETRAINS")
     report: str | None = option(None, "folder for report.md, its figures and tables", kind="path?")
     resamples: int = option(1000, "bootstrap resamples of the intervals", kind="int", at_least=10)
     confidence: float = option(0.95, "the intervals' confidence", kind="float", at_least=0.5, at_most=0.999)
     device: str = device_option()
     resume: bool = option(False, "continue an interrupted run of the same config", kind="bool")
-    overwrite: bool = option(False, "replace the output file (and an unfinished run of it), and the report",
-                             kind="bool", from_file=False)
-    progress: bool = option(True, "show a progress bar", kind="bool", flag="--quiet", flag_help="no progress bar")
+    overwrite: bool = overwrite_option("replace the output file (and an unfinished run of it), and the report")
+    progress: bool = progress_option()
 
     def __post_init__(self) -> None:
         check_options(self)

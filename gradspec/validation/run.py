@@ -207,7 +207,7 @@ def _start(folder: RunFolder, info: dict[str, Any], group: Group | None, mine: S
 def _progress(todo: list[int], shown: bool):
     if not shown:
         return todo
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     return tqdm(todo, desc="retrains", unit="retrain")
 

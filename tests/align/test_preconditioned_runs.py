@@ -4,6 +4,7 @@ name; the attribution column laid out over the target file's rows; the run equal
 
 import json
 import math
+import sys
 
 import pandas as pd
 import pytest
@@ -167,9 +168,11 @@ def test_checkpoints_are_summed_with_their_learning_rates(tmp_path, tiny_model_d
         sum_over_checkpoints([files[0], tmp_path / "plain.parquet"], tmp_path / "x.parquet")
 
 
-def test_the_factor_fit_and_the_task_pass_show_their_progress(tmp_path, tiny_model_dir, capsys):
+def test_the_factor_fit_and_the_task_pass_show_their_progress(tmp_path, tiny_model_dir, capsys, monkeypatch):
     """align --precondition kfac was silent for 85 s between reading its inputs and the scoring bar (the
-    factor fit, then the task's pass): each pass has its bar now, by examples, and --quiet hides them."""
+    factor fit, then the task's pass): each pass has its bar now, by examples, and --quiet hides them.
+    Bars show on a terminal only (gradspec.cli.options.shows_progress): stderr is one here."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     pool, task = _write_jsonl(tmp_path / "pool.jsonl", POOL), _write_jsonl(tmp_path / "task.jsonl", TASK)
     base = ["align", "--data", str(pool), "--target", str(task), "--model", str(tiny_model_dir), "--max-length", "64",
             "--precondition", "ekfac"]
