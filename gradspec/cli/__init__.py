@@ -17,7 +17,7 @@ from typing import NoReturn
 from gradspec.cli.config_file import config_values
 from gradspec.cli.given import given_options
 from gradspec.cli.options import flags_of
-from gradspec.data.readers import InputError
+from gradspec.errors import InputError
 from gradspec.options import OptionError, declared, nearest
 
 _NAMES = ("score", "ray-score", "align", "project", "select", "report", "merge", "train", "dynamics", "diagnose",
