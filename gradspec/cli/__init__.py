@@ -16,12 +16,13 @@ from typing import NoReturn
 
 from gradspec.cli.config_file import config_values
 from gradspec.cli.given import given_options
-from gradspec.cli.options import flags_of
+from gradspec.cli.options import flags_of, library_bars, shows_progress
 from gradspec.errors import InputError
 from gradspec.options import OptionError, declared, nearest
 
 _NAMES = ("score", "ray-score", "align", "project", "select", "report", "merge", "train", "dynamics", "diagnose",
           "validate", "env")
+LOADS_MODELS = {"score", "ray-score", "align", "project", "train", "dynamics", "diagnose", "validate"}
 
 
 class _Commands(Mapping[str, ModuleType]):
@@ -194,7 +195,8 @@ def _main(argv: list[str] | None) -> int:
             command_parser.set_defaults(**from_config)
             args = _parse(parser, sub, argv)
         args.given = given_options(command_parser, own, set(from_config))
-        return COMMANDS[args.command].run(args)
+        with library_bars(shows_progress(getattr(args, "progress", True)), args.command in LOADS_MODELS):
+            return COMMANDS[args.command].run(args)
     except KeyboardInterrupt as e:
         e.kept = _kept(args)
         raise

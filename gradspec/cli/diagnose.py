@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from gradspec.cli.options import add_options, options_from_args
 from gradspec.data.shared_options import Reading
 from gradspec.options import option
-from gradspec.output_options import out_option, overwrite_option
+from gradspec.output_options import out_option, overwrite_option, progress_option
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -25,6 +25,7 @@ class Diagnosed:
     scores: str | None = option(None, "a gradspec score file of the data: spectra join the evidence", kind="path?")
     out: str = out_option("diagnosis", "output folder")
     overwrite: bool = overwrite_option("replace an earlier diagnosis in --out")
+    progress: bool = progress_option()
 
 
 def add_parser(sub) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from gradspec.cli.options import add_options, options_from_args
 from gradspec.data.shared_options import Reading
 from gradspec.options import option
-from gradspec.output_options import out_option, overwrite_option
+from gradspec.output_options import out_option, overwrite_option, progress_option
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,6 +21,7 @@ class Measured:
     data: str | None = option(None, "the training data, as for score", kind="path?", required=True)
     out: str = out_option("dynamics.parquet", "a .parquet file")
     overwrite: bool = overwrite_option("replace --out if it exists")
+    progress: bool = progress_option()
     learned_accuracy: float | None = option(None, "token accuracy from which a sample counts as learned (default "
                                             "0.9)", kind="float?")
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from gradspec.options import Declared, declared
@@ -64,6 +65,24 @@ def shows_progress(wanted: bool) -> bool:
     """Whether a command's progress bars show, the one rule of every command: where they are wanted (no
     --quiet) and stderr, where tqdm writes them, is a terminal (a log file or a pipe gets none)."""
     return wanted and sys.stderr.isatty()
+
+
+@contextmanager
+def library_bars(shown: bool, loads_models: bool) -> Iterator[None]:
+    """transformers' own bars (loading weights, writing shards, Trainer's steps) follow the same rule while
+    a command that loads a model runs; as they were after it (one process may run several commands)."""
+    if shown or not loads_models:
+        yield
+        return
+    from transformers.utils import logging as transformers_logging
+
+    was = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            transformers_logging.enable_progress_bar()
 
 
 def options_from_args(cls: type, args: argparse.Namespace) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from gradspec.cli.given import refuse_unused
-from gradspec.cli.options import add_options, options_from_args
+from gradspec.cli.options import add_options, options_from_args, shows_progress
 from gradspec.training.train import TrainConfig
 
 
@@ -20,7 +20,8 @@ def run(args: argparse.Namespace) -> int:
     from gradspec.training.train import run_files, train
 
     refuse_unused(args, ("prompt_weight", "response_weight"), args.loss == "wit", "without --loss wit")
-    config = TrainConfig(**options_from_args(TrainConfig, args))
+    options = options_from_args(TrainConfig, args)
+    config = TrainConfig(**options | {"progress": shows_progress(options.get("progress", True))})
     written = run_files(train(config))
     monitors = [p for p in written if p.name.startswith("monitor")]  # monitor.parquet, or one per rank
     print(f"wrote {', '.join(map(str, written))}" + ("" if monitors else

@@ -21,7 +21,7 @@ from gradspec.data.templates import NO_RESPONSE, check_response_tokens, tokenize
 from gradspec.files import place_folder, temporary, temporary_of
 from gradspec.files.parts import SUFFIX as PARTS
 from gradspec.options import OptionError, OptionExists, check_options, mention, nearest, option
-from gradspec.output_options import out_option, overwrite_option
+from gradspec.output_options import out_option, overwrite_option, progress_option
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
@@ -75,6 +75,7 @@ class TrainConfig:
     seed: int = option(0, "seed of the data order and the model's initialisation", kind="int")
     device: str = device_option()
     fields: Fields = fields_option()
+    progress: bool = progress_option()
 
     def __post_init__(self) -> None:
         check_options(self)
@@ -191,7 +192,8 @@ def train(config: TrainConfig) -> Path:
 # TrainingArguments that gradspec train's own options give (their option), or that it must hold (None)
 _OWNED = {"output_dir": "out", "per_device_train_batch_size": "batch_size", "num_train_epochs": "epochs",
           "max_steps": "max_steps", "learning_rate": "learning_rate", "seed": "seed", "logging_steps": "monitor_every",
-          "use_cpu": "device", "resume_from_checkpoint": "resume", "remove_unused_columns": None}
+          "use_cpu": "device", "resume_from_checkpoint": "resume", "disable_tqdm": "progress",
+          "remove_unused_columns": None}
 
 
 # TrainingArguments that would make the run another one than gradspec train's, and why
@@ -231,7 +233,7 @@ def training_arguments(config: TrainConfig) -> TrainingArguments:
                  "num_train_epochs": config.epochs, "max_steps": config.max_steps,
                  "learning_rate": config.learning_rate, "remove_unused_columns": False, "report_to": [],
                  "save_strategy": "no", "logging_steps": config.monitor_every, "seed": config.seed,
-                 "use_cpu": config.device == "cpu", **extra}
+                 "use_cpu": config.device == "cpu", "disable_tqdm": not config.progress, **extra}
     try:
         return TrainingArguments(**arguments)
     except (ValueError, TypeError) as e:  # TrainingArguments' own checks of a value

@@ -86,7 +86,8 @@ def test_out_overwrite_and_quiet_are_one_declaration_each(monkeypatch):
     assert seen == {"out", "overwrite", "progress"}
     quiet = {name: next(a for a in p._actions if a.dest == "progress") for name, p in parsers.items()
              if any(a.dest == "progress" for a in p._actions)}
-    assert set(quiet) == {"score", "ray-score", "align", "project", "select", "report", "merge", "validate"}
+    assert set(quiet) == {"score", "ray-score", "align", "project", "select", "report", "merge", "validate", "train",
+                          "dynamics", "diagnose"}  # every command but env, which shows no bar
     assert {(a.option_strings[0], a.help, a.default) for a in quiet.values()} == \
         {("--quiet", "no progress bar (one shows on a terminal)", True)}
 
@@ -124,7 +125,7 @@ def parts(tmp_path_factory, tiny_model_dir):
 def test_every_command_shows_its_bars_by_the_one_rule(tmp_path, tiny_model_dir, parts, capsys, monkeypatch,
                                                       terminal, quiet):
     """On a terminal bars show, elsewhere (a log, a pipe) none, and --quiet hides them on a terminal too:
-    score's, merge's, select's and report's alike."""
+    score's, merge's, select's, report's and train's (Trainer's own) alike."""
     shutil.copytree(parts, tmp_path / "run")
     data, out = tmp_path / "run" / "d.jsonl", tmp_path / "run" / "s.parquet"
     monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
@@ -136,10 +137,14 @@ def test_every_command_shows_its_bars_by_the_one_rule(tmp_path, tiny_model_dir, 
         "select": ["select", "--scores", str(out), "--by", "effective_rank", "--count", "2", "--out",
                    str(tmp_path / "best.jsonl"), *flag],
         "report": ["report", f"a={out}", f"b={tmp_path / 'x.parquet'}", "--out", str(tmp_path / "report"), *flag],
+        "train": ["train", "--model", str(tiny_model_dir), "--data", str(data), "--out", str(tmp_path / "train"),
+                  "--max-steps", "1", "--batch-size", "2", "--max-length", "32", *flag],
     }
     bars = {"score": "4/4 [", "merge": f"merging {out.name}", "select": f"reading {out.name}",
-            "report": "layer curves a"}
+            "report": "layer curves a", "train": "1/1 ["}
     for name, argv in commands.items():
         assert main(argv) == 0, name
         err = capsys.readouterr().err
         assert (bars[name] in err) is (terminal and not quiet), (name, err)
+        if not terminal or quiet:  # no bar at all: transformers' own (loading weights, Trainer's) neither
+            assert "%|" not in err, (name, err)
