@@ -154,8 +154,8 @@ def test_a_js_threshold_no_divergence_reaches_is_refused():
 
 @pytest.mark.parametrize(("command", "classes", "own"), [
     ("diagnose", (Reading, Thresholds), {"base", "model", "data", "checkpoints", "dynamics", "scores", "out",
-                                         "overwrite"}),
-    ("dynamics", (Reading,), {"checkpoints", "data", "out", "overwrite", "learned_accuracy"}),
+                                         "overwrite", "progress"}),
+    ("dynamics", (Reading,), {"checkpoints", "data", "out", "overwrite", "progress", "learned_accuracy"}),
 ])
 def test_commands_that_read_data_take_the_shared_options(command, classes, own):
     parser = argparse.ArgumentParser()

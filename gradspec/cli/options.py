@@ -5,6 +5,7 @@ command that takes that config, a key of its --config files and a line of its --
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
@@ -70,19 +71,33 @@ def shows_progress(wanted: bool) -> bool:
 @contextmanager
 def library_bars(shown: bool, loads_models: bool) -> Iterator[None]:
     """transformers' own bars (loading weights, writing shards, Trainer's steps) follow the same rule while
-    a command that loads a model runs; as they were after it (one process may run several commands)."""
+    a command that loads a model runs, and are as they were after it. transformers is not imported for
+    this (an argument error must come before it loads): where it is not yet, Hugging Face's variable
+    HF_HUB_DISABLE_PROGRESS_BARS, which it reads on import, is set for the command."""
     if shown or not loads_models:
         yield
         return
-    from transformers.utils import logging as transformers_logging
-
-    was = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()
+    variable, before = "HF_HUB_DISABLE_PROGRESS_BARS", os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS")
+    was = _transformers_bars()
+    if was is None:
+        os.environ[variable] = "1"
+    else:
+        sys.modules["transformers.utils.logging"].disable_progress_bar()
     try:
         yield
     finally:
-        if was:
-            transformers_logging.enable_progress_bar()
+        if was is None and before is None:
+            del os.environ[variable]
+        elif was is None:
+            os.environ[variable] = before
+        if (was if was is not None else before is None) and _transformers_bars() is not None:
+            sys.modules["transformers.utils.logging"].enable_progress_bar()
+
+
+def _transformers_bars() -> bool | None:
+    """Whether transformers shows its bars; None where it is not imported."""
+    logging = sys.modules.get("transformers.utils.logging")
+    return None if logging is None else logging.is_progress_bar_enabled()
 
 
 def options_from_args(cls: type, args: argparse.Namespace) -> dict[str, Any]:

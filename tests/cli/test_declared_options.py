@@ -6,7 +6,9 @@ import argparse
 import ast
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -148,3 +150,17 @@ def test_every_command_shows_its_bars_by_the_one_rule(tmp_path, tiny_model_dir, 
         assert (bars[name] in err) is (terminal and not quiet), (name, err)
         if not terminal or quiet:  # no bar at all: transformers' own (loading weights, Trainer's) neither
             assert "%|" not in err, (name, err)
+
+
+def test_transformers_bars_are_hidden_without_importing_it_first(tmp_path, tiny_model_dir, parts):
+    """A command run in a process of its own whose stderr is no terminal: no bar of transformers' either
+    (loading weights), though the rule was applied before transformers was imported (through Hugging
+    Face's variable), and an argument error still comes before it loads."""
+    data = tmp_path / "d.jsonl"
+    shutil.copy(parts / "d.jsonl", data)
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    proc = subprocess.run([sys.executable, "-m", "gradspec", "score", "--model", str(tiny_model_dir), "--data",
+                           str(data), "--out", str(tmp_path / "s.parquet"), "--max-length", "32"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "%|" not in proc.stderr and "Loading weights" not in proc.stderr, proc.stderr
