@@ -29,7 +29,7 @@ _EXPORTS = {
     "SpectralMonitor": "gradspec.training.monitor", "SpectralMonitorCallback": "gradspec.training.monitor_callback",
     "register_layer_kind": "gradspec.layers:register", "linear_target": "gradspec.layers",
     "Target": "gradspec.layers", "Part": "gradspec.layers", "register_metric": "gradspec.linalg.metrics",
-    "Fields": "gradspec.data.readers",
+    "Fields": "gradspec.data.row_layouts",
     "InputError": "gradspec.errors", "OptionError": "gradspec.options", "RunLocked": "gradspec.files.locks",
 }
 

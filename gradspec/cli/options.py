@@ -77,27 +77,29 @@ def library_bars(shown: bool, loads_models: bool) -> Iterator[None]:
     if shown or not loads_models:
         yield
         return
-    variable, before = "HF_HUB_DISABLE_PROGRESS_BARS", os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS")
-    was = _transformers_bars()
-    if was is None:
-        os.environ[variable] = "1"
-    else:
-        sys.modules["transformers.utils.logging"].disable_progress_bar()
+    logging = sys.modules.get("transformers.utils.logging")
+    if logging is not None:
+        was = logging.is_progress_bar_enabled()
+        logging.disable_progress_bar()
+        try:
+            yield
+        finally:
+            if was:
+                logging.enable_progress_bar()
+        return
+    variable = "HF_HUB_DISABLE_PROGRESS_BARS"
+    before = os.environ.get(variable)
+    os.environ[variable] = "1"
     try:
         yield
     finally:
-        if was is None and before is None:
+        if before is None:
             del os.environ[variable]
-        elif was is None:
+        else:
             os.environ[variable] = before
-        if (was if was is not None else before is None) and _transformers_bars() is not None:
-            sys.modules["transformers.utils.logging"].enable_progress_bar()
-
-
-def _transformers_bars() -> bool | None:
-    """Whether transformers shows its bars; None where it is not imported."""
-    logging = sys.modules.get("transformers.utils.logging")
-    return None if logging is None else logging.is_progress_bar_enabled()
+        logging = sys.modules.get("transformers.utils.logging")
+        if logging is not None and before is None:  # imported under the variable: on, as it is without it
+            logging.enable_progress_bar()
 
 
 def options_from_args(cls: type, args: argparse.Namespace) -> dict[str, Any]:

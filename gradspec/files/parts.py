@@ -21,10 +21,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from gradspec.files.locks import LockedFolder
-from gradspec.files.primitives import atomic_write
+from gradspec.files.primitives import CHECKSUM, atomic_write
 
 GROUP_BYTES = 64 << 20
-PART = re.compile(r"(\d{8,})\.parquet")  # a part's name: its number, 8 digits at least
+PART_NAME = re.compile(r"(\d{8,})\.parquet")  # a part's name: its number, 8 digits at least
 SUFFIX = ".parts"  # a parts folder's name: its file's, then this
 
 
@@ -42,7 +42,7 @@ def part_numbers(folder: Path) -> list[int]:
     """The numbers of the folder's parts, in order (none where there is no folder)."""
     if not folder.is_dir():
         return []
-    return sorted(int(found[1]) for p in folder.iterdir() if (found := PART.fullmatch(p.name)))
+    return sorted(int(found[1]) for p in folder.iterdir() if (found := PART_NAME.fullmatch(p.name)))
 
 
 def part_files(folder: Path) -> list[Path]:
@@ -54,7 +54,7 @@ class PartsFolder(LockedFolder):
     """``<out>.parts/`` of a writer of numbered parts (a scoring run, a monitor): its parts, their
     checksums and its lock; a subclass adds the other names its writer makes to OURS."""
 
-    OURS = re.compile(r"\d{8,}\.parquet(\.sha256)?")
+    OURS = re.compile(rf"{PART_NAME.pattern}({re.escape(CHECKSUM)})?")
 
     def __init__(self, out: str | Path) -> None:
         self.out = Path(out)
