@@ -71,9 +71,10 @@ def shows_progress(wanted: bool) -> bool:
 @contextmanager
 def library_bars(shown: bool, loads_models: bool) -> Iterator[None]:
     """transformers' own bars (loading weights, writing shards, Trainer's steps) follow the same rule while
-    a command that loads a model runs, and are as they were after it. transformers is not imported for
-    this (an argument error must come before it loads): where it is not yet, Hugging Face's variable
-    HF_HUB_DISABLE_PROGRESS_BARS, which it reads on import, is set for the command."""
+    a command that loads a model runs. transformers is not imported for this (an argument error must come
+    before it loads): where it is imported already, its bars are put back after the command; where not yet,
+    Hugging Face's variable HF_HUB_DISABLE_PROGRESS_BARS is set for the command, which Hugging Face reads
+    once, on import, so its bars stay off for the rest of that process (a command line runs one command)."""
     if shown or not loads_models:
         yield
         return
@@ -97,9 +98,6 @@ def library_bars(shown: bool, loads_models: bool) -> Iterator[None]:
             del os.environ[variable]
         else:
             os.environ[variable] = before
-        logging = sys.modules.get("transformers.utils.logging")
-        if logging is not None and before is None:  # imported under the variable: on, as it is without it
-            logging.enable_progress_bar()
 
 
 def options_from_args(cls: type, args: argparse.Namespace) -> dict[str, Any]:

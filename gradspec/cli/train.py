@@ -22,7 +22,9 @@ def run(args: argparse.Namespace) -> int:
     refuse_unused(args, ("prompt_weight", "response_weight"), args.loss == "wit", "without --loss wit")
     options = options_from_args(TrainConfig, args)
     config = TrainConfig(**options | {"progress": shows_progress(options.get("progress", True))})
-    written = run_files(train(config))
+    out = train(config)
+    end_process_group()
+    written = run_files(out)
     monitors = [p for p in written if p.name.startswith("monitor")]  # monitor.parquet, or one per rank
     print(f"wrote {', '.join(map(str, written))}" + ("" if monitors else
                                                      " (no monitor.parquet: fewer steps than --monitor-every)"))
@@ -30,6 +32,17 @@ def run(args: argparse.Namespace) -> int:
     if steps:
         print(steps)
     return 0
+
+
+def end_process_group() -> None:
+    """Under torchrun, the process group Trainer started (accelerate's) ended once every rank is done: a
+    process that exits with it alive may abort in gloo's threads ("terminate called without an active
+    exception"), as one rank did under load. The command owns its process; train() leaves the group be."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def next_steps(config: TrainConfig, monitors: list[Path]) -> str:
