@@ -27,6 +27,7 @@ from gradspec.runs.numerics import numerics
 from gradspec.runs.run_folder import MODEL_IDENTITY, NUMERICS, RunFolder, Shard, model_identity
 from gradspec.runs.scoring import start_folder
 from gradspec.validation.config import ValidateConfig, ValidateSettings, check
+from gradspec.validation.lds import RESPONSE_TOKENS
 from gradspec.validation.outcome import LENGTH, RANDOM
 from gradspec.validation.outcome import plan as outcome_plan
 from gradspec.validation.retrain import Recipe, Retrainer
@@ -62,6 +63,11 @@ class Pool:
     @property
     def indices(self) -> list[int]:
         return sorted(self.tokens)
+
+    def response_tokens(self) -> list[int | None]:
+        """Each input row's response tokens as trained on (None: not in the pool): what length predicts,
+        recorded so that the analysis can take it out of every score's LDS."""
+        return [self.tokens[i].num_response_tokens if i in self.tokens else None for i in range(self.rows)]
 
 
 def job_count(config: ValidateConfig) -> int:
@@ -177,7 +183,7 @@ def retrain(config: ValidateConfig, settings: ValidateSettings, shard: Shard | N
         recipe = Recipe(config.epochs, config.max_steps, config.batch_size, config.learning_rate, config.lora_rank)
         retrainer = Retrainer(model, tokenizer, pool.tokens, pool.targets, recipe, metric)
         metadata = {**info, "rows": pool.rows, "pool": len(pool.tokens), "targets": len(pool.targets),
-                    "start_target_loss": retrainer.target_losses()}
+                    RESPONSE_TOKENS: pool.response_tokens(), "start_target_loss": retrainer.target_losses()}
         try:
             created = _start(folder, info, group, mine, settings, len(jobs))
             done = folder.done()
