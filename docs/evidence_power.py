@@ -1,0 +1,174 @@
+"""Evidence with power (issue 53): what the spectra predict beyond length, and what attribution finds where
+the task's kind is not the answer, on two tasks of SmolLM2-135M-Instruct retrained on the CPU.
+
+Two pools of 64 rows, each all of the target task's kind, from two sources each, at several lengths, a
+known quarter of one source corrupted:
+- **reasoning:** 48 gsm8k DeepSeek-R1 traces and 16 s1 R1 traces (competition maths); each response cut
+  at a paragraph boundary after a random 200-1,200 characters (seeded), so that lengths spread; 12 of
+  the gsm8k rows corrupted: every number of their kept response replaced by a wrong one (the same wrong
+  one wherever it recurs), so their steps and results are wrong. Target: 8 other gsm8k traces, whole
+  (cut by --max-length alone). --max-length 256.
+- **code:** 48 HumanEval problems with their canonical solutions and 16 Python answers from the
+  instruction sets (WizardLM, OpenHermes, Magpie); 12 of the HumanEval rows corrupted: each given the
+  solution of another corrupted problem (a derangement: working code, for the wrong problem). Target: 8
+  other HumanEval problems. --max-length 384.
+labels.parquet beside each pool says which rows are which (index, source, corrupted, response_chars).
+
+Retrains, per task: 32 LDS halves (one set for every score); the recipe of validate_findings.py (one
+epoch, batch 4, AdamW lr 1e-4, full weights). The runs use one thread each (the thread count is part of
+a run's numerics: a resume must match it) and resume where they stopped:
+
+    .venv/bin/python docs/evidence_power.py [OUT] [STAGE ...]     # days of CPU: not run in CI
+
+STAGE: pools, lds (both tasks' LDS retrains), or all (default). EVIDENCE_SMOKE=1: a few rows and
+retrains, to check the script runs end to end (no numbers to keep).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+from pools import DATA, gsm8k_samples, instruction_samples, write_jsonl
+
+from gradspec.data.readers import Fields, humaneval_samples, read_samples
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = os.environ.get("EVIDENCE_SMOKE") == "1"
+POOL = (6, 2, 2) if SMOKE else (48, 16, 12)  # first source, second source, corrupted (of the first)
+TARGETS = 2 if SMOKE else 8
+SUBSETS = "3" if SMOKE else "32"
+MAX_LENGTH = {"reasoning": "128" if SMOKE else "256", "code": "128" if SMOKE else "384"}
+RECIPE = ["--batch-size", "4", "--learning-rate", "1e-4", "--epochs", "1"]
+TASKS = ("reasoning", "code")
+
+
+def conversation(prompt: str, answer: str) -> dict:
+    return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]}
+
+
+def cut(text: str, rng: random.Random) -> str:
+    """text up to the first paragraph end after a random 200-1,200 characters (all of it if shorter)."""
+    at = text.find("\n\n", rng.randint(200, 1200))
+    return text if at < 0 else text[:at]
+
+
+def wrong_numbers(text: str, rng: random.Random) -> str:
+    """Every number of text replaced by a wrong one, the same wrong one wherever it recurs."""
+    wrong: dict[str, str] = {}
+
+    def replace(match: re.Match) -> str:
+        n = match.group(0)
+        if n not in wrong:
+            wrong[n] = str(int(n) + rng.choice([-3, -2, -1, 1, 2, 3, 7, 10]) * (1 + int(n) // 10))
+            if wrong[n].startswith("-") or wrong[n] == n:
+                wrong[n] = str(int(n) + 1)
+        return wrong[n]
+
+    return re.sub(r"\d+", replace, text)
+
+
+def derangement(n: int, rng: random.Random) -> list[int]:
+    """A permutation of range(n) that moves every element (n >= 2)."""
+    while True:
+        order = list(range(n))
+        rng.shuffle(order)
+        if all(i != j for i, j in enumerate(order)):
+            return order
+
+
+def reasoning_pool() -> tuple[list[dict], list[dict], list[dict]]:
+    first, second, corrupted = POOL
+    rng = random.Random(53)
+    gsm8k = gsm8k_samples()
+    s1 = [s for s in read_samples(DATA / "reasoning/s1_R1.json", Fields()) if len(s.messages[0]["content"]) < 600]
+    rows, labels = [], []
+    bad = set(rng.sample(range(first), corrupted))
+    for k, sample in enumerate(gsm8k[TARGETS:TARGETS + first]):
+        prompt, answer = sample.messages[0]["content"], cut(sample.messages[-1]["content"], rng)
+        if k in bad:
+            answer = wrong_numbers(answer, rng)
+        rows.append(conversation(prompt, answer))
+        labels.append({"source": "gsm8k", "corrupted": k in bad})
+    for sample in s1[:second]:
+        rows.append(conversation(sample.messages[0]["content"], cut(sample.messages[-1]["content"], rng)))
+        labels.append({"source": "s1", "corrupted": False})
+    target = [conversation(s.messages[0]["content"], s.messages[-1]["content"]) for s in gsm8k[:TARGETS]]
+    return rows, labels, target
+
+
+def is_python_answer(sample) -> bool:
+    answer = sample.messages[-1]["content"]
+    return "```python" in answer and "def " in answer and len(sample.messages) == 2
+
+
+def code_pool() -> tuple[list[dict], list[dict], list[dict]]:
+    first, second, corrupted = POOL
+    rng = random.Random(53)
+    problems = list(humaneval_samples(TARGETS + first))
+    pool = problems[TARGETS:]
+    bad = sorted(rng.sample(range(first), corrupted))
+    swapped = dict(zip(bad, (bad[j] for j in derangement(len(bad), rng)), strict=True))
+    rows, labels = [], []
+    for k, sample in enumerate(pool):
+        answer = pool[swapped.get(k, k)].messages[-1]["content"]
+        rows.append(conversation(sample.messages[0]["content"], answer))
+        labels.append({"source": "humaneval", "corrupted": k in swapped})
+    python = [s for s in instruction_samples(200) if is_python_answer(s)]
+    for sample in python[:second]:
+        rows.append(conversation(sample.messages[0]["content"], sample.messages[-1]["content"]))
+        labels.append({"source": "instruction", "corrupted": False})
+    target = [conversation(s.messages[0]["content"], s.messages[-1]["content"]) for s in problems[:TARGETS]]
+    return rows, labels, target
+
+
+def build(out: Path, task: str) -> tuple[Path, Path]:
+    folder = out / task
+    folder.mkdir(parents=True, exist_ok=True)
+    pool, target = folder / "pool.jsonl", folder / "target.jsonl"
+    if not pool.exists():
+        rows, labels, targets = reasoning_pool() if task == "reasoning" else code_pool()
+        pd.DataFrame([{"index": i, **label, "response_chars": len(row["messages"][-1]["content"])}
+                      for i, (row, label) in enumerate(zip(rows, labels, strict=True))]) \
+            .to_parquet(folder / "labels.parquet")
+        write_jsonl(target, targets)
+        write_jsonl(pool, rows)  # last: its presence says the pool is built
+    return pool, target
+
+
+def run(*command: str) -> None:
+    print("$", " ".join(command), flush=True)
+    subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def gradspec(*args: str) -> None:
+    run(sys.executable, "-m", "gradspec", *args)
+
+
+def validate(out: Path, task: str, name: str, *extra: str) -> Path:
+    """A validate run of task's pool, resumed where it stopped."""
+    pool, target = build(out, task)
+    path = out / task / f"{name}.parquet"
+    if not path.exists():
+        resume = ["--resume"] if Path(f"{path}.parts").exists() else []
+        gradspec("validate", "--data", str(pool), "--target", str(target), "--out", str(path), "--max-length",
+                 MAX_LENGTH[task], *RECIPE, "--quiet", *resume, *extra)
+    return path
+
+
+def main(out: Path, stages: list[str]) -> None:
+    every = "all" in stages
+    for task in TASKS:
+        build(out, task)
+    if every or "lds" in stages:
+        for task in TASKS:
+            validate(out, task, "lds", "--subsets", SUBSETS, "--fraction", "0.5")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("out/evidence_power"), sys.argv[2:] or ["all"])
