@@ -18,11 +18,13 @@ from gradspec.data.errors import InputError
 from gradspec.files import parquet_errors
 from gradspec.invocation import program
 from gradspec.runs.score_files import parquet_schema, schema_metadata
-from gradspec.validation.lds import lds, predictions
+from gradspec.validation.lds import RESPONSE_TOKENS, lds, predictions
 from gradspec.validation.outcome import outcome_table
 from gradspec.validation.scores import read_score
 
 NEEDED = ("kind", "members", "target_loss")
+LENGTH_SCORE = "length (response tokens)"  # the row of length's own LDS, the control of the LDS beyond length
+LACKING = "lacking_response_tokens"  # analysis info: the first file that does not record them
 
 
 @dataclass
@@ -36,6 +38,7 @@ class Analysis:
     lds: pd.DataFrame = field(default_factory=pd.DataFrame)
     outcome: pd.DataFrame = field(default_factory=pd.DataFrame)
     points: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    beyond_length: bool = False  # the LDS table has each score's LDS beyond length
 
 
 def read_retrains(files: list[str]) -> tuple[pd.DataFrame, dict]:
@@ -53,7 +56,12 @@ def read_retrains(files: list[str]) -> tuple[pd.DataFrame, dict]:
                 (info.get("rows"), info.get("targets"), info.get("target")):
             raise InputError(f"{path}: retrains of another pool or target than {files[0]} ({meta.get('rows')} rows, "
                              f"{meta.get('targets')} targets from {meta.get('target')}); analyse them apart")
-        info = info or meta
+        if info is not None and meta.get(RESPONSE_TOKENS) != info.get(RESPONSE_TOKENS):
+            if meta.get(RESPONSE_TOKENS) is not None and info.get(RESPONSE_TOKENS) is not None:
+                raise InputError(f"{path}: its pool's rows have other response-token counts than {files[0]}'s "
+                                 "(another --max-length or --template?); analyse them apart")
+            info = {**info, RESPONSE_TOKENS: None, LACKING: info.get(LACKING) or path}
+        info = info or ({**meta, LACKING: path} if meta.get(RESPONSE_TOKENS) is None else meta)
         with parquet_errors(path):
             frame = pd.read_parquet(path)
         _check_retrains(path, schema, frame, meta)
@@ -71,8 +79,12 @@ def _list_of(holds: Callable[[pa.DataType], bool]) -> Callable[[pa.DataType], bo
 
 
 # What analyse reads of a retrain file's columns, and what each must hold (any of them may be all null)
-COLUMNS = {"kind": pa.types.is_string, "members": _list_of(pa.types.is_integer), "target_loss": _list_of(_numbers),
-           "selection": pa.types.is_string, "buckets": pa.types.is_integer, "seed": pa.types.is_integer,
+def _text(kind: pa.DataType) -> bool:
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind)  # pandas writes either
+
+
+COLUMNS = {"kind": _text, "members": _list_of(pa.types.is_integer), "target_loss": _list_of(_numbers),
+           "selection": _text, "buckets": pa.types.is_integer, "seed": pa.types.is_integer,
            "metric": _numbers}
 
 
@@ -114,21 +126,56 @@ def analyse(files: list[str], specs: list[str], resamples: int = 1000, confidenc
                          "(--subsets)")
     losses = np.array([list(v) for v in subsets["target_loss"]], dtype=float)
     members = [list(m) for m in subsets["members"]]
+    length = _length_prediction(info, members, files) if specs else None
+    analysis.beyond_length = length is not None
     rows = []
+    if length is not None:  # length's own LDS first: what the scores' LDS beyond length take out
+        own = lds(length[:, None], np.nanmean(losses, axis=1, keepdims=True), resamples, confidence, seed)
+        rows.append(_lds_row(LENGTH_SCORE, "per-sample", own, None, 0))
     for spec in specs:
         score = read_score(spec, info["rows"], info["targets"], info)
         predicted = predictions(members, score.values)
         measured = losses if score.per_target else np.nanmean(losses, axis=1, keepdims=True)
         result = lds(predicted, measured, resamples, confidence, seed)
-        rows.append({"score": score.name, "kind": "attribution" if score.per_target else "per-sample",
-                     "lds": result.value, "low": result.low, "high": result.high, "subsets": result.subsets,
-                     "targets": int(np.isfinite(result.per_target).sum()), "missing": score.missing})
+        beyond = None if length is None else lds(predicted, measured, resamples, confidence, seed, control=length)
+        rows.append(_lds_row(score.name, "attribution" if score.per_target else "per-sample", result, beyond,
+                             score.missing))
         analysis.points[score.name] = (predicted.mean(1), np.nanmean(losses, axis=1))
     analysis.lds = pd.DataFrame(rows)
     chosen = retrains[retrains["kind"] == "outcome"]
     if len(chosen):
         analysis.outcome = outcome_table(chosen, confidence)
     return analysis
+
+
+def _lds_row(name: str, kind: str, result, beyond, missing: int) -> dict:
+    """A score's row of the LDS table: its LDS and, where the files record the rows' lengths, its LDS beyond
+    length (NaN for length itself, and where no target's partial correlation is defined: said by summary)."""
+    row = {"score": name, "kind": kind, "lds": result.value, "low": result.low, "high": result.high}
+    if beyond is not None or name == LENGTH_SCORE:
+        row.update(beyond_length=np.nan if beyond is None else beyond.value,
+                   beyond_low=np.nan if beyond is None else beyond.low,
+                   beyond_high=np.nan if beyond is None else beyond.high)
+    return {**row, "subsets": result.subsets, "targets": int(np.isfinite(result.per_target).sum()), "missing": missing}
+
+
+def _length_prediction(info: dict, members: list[list[int]], files: list[str]) -> np.ndarray | None:
+    """Length's prediction for each LDS subset, its rows' total response tokens (the retrain file's record of
+    them); None where a file does not record them (made before gradspec recorded them: said by summary)."""
+    tokens = info.get(RESPONSE_TOKENS)
+    if tokens is None:
+        return None
+    if not isinstance(tokens, list) or len(tokens) != info["rows"]:
+        raise InputError(f"{files[0]}: its metadata's {RESPONSE_TOKENS} is not one count per row of its "
+                         f"{info['rows']}-row pool; pass validate's --out")
+    counts = []
+    for m in members:
+        held = [tokens[i] for i in m]
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in held):
+            raise InputError(f"{files[0]}: its metadata's {RESPONSE_TOKENS} has no count for a row an LDS retrain "
+                             "trained on; pass validate's --out")
+        counts.append(sum(held))
+    return np.array(counts, dtype=float)
 
 
 def summary(analysis: Analysis, confidence: float = 0.95) -> str:
@@ -139,8 +186,9 @@ def summary(analysis: Analysis, confidence: float = 0.95) -> str:
                      f"subsets, mean over targets; {confidence:.0%} bootstrap interval):")
         for r in analysis.lds.itertuples():
             nan = f"; {r.missing} values missing, counted as 0" if r.missing else ""
-            lines.append(f"  {r.score}: {r.lds:+.3f} [{r.low:+.3f}, {r.high:+.3f}] ({r.kind}, {r.targets} "
-                         f"targets{nan})")
+            lines.append(f"  {r.score}: {r.lds:+.3f} [{r.low:+.3f}, {r.high:+.3f}]{_beyond(r)} ({r.kind}, "
+                         f"{r.targets} targets{nan})")
+        lines.append(_beyond_note(analysis))
     if len(analysis.outcome):
         lines.append("Selection outcome (mean target loss; gain = random's loss - its own, same seed, "
                      f"{confidence:.0%} t interval over seeds):")
@@ -170,7 +218,8 @@ def write_report(analysis: Analysis, out: str | Path, overwrite: bool = False, c
         lines += ["## LDS", "", "Per target, the Spearman correlation across subsets between the loss change the score "
                   "predicts (the sum of its values over the subset's rows) and the negative measured loss; then "
                   f"the mean over targets, with a {confidence:.0%} bootstrap interval over subsets. Positive: the "
-                  "score ranks the subsets as training does.", "", "![LDS](lds.png)", "",
+                  "score ranks the subsets as training does.", "", _beyond_note(analysis).strip() + ".", "",
+                  "![LDS](lds.png)", "",
                   analysis.lds.to_markdown(index=False, floatfmt=".3f"), "",
                   "![predicted vs measured](predicted_vs_measured.png)", ""]
     if len(analysis.outcome):
@@ -186,6 +235,26 @@ def write_report(analysis: Analysis, out: str | Path, overwrite: bool = False, c
     report = out / "report.md"
     report.write_text("\n".join(lines), encoding="utf-8")
     return report
+
+
+def _beyond(r) -> str:
+    """A row's LDS beyond length, or why it has none."""
+    if not hasattr(r, "beyond_length"):
+        return ""
+    if r.score == LENGTH_SCORE:
+        return "; beyond length: - (the control itself)"
+    if not np.isfinite(r.beyond_length):
+        return "; beyond length: none (no target's partial correlation is defined: the score ranks the subsets as " \
+               "length does, or is constant)"
+    return f"; beyond length {r.beyond_length:+.3f} [{r.beyond_low:+.3f}, {r.beyond_high:+.3f}]"
+
+
+def _beyond_note(analysis: Analysis) -> str:
+    if analysis.beyond_length:
+        return ("  beyond length: the same Spearman correlation with length's prediction (each subset's total "
+                "response tokens) held fixed, a partial correlation of the ranks; same bootstrap draws")
+    return (f"  no LDS beyond length: {analysis.info.get(LACKING)} does not record its rows' response tokens (made "
+            "by an older gradspec); retrains made by this version do")
 
 
 def _gain_interval(r) -> str:
@@ -209,7 +278,14 @@ def _plot_lds(table: pd.DataFrame, path: Path, confidence: float) -> None:
     x = np.arange(len(table))
     below = np.clip(table["lds"] - table["low"], 0, None)
     above = np.clip(table["high"] - table["lds"], 0, None)
-    ax.errorbar(x, table["lds"], yerr=[below, above], fmt="o", capsize=4)
+    ax.errorbar(x, table["lds"], yerr=[below, above], fmt="o", capsize=4, label="LDS")
+    if "beyond_length" in table:
+        shown = np.isfinite(table["beyond_length"]).to_numpy()
+        beyond = table["beyond_length"][shown]
+        ax.errorbar(x[shown] + 0.15, beyond, yerr=[np.clip(beyond - table["beyond_low"][shown], 0, None),
+                                                   np.clip(table["beyond_high"][shown] - beyond, 0, None)],
+                    fmt="s", capsize=4, label="beyond length")
+        ax.legend(fontsize=8)
     ax.axhline(0, color="grey", lw=0.8)
     ax.set_xlim(-0.6, len(table) - 0.4)
     ax.set_xticks(x, table["score"], rotation=30, ha="right")

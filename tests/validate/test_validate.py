@@ -171,7 +171,8 @@ def test_one_run_writes_a_row_per_retrain_and_its_analysis(reference, inputs, tm
         {p.name for p in report.iterdir()}
     assert "NaN where there is no interval: a selection retrained with one seed" in (report / "report.md").read_text()
     lds_table = pd.read_csv(report / "lds.csv")
-    assert lds_table["score"].tolist() == ["s:my_score"] and lds_table["missing"].tolist() == [1]
+    assert lds_table["score"].tolist() == ["length (response tokens)", "s:my_score"]
+    assert lds_table["missing"].tolist() == [0, 1] and {"beyond_length", "beyond_low", "beyond_high"} <= {*lds_table}
     assert main(["validate", "--runs", str(reference), "--scores", f"{inputs / 's.parquet'}:my_score"]) == 0
     printed = capsys.readouterr().out
     assert "s:my_score: " in printed and "1 values missing, counted as 0" in printed and "gain" in printed
