@@ -20,7 +20,9 @@ a run's numerics: a resume must match it) and resume where they stopped:
 
     .venv/bin/python docs/evidence_power.py [OUT] [STAGE ...]     # days of CPU: not run in CI
 
-STAGE: pools, lds (both tasks' LDS retrains), or all (default). EVIDENCE_SMOKE=1: a few rows and
+STAGE: pools, lds (both tasks' LDS retrains), scores (gradspec align's attributions and per-sample scores,
+and each score's AUPRC at finding the corrupted rows: detection.csv), analyse (each score's LDS and LDS
+beyond length against the LDS retrains: <task>/report_lds/), or all (default). EVIDENCE_SMOKE=1: a few rows and
 retrains, to check the script runs end to end (no numbers to keep).
 """
 
@@ -33,6 +35,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from pools import DATA, gsm8k_samples, instruction_samples, write_jsonl
 
@@ -161,6 +164,78 @@ def validate(out: Path, task: str, name: str, *extra: str) -> Path:
     return path
 
 
+def align(out: Path, task: str, name: str, *extra: str) -> Path:
+    """gradspec align's attribution of task's pool to its targets (q/k/v/o, the default modules)."""
+    pool, target = build(out, task)
+    path = out / task / f"{name}.parquet"
+    if not path.exists():
+        gradspec("align", "--data", str(pool), "--target", str(target), "--out", str(path), "--attribution",
+                 "--max-length", MAX_LENGTH[task], "--quiet", *extra)
+    return path
+
+
+def scores(out: Path, task: str) -> dict[str, str]:
+    """Every score the analysis tests, by label: exact alignment (plain, K-FAC, EK-FAC: attributions), the
+    spectra and the classic scores (per sample, from the plain run), and random noise."""
+    plain = align(out, task, "plain", "--spectra", "--classic")
+    folder = out / task
+    found = {"alignment, plain": str(plain),
+             "alignment, K-FAC": str(align(out, task, "kfac", "--precondition", "kfac", "--factors",
+                                            str(folder / "kfac.safetensors"))),
+             "alignment, EK-FAC": str(align(out, task, "ekfac", "--precondition", "ekfac", "--factors",
+                                             str(folder / "ekfac.safetensors")))}
+    found.update({label: f"{plain}:{column}" for label, column in PER_SAMPLE.items()})
+    noise = folder / "random.parquet"
+    if not noise.exists():
+        rows = len((folder / "pool.jsonl").read_text().splitlines())
+        pd.DataFrame({"index": range(rows), "random": np.random.default_rng(0).standard_normal(rows)}) \
+            .to_parquet(noise)
+    found["random"] = f"{noise}:random"
+    return found
+
+
+# The per-sample scores, and which end of each says "a bad row": the attributions' and align_mean's low end
+# (the row pulls the targets' loss up), perplexity's high end, the spectra's ends as the
+# seed paper reads them (low effective rank, high nuclear norm: low quality), IFD's high end.
+PER_SAMPLE = {"align_mean (plain cosine)": "align_mean", "effective rank": "effective_rank",
+              "nuclear norm": "nuclear_norm", "stable rank": "stable_rank", "IFD": "ifd", "perplexity": "perplexity"}
+BAD_IS_HIGH = {"nuclear norm", "IFD", "perplexity"}
+
+
+def average_precision(found: np.ndarray, ranking: np.ndarray) -> float:
+    """Average precision (the area under the precision-recall curve as DATE-LM and scikit-learn's
+    average_precision_score compute it: the precision at each found row, averaged over the rows to find)
+    of a ranking (most suspect first) of rows labelled found (bool)."""
+    hits = found[ranking].astype(float)
+    return float((np.cumsum(hits) / np.arange(1, len(hits) + 1) * hits).sum() / hits.sum())
+
+
+def detection(out: Path, task: str, found: dict[str, str]) -> pd.DataFrame:
+    """Each score's AUPRC at finding the corrupted rows (ranked most suspect first; ties in row order), with
+    a 95% bootstrap interval over rows; random ranking's expectation is the corrupted share."""
+    from gradspec.validation.scores import read_score
+
+    labels = pd.read_parquet(out / task / "labels.parquet").sort_values("index")
+    corrupted = labels["corrupted"].to_numpy()
+    rows, targets = len(labels), len((out / task / "target.jsonl").read_text().splitlines())
+    rng = np.random.default_rng(0)
+    table = []
+    for label, spec in found.items():
+        values = read_score(spec, rows, targets, None).per_sample()
+        suspect = values if label in BAD_IS_HIGH else -values
+        suspect = np.nan_to_num(suspect, nan=-np.inf)  # unscored rows: least suspect
+        ranking = np.argsort(-suspect, kind="stable")
+        boot = []
+        for _ in range(1000):
+            pick = rng.integers(0, rows, rows)
+            if corrupted[pick].any():
+                boot.append(average_precision(corrupted[pick], np.argsort(-suspect[pick], kind="stable")))
+        low, high = np.quantile(boot, [0.025, 0.975])
+        table.append({"task": task, "score": label, "auprc": average_precision(corrupted, ranking), "low": low,
+                      "high": high, "corrupted_share": corrupted.mean()})
+    return pd.DataFrame(table)
+
+
 def main(out: Path, stages: list[str]) -> None:
     every = "all" in stages
     for task in TASKS:
@@ -168,6 +243,16 @@ def main(out: Path, stages: list[str]) -> None:
     if every or "lds" in stages:
         for task in TASKS:
             validate(out, task, "lds", "--subsets", SUBSETS, "--fraction", "0.5")
+    if every or "scores" in stages:
+        tables = [detection(out, task, scores(out, task)) for task in TASKS]
+        pd.concat(tables).to_csv(out / "detection.csv", index=False)
+        print(pd.concat(tables).to_markdown(index=False, floatfmt=".3f"))
+    if every or "analyse" in stages:
+        for task in TASKS:
+            lds = out / task / "lds.parquet"
+            if lds.exists():
+                gradspec("validate", "--runs", str(lds), "--scores", *scores(out, task).values(), "--report",
+                         str(out / task / "report_lds"), "--overwrite")
 
 
 if __name__ == "__main__":
