@@ -7,6 +7,7 @@ of the same seed, signed so that positive means the score is right, with a t int
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from matplotlib.figure import Figure
 from gradspec.validation.outcome import RANDOM, interval_text, mean_losses, t_interval
 from gradspec.validation.subsets import REMOVAL_STREAM, draw, subset_size
 
+log = logging.getLogger("gradspec")
 REMOVAL = "removal"  # the retrains' kind
 TOP, BOTTOM = "top", "bottom"  # which end of a score was removed (random: a random share)
 SIGN = ("positive = the score is right: for top, the loss without its top rows minus the loss without random "
@@ -60,6 +62,10 @@ def plan(scores: dict[str, np.ndarray], pool: list[int], share: float, seeds: in
     each score's (values per row index) top and bottom share of the pool removed."""
     count = subset_size(len(pool), share)
     cut = {name: ends(values, pool, count) for name, values in scores.items()}
+    for name, (top, bottom) in cut.items():
+        if shared := len(set(top) & set(bottom)):
+            log.warning("%s: its top and bottom %d rows share %d (fewer than twice as many rows of the pool have a "
+                        "value); a smaller --remove keeps them apart", name, count, shared)
     out = []
     for s in range(seeds):
         out.append(Removal(RANDOM, RANDOM, s, _kept(pool, draw(pool, count, seed, REMOVAL_STREAM, s))))
@@ -98,8 +104,10 @@ def removal_table(rows: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
 
 def summary_lines(table: pd.DataFrame, confidence: float) -> list[str]:
     """The removal test for the terminal."""
-    lines = [f"Removal test (mean target loss after retraining on the pool less a share of it; effect against "
-             f"random removal of the same seed, {confidence:.0%} t interval over seeds; {SIGN}):"]
+    lines = ["Removal test (mean target loss after retraining on the pool less a share of it; effect against random "
+             f"removal of the same seed, {confidence:.0%} t interval over seeds; positive = the score is right):",
+             "  (effect of top = loss without its top - loss without random rows; of bottom = loss without random "
+             "rows - loss without its bottom)"]
     for r in table.itertuples():
         label = "random rows removed" if r.removed == RANDOM else f"{r.score}, its {r.removed} removed"
         lines.append(f"  {label}: loss {r.loss:.4f}" + ("" if r.removed == RANDOM else

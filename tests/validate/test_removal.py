@@ -18,6 +18,7 @@ from gradspec.runs.score_files import write_parquet
 from gradspec.validation.config import ValidateConfig
 from gradspec.validation.outcome import top_rows
 from gradspec.validation.removal import ends
+from gradspec.validation.removal import plan as removal_plan
 from gradspec.validation.report import analyse, write_report
 from gradspec.validation.run import Pool, job_count, plan
 from gradspec.validation.subsets import subset_size
@@ -73,11 +74,17 @@ def test_the_plan_puts_each_seed_s_removals_after_the_lds_subsets_and_the_outcom
     assert all(r != m for r, m in zip(randoms, outcome_random, strict=True))  # a generator stream of its own
 
 
-def test_ends_take_rows_without_a_value_last_and_stay_disjoint_under_ties():
+def test_ends_take_rows_without_a_value_last_and_stay_disjoint_under_ties(caplog):
     values = np.array([3.0, np.nan, 1.0, 1.0, 1.0, 1.0, -2.0, np.nan])
     assert ends(values, [0, 1, 2, 3, 4, 5, 6, 7], 2) == ([0, 2], [5, 6])
     assert ends(np.ones(6), list(range(6)), 3) == ([0, 1, 2], [3, 4, 5])  # a constant score: still disjoint
     assert ends(values, [0, 1, 6, 7], 3) == ([0, 1, 6], [0, 1, 6])  # more than the rows with a value: NaN too
+    with caplog.at_level("WARNING", logger="gradspec"):
+        removal_plan({"v": values}, list(range(8)), 0.25, 1, 0)
+        assert "share" not in caplog.text
+        removal_plan({"v": values}, list(range(8)), 0.5, 1, 0)
+    assert "v: its top and bottom 4 rows share 2 (fewer than twice as many rows of the pool have a value)" in \
+        caplog.text
 
 
 # --- the analysis -------------------------------------------------------------------------------------------------
