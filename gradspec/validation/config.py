@@ -63,8 +63,7 @@ class ValidateConfig:
                                       many=True, metavar=SPEC)
     top: float = share(0.25, "selection outcome: the share of the pool each selection keeps")
     seeds: int = option(3, "selection outcome and removal test: retrains per selection or removal, each with its "
-                        "own seed", kind="int",
-                        at_least=1)
+                        "own seed", kind="int", at_least=1)
     length_buckets: int = option(5, "selection outcome: also each score's selection shared out over this many "
                                  "length buckets (0: not)", kind="int", at_least=0)
     removal: tuple[str, ...] = option((), "removal test: score specs FILE[:COLUMN] whose top and whose bottom "
