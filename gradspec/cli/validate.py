@@ -16,17 +16,19 @@ from gradspec.validation.config import ValidateConfig, ValidateSettings
 # What only a retrain uses: refused with --runs, which analyses retrains made before
 _RETRAIN_ONLY = ("data", "target", "model", "template", "max_length", "limit", "subsets", "fraction", "outcome",
                  "top", "seeds", "length_buckets", "epochs", "max_steps", "batch_size", "learning_rate", "lora_rank",
-                 "seed", "metric", "metric_limit", "device", "resume", "shard", "merge", "out")
+                 "removal", "remove", "seed", "metric", "metric_limit", "device", "resume", "shard", "merge", "out")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("validate", help="does a score predict training? retrains on random subsets (LDS) and on "
                                         "each score's selection, against the loss on a target")
-    add_options(p, ValidateConfig, skip=("outcome",))
+    add_options(p, ValidateConfig, skip=("outcome", "removal"))
     # none given: None (the Python default, (), is no default to show in --help)
-    add_options(p, ValidateConfig, only=("outcome",), defaults={"outcome": None}, helps={
+    add_options(p, ValidateConfig, only=("outcome", "removal"), defaults={"outcome": None, "removal": None}, helps={
         "outcome": "selection outcome: score specs whose top --top of the pool is retrained on, beside random and "
-                   "length"})
+                   "length",
+        "removal": "removal test: score specs whose top and whose bottom --remove of the pool are each left out of "
+                   "a retrain, beside random rows"})
     add_options(p, ValidateSettings, skip=("scores", "runs"))
     add_options(p, ValidateSettings, only=("scores", "runs"), defaults={"scores": None, "runs": None}, helps={
         "scores": "scores to test: an attribution file (align --attribution), or a score or align file with a "

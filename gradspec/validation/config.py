@@ -62,10 +62,14 @@ class ValidateConfig:
                                       "pool is retrained on, beside random and length", kind="strs", convert=_specs,
                                       many=True, metavar=SPEC)
     top: float = share(0.25, "selection outcome: the share of the pool each selection keeps")
-    seeds: int = option(3, "selection outcome: retrains per selection, each with its own seed", kind="int",
-                        at_least=1)
+    seeds: int = option(3, "selection outcome and removal test: retrains per selection or removal, each with its "
+                        "own seed", kind="int", at_least=1)
     length_buckets: int = option(5, "selection outcome: also each score's selection shared out over this many "
                                  "length buckets (0: not)", kind="int", at_least=0)
+    removal: tuple[str, ...] = option((), "removal test: score specs FILE[:COLUMN] whose top and whose bottom "
+                                      "--remove of the pool are left out of a retrain, beside random rows",
+                                      kind="strs", convert=_specs, many=True, metavar=SPEC)
+    remove: float = share(0.1, "removal test: the share of the pool each removal leaves out")
     epochs: float = option(1.0, "passes over the retrain's rows", kind="float")
     max_steps: int = option(-1, "stop each retrain after this many steps (-1: run the epochs)", kind="int")
     batch_size: int = option(4, "samples per step", kind="int", at_least=1)
@@ -94,6 +98,7 @@ class ValidateConfig:
                 info[key] = str(Path(path).resolve())
                 info[f"{key}_bytes"] = Path(path).stat().st_size if Path(path).is_file() else None
         info["outcome_files"] = {spec: _sha256(split_spec(spec)[0]) for spec in self.outcome}
+        info["removal_files"] = {spec: _sha256(split_spec(spec)[0]) for spec in self.removal}
         return info
 
 
@@ -127,12 +132,15 @@ def check(config: ValidateConfig, settings: ValidateSettings) -> Callable[[Any, 
                           "one of them")
     if config.target is None:
         raise OptionError("target", "is required: the examples whose loss each retrain measures")
-    if config.subsets == 0 and not config.outcome:
-        raise OptionError(("subsets", "outcome"), ": nothing to retrain (no subsets, no selection outcome)")
+    if config.subsets == 0 and not config.outcome and not config.removal:
+        raise OptionError(("subsets", "outcome", "removal"), ": nothing to retrain (no subsets, no selection outcome, "
+                          "no removal test)")
     if config.subsets and not 0 < config.fraction < 1:
         raise OptionError("fraction", f"must be between 0 and 1 (not either), got {config.fraction}")
     if config.outcome and not 0 < config.top < 1:
         raise OptionError("top", f"must be between 0 and 1 (not either), got {config.top}")
+    if config.removal and not 0 < config.remove < 1:
+        raise OptionError("remove", f"must be between 0 and 1 (not either), got {config.remove}")
     if config.max_steps != -1:
         check_at_least({"max_steps": config.max_steps})
     elif config.epochs <= 0:
@@ -142,7 +150,7 @@ def check(config: ValidateConfig, settings: ValidateSettings) -> Callable[[Any, 
     for name, path in (("data", config.data), ("target", config.target)):
         if path is not None and not Path(path).exists() and not is_dataset_name(path):
             raise OptionError(name, f"{path}: no such file or folder (nor a Hub dataset name: org/name)")
-    for name, specs in (("outcome", config.outcome), ("scores", settings.scores)):
+    for name, specs in (("outcome", config.outcome), ("removal", config.removal), ("scores", settings.scores)):
         for spec in specs:
             _score_file(name, spec)
     if config.lora_rank is not None and importlib.util.find_spec("peft") is None:

@@ -55,7 +55,9 @@ def plan(scores: dict[str, np.ndarray], pool: list[int], num_tokens: dict[int, i
     return out
 
 
-def _interval(values: np.ndarray, confidence: float) -> tuple[float, float]:
+def t_interval(values: np.ndarray, confidence: float) -> tuple[float, float]:
+    """The t interval of the mean of paired differences over seeds (the outcome's gains, the removal test's
+    effects); NaN where there is none (fewer than 2 seeds, or a difference that is not finite)."""
     if len(values) < 2 or not np.isfinite(values).all():
         return np.nan, np.nan
     sem = stats.sem(values)
@@ -65,18 +67,33 @@ def _interval(values: np.ndarray, confidence: float) -> tuple[float, float]:
     return float(low), float(high)
 
 
+def interval_text(low: float, high: float, seeds: int) -> str:
+    """A t interval over seeds as the summary prints it, or why there is none (one seed, a NaN loss) rather
+    than NaNs."""
+    if np.isfinite(low):
+        return f"[{low:+.4f}, {high:+.4f}] over {seeds} seeds"
+    if seeds < 2:
+        return f"(no interval: {seeds} seed; --seeds 2 or more give one)"
+    return f"(no interval over {seeds} seeds: a retrain measured no finite loss)"
+
+
+def mean_losses(rows: pd.DataFrame) -> pd.DataFrame:
+    """rows with loss: each retrain's mean target loss (NaN targets left out)."""
+    return rows.assign(loss=[np.nanmean(v) if len(v) else np.nan for v in rows["target_loss"]])
+
+
 def outcome_table(rows: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
     """Per selection (and buckets): the seeds, the mean target loss, and its gain over random of the same
     seed (random's loss - its own: positive = better than random) with a t interval over seeds; the
     metric's gain too where the retrains measured one (its own - random's: higher is better)."""
-    rows = rows.assign(loss=[np.nanmean(v) if len(v) else np.nan for v in rows["target_loss"]])
+    rows = mean_losses(rows)
     random = rows[rows["selection"] == RANDOM].set_index("seed")
     out = []
     for (name, buckets), group in rows.groupby(["selection", "buckets"], sort=False):
         group = group.set_index("seed")
         paired = group.index.intersection(random.index)
         gain = (random.loc[paired, "loss"] - group.loc[paired, "loss"]).to_numpy(dtype=float)
-        low, high = _interval(gain, confidence)
+        low, high = t_interval(gain, confidence)
         row = {"selection": name, "buckets": int(buckets), "seeds": len(group), "loss": group["loss"].mean(),
                "gain": gain.mean() if len(gain) else np.nan, "gain_low": low, "gain_high": high}
         if "metric" in rows and group["metric"].notna().any():

@@ -1,6 +1,6 @@
 """The analysis of retrain files: each score's LDS with its interval, the selection outcome's gains over
-random, as text for the terminal and as a report folder (report.md, figures, CSV tables) in the style
-of gradspec report."""
+random, the removal test's effects against random removal, as text for the terminal and as a report folder
+(report.md, figures, CSV tables) in the style of gradspec report."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from gradspec.files import parquet_errors
 from gradspec.invocation import program
 from gradspec.runs.score_files import parquet_schema, schema_metadata
 from gradspec.validation.lds import RESPONSE_TOKENS, lds, predictions
-from gradspec.validation.outcome import outcome_table
+from gradspec.validation.outcome import interval_text, outcome_table
+from gradspec.validation.removal import REMOVAL, removal_table, report_lines, summary_lines
 from gradspec.validation.scores import read_score
 
 NEEDED = ("kind", "members", "target_loss")
@@ -39,6 +40,7 @@ class Analysis:
     outcome: pd.DataFrame = field(default_factory=pd.DataFrame)
     points: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     beyond_length: bool = False  # the LDS table has each score's LDS beyond length
+    removal: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per score and end removed
 
 
 def read_retrains(files: list[str]) -> tuple[pd.DataFrame, dict]:
@@ -85,7 +87,7 @@ def _text(kind: pa.DataType) -> bool:
 
 COLUMNS = {"kind": _text, "members": _list_of(pa.types.is_integer), "target_loss": _list_of(_numbers),
            "selection": _text, "buckets": pa.types.is_integer, "seed": pa.types.is_integer,
-           "metric": _numbers}
+           "metric": _numbers, "removed": _text}
 
 
 def _check_retrains(path: str, schema: pa.Schema, frame: pd.DataFrame, meta: dict) -> None:
@@ -98,10 +100,11 @@ def _check_retrains(path: str, schema: pa.Schema, frame: pd.DataFrame, meta: dic
         kind = schema.field(name).type if name in schema.names else None
         if kind is not None and not (holds(kind) or pa.types.is_null(kind)):
             raise InputError(f"{path}: its {name} column holds {kind}; pass validate's --out")
-    needed = {"lds": ("members", "target_loss"), "outcome": ("target_loss", "selection", "buckets", "seed")}
+    needed = {"lds": ("members", "target_loss"), "outcome": ("target_loss", "selection", "buckets", "seed"),
+              REMOVAL: ("target_loss", "selection", "removed", "seed")}
     for k, row in enumerate(frame.to_dict("records")):
         if not isinstance(row["kind"], str):
-            raise InputError(f"{path}: row {k} has no kind (lds or outcome); pass validate's --out")
+            raise InputError(f"{path}: row {k} has no kind (lds, outcome or removal); pass validate's --out")
         for name in needed.get(row["kind"], ()):
             value = row.get(name)
             if value is None or (np.ndim(value) == 0 and pd.isna(value)):
@@ -145,6 +148,8 @@ def analyse(files: list[str], specs: list[str], resamples: int = 1000, confidenc
     chosen = retrains[retrains["kind"] == "outcome"]
     if len(chosen):
         analysis.outcome = outcome_table(chosen, confidence)
+    if len(removed := retrains[retrains["kind"] == REMOVAL]):  # none in a file from before the removal test
+        analysis.removal = removal_table(removed, confidence)
     return analysis
 
 
@@ -196,6 +201,8 @@ def summary(analysis: Analysis, confidence: float = 0.95) -> str:
             label = r.selection + (f" ({r.buckets} length buckets)" if r.buckets else "")
             lines.append(f"  {label}: loss {r.loss:.4f}" + ("" if r.selection == "random" else
                                                             f", gain {r.gain:+.4f} {_gain_interval(r)}"))
+    if len(analysis.removal):
+        lines += summary_lines(analysis.removal, confidence)
     return "\n".join(lines) or (f"next: {program()} validate --runs {' '.join(analysis.files)} --scores FILE[:COLUMN] "
                                  "... --report DIR (the LDS of each score against these retrains)")
 
@@ -232,6 +239,8 @@ def write_report(analysis: Analysis, out: str | Path, overwrite: bool = False, c
         if analysis.outcome.loc[analysis.outcome["selection"] != "random", "gain_low"].isna().any():
             lines += ["gain_low and gain_high are NaN where there is no interval: a selection retrained with one "
                       "seed (--seeds 2 or more give one), or a retrain that measured no finite loss.", ""]
+    if len(analysis.removal):
+        lines += report_lines(analysis.removal, out, confidence)
     report = out / "report.md"
     report.write_text("\n".join(lines), encoding="utf-8")
     return report
@@ -259,11 +268,7 @@ def _beyond_note(analysis: Analysis) -> str:
 
 def _gain_interval(r) -> str:
     """The interval over seeds, or why there is none (one seed, a NaN loss) rather than NaNs."""
-    if np.isfinite(r.gain_low):
-        return f"[{r.gain_low:+.4f}, {r.gain_high:+.4f}] over {r.seeds} seeds"
-    if r.seeds < 2:
-        return f"(no interval: {r.seeds} seed; --seeds 2 or more give one)"
-    return f"(no interval over {r.seeds} seeds: a retrain measured no finite loss)"
+    return interval_text(r.gain_low, r.gain_high, r.seeds)
 
 
 def _recipe(info: dict) -> str:

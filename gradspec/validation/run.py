@@ -4,7 +4,8 @@ merge), so a killed run resumes where it stopped with the same results (a retrai
 the CPU), --shard i/N spreads the retrains over processes, and under torchrun each rank takes its own.
 
 The plan (which retrains there are) comes from the config alone: the LDS subsets, then the outcome's
-selections; every process makes the same plan, and retrain j is chunk j, its row's index."""
+selections, then the removal test's retrains; every process makes the same plan, and retrain j is chunk j,
+its row's index."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from gradspec.validation.config import ValidateConfig, ValidateSettings, check
 from gradspec.validation.lds import RESPONSE_TOKENS
 from gradspec.validation.outcome import LENGTH, RANDOM
 from gradspec.validation.outcome import plan as outcome_plan
+from gradspec.validation.removal import REMOVAL, removal_count
+from gradspec.validation.removal import plan as removal_plan
 from gradspec.validation.retrain import Recipe, Retrainer
 from gradspec.validation.scores import read_score
 from gradspec.validation.subsets import lds_subset
@@ -41,7 +44,8 @@ LDS, OUTCOME = "lds", "outcome"
 
 @dataclass(frozen=True)
 class Job:
-    """One retrain of the plan: LDS subset number or outcome selection (name, buckets), seed, share, members."""
+    """One retrain of the plan: LDS subset number or outcome selection (name, buckets) or removal (score, the
+    end removed), seed, share, members."""
 
     kind: str
     subset: int | None
@@ -50,6 +54,7 @@ class Job:
     seed: int
     fraction: float
     members: list[int]
+    removed: str | None = None  # the removal test's: top, bottom or random
 
 
 @dataclass
@@ -73,29 +78,32 @@ class Pool:
 def job_count(config: ValidateConfig) -> int:
     """How many retrains the plan holds, from the config alone (plan makes them)."""
     per_seed = 2 + len(config.outcome) * (2 if config.length_buckets else 1) if config.outcome else 0
-    return config.subsets + config.seeds * per_seed
+    return config.subsets + config.seeds * per_seed + removal_count(config.removal, config.seeds)
 
 
-def outcome_scores(config: ValidateConfig, rows: int, targets: int) -> dict[str, Any]:
-    """The outcome's scores, one value per row index (an attribution: its mean over targets), read before
-    the model loads so that a bad file is named at once."""
+def outcome_scores(config: ValidateConfig, rows: int, targets: int, option: str = "outcome") -> dict[str, Any]:
+    """The outcome's scores (or option's: removal), one value per row index (an attribution: its mean over
+    targets), read before the model loads so that a bad file is named at once."""
     scores: dict[str, Any] = {}
-    pool = config.describe() if config.outcome else None  # what the scores must have scored: the pool's data
-    for spec in config.outcome:
+    specs = getattr(config, option)
+    pool = config.describe() if specs else None  # what the scores must have scored: the pool's data
+    for spec in specs:
         score = read_score(spec, rows, targets, pool)
         if score.name in scores or score.name in (RANDOM, LENGTH):
-            raise OptionError("outcome", f"{spec}: a second score named {score.name}; give each another file or "
+            raise OptionError(option, f"{spec}: a second score named {score.name}; give each another file or "
                               "column")
         scores[score.name] = score.per_sample()
         lacking = int(np.isnan(scores[score.name]).sum())
         if lacking:
-            log.warning("%s: %d of %d rows have no value (NaN, inf, or not in the file); the selections take them "
-                        "last", spec, lacking, rows)
+            log.warning("%s: %d of %d rows have no value (NaN, inf, or not in the file); the %s take them last",
+                        spec, lacking, rows, "selections" if option == "outcome" else "removals at either end")
     return scores
 
 
-def plan(config: ValidateConfig, pool: Pool, scores: dict[str, Any]) -> list[Job]:
-    """Every retrain, in chunk order: the LDS subsets, then each seed's outcome selections by scores."""
+def plan(config: ValidateConfig, pool: Pool, scores: dict[str, Any],
+         removal: dict[str, Any] | None = None) -> list[Job]:
+    """Every retrain, in chunk order: the LDS subsets, then each seed's outcome selections by scores, then each
+    seed's removals by removal's scores."""
     jobs = [Job(LDS, k, None, 0, config.seed, config.fraction,
                 lds_subset(pool.indices, config.fraction, config.seed, k)) for k in range(config.subsets)]
     if config.outcome:
@@ -104,6 +112,10 @@ def plan(config: ValidateConfig, pool: Pool, scores: dict[str, Any]) -> list[Job
         for s in outcome_plan(scores, pool.indices, num_tokens, response, config.top, config.seeds,
                               config.length_buckets, config.seed):
             jobs.append(Job(OUTCOME, None, s.name, s.buckets, config.seed + s.seed, config.top, s.members))
+    if config.removal:
+        for r in removal_plan(removal or {}, pool.indices, config.remove, config.seeds, config.seed):
+            jobs.append(Job(REMOVAL, None, r.name, 0, config.seed + r.seed, len(r.kept) / len(pool.indices),
+                            r.kept, r.removed))
     if len(jobs) != job_count(config):
         raise RuntimeError(f"the plan holds {len(jobs)} retrains, job_count {job_count(config)}")
     return jobs
@@ -142,7 +154,7 @@ def row(index: int, job: Job, result) -> dict[str, Any]:
     return {"index": index, "kind": job.kind, "subset": job.subset, "selection": job.selection,
             "buckets": job.buckets, "seed": job.seed, "fraction": job.fraction, "members": job.members,
             "target_loss": result.target_loss, "train_loss": result.train_loss, "steps": result.steps,
-            "metric": result.metric, "seconds": result.seconds}
+            "metric": result.metric, "seconds": result.seconds, "removed": job.removed}
 
 
 def retrain(config: ValidateConfig, settings: ValidateSettings, shard: Shard | None = None,
@@ -171,11 +183,12 @@ def retrain(config: ValidateConfig, settings: ValidateSettings, shard: Shard | N
         return 0
     samples, targets = read_rows(config)
     scores = outcome_scores(config, len(samples), len(targets))
+    removal = outcome_scores(config, len(samples), len(targets), "removal")
     with Group() if ranks else nullcontext() as group:
         device = bind_device(settings.device) if ranks else settings.device
         model, tokenizer = load_model(config.model, device, progress=settings.progress)
         pool = read_pool(config, samples, targets, tokenizer, fit_to_context(config.max_length, model))
-        jobs = plan(config, pool, scores)
+        jobs = plan(config, pool, scores, removal)
         info = {**info, **(identity or model_identity(config.model) or
                            {"model_path": config.model or DEFAULT_MODEL, "model_fingerprint": None})}
         if group is not None:

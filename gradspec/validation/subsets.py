@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
-LDS_STREAM = 0  # the generator streams of (seed, stream, k): LDS subsets and the outcome's random selections
+LDS_STREAM = 0  # the generator streams of (seed, stream, k): LDS subsets, the outcome's random selections
 RANDOM_STREAM = 1
+REMOVAL_STREAM = 2  # and the removal test's random removals
 
 
 def subset_size(pool: int, fraction: float) -> int:
