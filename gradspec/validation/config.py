@@ -99,7 +99,17 @@ class ValidateConfig:
                 info[f"{key}_bytes"] = Path(path).stat().st_size if Path(path).is_file() else None
         info["outcome_files"] = {spec: _sha256(split_spec(spec)[0]) for spec in self.outcome}
         info["removal_files"] = {spec: _sha256(split_spec(spec)[0]) for spec in self.removal}
+        for name, companions in ADDS_RETRAINS.items():
+            if not getattr(self, name):  # adds none: recorded as a run made before it existed was
+                for key in (name, *companions):
+                    info.pop(key)
         return info
+
+
+# The options that add retrains of their own after the others, with the keys that only they use: left out
+# of the manifest where they add none, so that a run started before they existed resumes (its plan and
+# its retrains are the same).
+ADDS_RETRAINS = {"removal": ("remove", "removal_files")}
 
 
 @dataclass(frozen=True, kw_only=True)

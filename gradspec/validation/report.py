@@ -80,11 +80,11 @@ def _list_of(holds: Callable[[pa.DataType], bool]) -> Callable[[pa.DataType], bo
         (holds(kind.value_type) or pa.types.is_null(kind.value_type))
 
 
-# What analyse reads of a retrain file's columns, and what each must hold (any of them may be all null)
 def _text(kind: pa.DataType) -> bool:
     return pa.types.is_string(kind) or pa.types.is_large_string(kind)  # pandas writes either
 
 
+# What analyse reads of a retrain file's columns, and what each must hold (any of them may be all null)
 COLUMNS = {"kind": _text, "members": _list_of(pa.types.is_integer), "target_loss": _list_of(_numbers),
            "selection": _text, "buckets": pa.types.is_integer, "seed": pa.types.is_integer,
            "metric": _numbers, "removed": _text}

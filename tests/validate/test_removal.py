@@ -273,3 +273,18 @@ def test_a_missing_removal_score_and_removal_options_with_runs_are_named(inputs,
                                                    "seed": 0, "members": [1], "target_loss": [1.0, 1.0, 1.0]}])
     assert main(["validate", "--runs", retrains, "--remove", "0.2"]) == 2
     assert "--remove has no effect with --runs" in capsys.readouterr().err
+
+
+def test_a_run_without_removals_records_no_removal_option_so_older_runs_resume(tmp_path):
+    """A run made before --removal existed has none of its keys in its manifest: a config without removals
+    must describe itself the same way (the config fingerprint a resume compares), one with them must not."""
+    from gradspec.validation.config import ValidateConfig
+
+    plain = ValidateConfig(target="t.jsonl").describe()
+    assert not {"removal", "remove", "removal_files"} & set(plain)
+    scores = tmp_path / "s.parquet"
+    scores.write_bytes(b"x")
+    given = ValidateConfig(target="t.jsonl", removal=(f"{scores}:a",), remove=0.2).describe()
+    assert given["removal"] == [f"{scores}:a"] or given["removal"] == (f"{scores}:a",)
+    assert given["remove"] == 0.2 and set(given["removal_files"]) == {f"{scores}:a"}
+    assert {k: v for k, v in given.items() if k not in ("removal", "remove", "removal_files")} == plain
