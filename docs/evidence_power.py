@@ -21,8 +21,11 @@ a run's numerics: a resume must match it) and resume where they stopped:
     .venv/bin/python docs/evidence_power.py [OUT] [STAGE ...]     # days of CPU: not run in CI
 
 STAGE: pools, lds (both tasks' LDS retrains), scores (gradspec align's attributions and per-sample scores,
-and each score's AUPRC at finding the corrupted rows: detection.csv), analyse (each score's LDS and LDS
-beyond length against the LDS retrains: <task>/report_lds/), or all (default). EVIDENCE_SMOKE=1: a few rows and
+and each score's AUPRC at finding the corrupted rows: detection.csv), outcome (the top quarter by K-FAC,
+EK-FAC, effective rank, nuclear norm and perplexity, plain and over 4 length buckets, beside random and
+length, 3 seeds), removal (the top and the bottom 12 rows by K-FAC, effective rank and perplexity left out,
+beside 12 random rows, 3 seeds), analyse (the reports: each score's LDS and LDS beyond length, the outcome,
+the removal effects: <task>/report_<stage>/), or all (default). EVIDENCE_SMOKE=1: a few rows and
 retrains, to check the script runs end to end (no numbers to keep).
 """
 
@@ -46,6 +49,7 @@ SMOKE = os.environ.get("EVIDENCE_SMOKE") == "1"
 POOL = (6, 2, 2) if SMOKE else (48, 16, 12)  # first source, second source, corrupted (of the first)
 TARGETS = 2 if SMOKE else 8
 SUBSETS = "3" if SMOKE else "32"
+SEEDS = "1" if SMOKE else "3"
 MAX_LENGTH = {"reasoning": "128" if SMOKE else "256", "code": "128" if SMOKE else "384"}
 RECIPE = ["--batch-size", "4", "--learning-rate", "1e-4", "--epochs", "1"]
 TASKS = ("reasoning", "code")
@@ -200,6 +204,8 @@ def scores(out: Path, task: str) -> dict[str, str]:
 PER_SAMPLE = {"align_mean (plain cosine)": "align_mean", "effective rank": "effective_rank",
               "nuclear norm": "nuclear_norm", "stable rank": "stable_rank", "IFD": "ifd", "perplexity": "perplexity"}
 BAD_IS_HIGH = {"nuclear norm", "IFD", "perplexity"}
+SELECTED = ("alignment, K-FAC", "alignment, EK-FAC", "effective rank", "nuclear norm", "perplexity")  # the outcome's
+REMOVED = ("alignment, K-FAC", "effective rank", "perplexity")  # the removal test's
 
 
 def average_precision(found: np.ndarray, ranking: np.ndarray) -> float:
@@ -247,12 +253,24 @@ def main(out: Path, stages: list[str]) -> None:
         tables = [detection(out, task, scores(out, task)) for task in TASKS]
         pd.concat(tables).to_csv(out / "detection.csv", index=False)
         print(pd.concat(tables).to_markdown(index=False, floatfmt=".3f"))
+    if every or "outcome" in stages:  # each score's top quarter, plain and over 4 length buckets, 3 seeds
+        for task in TASKS:
+            found = scores(out, task)
+            validate(out, task, "outcome", "--subsets", "0", "--outcome", *(found[k] for k in SELECTED), "--top",
+                     "0.25", "--seeds", SEEDS, "--length-buckets", "4")
+    if every or "removal" in stages:  # each score's top and bottom 12 rows (the corrupted count) left out
+        for task in TASKS:
+            found = scores(out, task)
+            validate(out, task, "removal", "--subsets", "0", "--removal", *(found[k] for k in REMOVED), "--remove",
+                     str(POOL[2] / sum(POOL[:2])), "--seeds", SEEDS)
     if every or "analyse" in stages:
         for task in TASKS:
-            lds = out / task / "lds.parquet"
-            if lds.exists():
-                gradspec("validate", "--runs", str(lds), "--scores", *scores(out, task).values(), "--report",
-                         str(out / task / "report_lds"), "--overwrite")
+            for name in ("lds", "outcome", "removal"):
+                retrains = out / task / f"{name}.parquet"
+                if retrains.exists():
+                    given = ["--scores", *scores(out, task).values()] if name == "lds" else []
+                    report = out / task / f"report_{name}"
+                    gradspec("validate", "--runs", str(retrains), *given, "--report", str(report), "--overwrite")
 
 
 if __name__ == "__main__":
