@@ -16,17 +16,18 @@ from gradspec.validation.config import ValidateConfig, ValidateSettings
 # What only a retrain uses: refused with --runs, which analyses retrains made before
 _RETRAIN_ONLY = ("data", "target", "model", "template", "max_length", "limit", "subsets", "fraction", "outcome",
                  "top", "seeds", "length_buckets", "epochs", "max_steps", "batch_size", "learning_rate", "lora_rank",
-                 "seed", "metric", "metric_limit", "device", "resume", "shard", "merge", "out")
+                 "seed", "metric", "metric_limit", "device", "resume", "shard", "merge", "out",
+                 "objectives", "prompt_weight", "response_weight")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("validate", help="does a score predict training? retrains on random subsets (LDS) and on "
                                         "each score's selection, against the loss on a target")
-    add_options(p, ValidateConfig, skip=("outcome",))
+    add_options(p, ValidateConfig, skip=("outcome", "objectives"))
     # none given: None (the Python default, (), is no default to show in --help)
-    add_options(p, ValidateConfig, only=("outcome",), defaults={"outcome": None}, helps={
-        "outcome": "selection outcome: score specs whose top --top of the pool is retrained on, beside random and "
-                   "length"})
+    add_options(p, ValidateConfig, only=("outcome", "objectives"), defaults={"outcome": None, "objectives": None},
+                helps={"outcome": "selection outcome: score specs whose top --top of the pool is retrained on, beside "
+                                  "random and length"})
     add_options(p, ValidateSettings, skip=("scores", "runs"))
     add_options(p, ValidateSettings, only=("scores", "runs"), defaults={"scores": None, "runs": None}, helps={
         "scores": "scores to test: an attribution file (align --attribution), or a score or align file with a "
@@ -47,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         refuse_unused(args, _RETRAIN_ONLY, False, "with --runs, which analyses retrains made before")
         files = list(settings.runs)
     else:
+        refuse_unused(args, ("prompt_weight", "response_weight"), "wit" in (args.objectives or ()),
+                      "without --objectives wit")
         from gradspec.validation.run import retrain  # here: torch loads only for a retrain
 
         config = ValidateConfig(**options_from_args(ValidateConfig, args))

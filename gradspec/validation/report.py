@@ -19,6 +19,7 @@ from gradspec.files import parquet_errors
 from gradspec.invocation import program
 from gradspec.runs.score_files import parquet_schema, schema_metadata
 from gradspec.validation.lds import lds, predictions
+from gradspec.validation.objectives import OBJECTIVE, objective_table
 from gradspec.validation.outcome import outcome_table
 from gradspec.validation.scores import read_score
 
@@ -36,6 +37,7 @@ class Analysis:
     lds: pd.DataFrame = field(default_factory=pd.DataFrame)
     outcome: pd.DataFrame = field(default_factory=pd.DataFrame)
     points: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    objectives: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per objective, NTP first
 
 
 def read_retrains(files: list[str]) -> tuple[pd.DataFrame, dict]:
@@ -86,7 +88,8 @@ def _check_retrains(path: str, schema: pa.Schema, frame: pd.DataFrame, meta: dic
         kind = schema.field(name).type if name in schema.names else None
         if kind is not None and not (holds(kind) or pa.types.is_null(kind)):
             raise InputError(f"{path}: its {name} column holds {kind}; pass validate's --out")
-    needed = {"lds": ("members", "target_loss"), "outcome": ("target_loss", "selection", "buckets", "seed")}
+    needed = {"lds": ("members", "target_loss"), "outcome": ("target_loss", "selection", "buckets", "seed"),
+              OBJECTIVE: ("target_loss", "selection", "seed")}
     for k, row in enumerate(frame.to_dict("records")):
         if not isinstance(row["kind"], str):
             raise InputError(f"{path}: row {k} has no kind (lds or outcome); pass validate's --out")
@@ -128,6 +131,9 @@ def analyse(files: list[str], specs: list[str], resamples: int = 1000, confidenc
     chosen = retrains[retrains["kind"] == "outcome"]
     if len(chosen):
         analysis.outcome = outcome_table(chosen, confidence)
+    trained = retrains[retrains["kind"] == OBJECTIVE]
+    if len(trained):
+        analysis.objectives = objective_table(trained, confidence)
     return analysis
 
 
@@ -148,6 +154,14 @@ def summary(analysis: Analysis, confidence: float = 0.95) -> str:
             label = r.selection + (f" ({r.buckets} length buckets)" if r.buckets else "")
             lines.append(f"  {label}: loss {r.loss:.4f}" + ("" if r.selection == "random" else
                                                             f", gain {r.gain:+.4f} {_gain_interval(r)}"))
+    if len(analysis.objectives):
+        lines.append("Objectives, each on the whole pool (mean target loss; gain = NTP's loss - its own, same seed, "
+                     f"{confidence:.0%} t interval over seeds):")
+        for r in analysis.objectives.itertuples():
+            metric = "" if pd.isna(getattr(r, "metric_gain", np.nan)) or r.objective == "ntp" else \
+                f"; metric gain {r.metric_gain:+.4f}"
+            lines.append(f"  {r.objective}: loss {r.loss:.4f}" + ("" if r.objective == "ntp" else
+                                                               f", gain {r.gain:+.4f} {_gain_interval(r)}{metric}"))
     return "\n".join(lines) or (f"next: {program()} validate --runs {' '.join(analysis.files)} --scores FILE[:COLUMN] "
                                  "... --report DIR (the LDS of each score against these retrains)")
 
@@ -183,6 +197,16 @@ def write_report(analysis: Analysis, out: str | Path, overwrite: bool = False, c
         if analysis.outcome.loc[analysis.outcome["selection"] != "random", "gain_low"].isna().any():
             lines += ["gain_low and gain_high are NaN where there is no interval: a selection retrained with one "
                       "seed (--seeds 2 or more give one), or a retrain that measured no finite loss.", ""]
+    if len(analysis.objectives):
+        analysis.objectives.to_csv(out / "objectives.csv", index=False)
+        lines += ["## Objectives", "", "The whole pool retrained with plain next-token training (ntp: the retrains' "
+                  "own loss) and with each objective (gradspec train's losses: WIT with prompt weight "
+                  f"{info.get('prompt_weight')} and response weight {info.get('response_weight')}; SFTMix with its "
+                  "alpha and mu, its confidence from the start model's perplexity, each sample's loss a mean over "
+                  "its own tokens as NTP's), from the same start with the same steps and seeds; gain = "
+                  "NTP's mean target loss minus the objective's for the same seed (positive: better than NTP), with "
+                  f"a {confidence:.0%} t interval over seeds; metric_gain: its metric minus NTP's.", "",
+                  analysis.objectives.to_markdown(index=False, floatfmt=".4f"), ""]
     report = out / "report.md"
     report.write_text("\n".join(lines), encoding="utf-8")
     return report

@@ -16,12 +16,16 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of
 from gradspec.data.templates import Tokenized
 from gradspec.engine.loss import item_losses, response_losses
+
+if TYPE_CHECKING:
+    from gradspec.validation.objective_losses import Objective
 
 MAX_GRAD_NORM = 1.0  # Trainer's default, which gradspec train keeps
 
@@ -84,9 +88,10 @@ class Retrainer:
                                                                    self.targets, self.batch_tokens)}
         return [by_item[id(item)] for item in self.targets]
 
-    def __call__(self, members: list[int], seed: int) -> Retrained:
+    def __call__(self, members: list[int], seed: int, objective: Objective | None = None) -> Retrained:
         """Fine-tunes on members (row indices) with seed (data order, adapters' initialisation, dropout)
-        from the start weights, measures the targets, and puts the start weights back."""
+        from the start weights, measures the targets, and puts the start weights back. objective: another
+        loss and data order than NTP's (objective_losses: the objectives test); None: NTP."""
         began = time.perf_counter()
         flags = {name: (p.requires_grad, p.grad) for name, p in self.model.named_parameters()}
         training = self.model.training
@@ -99,7 +104,7 @@ class Retrainer:
                 if self.recipe.lora_rank is not None:
                     peft = _with_lora(self.model, self.recipe.lora_rank)
                 trainable = self._trainable(peft)
-                train_loss, steps = self._train(trainable, members, seed)
+                train_loss, steps = self._train(trainable, members, seed, objective)
                 self.model.eval()
                 losses = self.target_losses()
                 metric = None if self.metric is None else float(self.metric(self._net(self.model), self.tokenizer))
@@ -121,17 +126,20 @@ class Retrainer:
             p.requires_grad_(True)
         return list(self.model.parameters())
 
-    def _train(self, params: list[torch.nn.Parameter], members: list[int], seed: int) -> tuple[float, int]:
+    def _train(self, params: list[torch.nn.Parameter], members: list[int], seed: int,
+               objective: Objective | None = None) -> tuple[float, int]:
         """The training loop; returns (mean batch loss, steps)."""
         net, pad_id = self._net(self.model), pad_id_of(self.tokenizer)
-        steps = batches(members, self.recipe, seed)
+        steps = batches(members, self.recipe, seed) if objective is None else objective.batches(members, self.recipe,
+                                                                                                seed)
         optimizer = torch.optim.AdamW(params, lr=self.recipe.learning_rate, weight_decay=0.0)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - k / len(steps))
         self.model.train()
         total = 0.0
         for batch in steps:
             ids, mask, labels = pad_batch([self.rows[i] for i in batch], pad_id, self.device)
-            loss = response_losses(net, ids, mask, labels)[0].mean()
+            loss = response_losses(net, ids, mask, labels)[0].mean() if objective is None else \
+                objective.loss(net, ids, mask, labels)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
             optimizer.step()
