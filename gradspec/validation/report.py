@@ -92,7 +92,7 @@ def _check_retrains(path: str, schema: pa.Schema, frame: pd.DataFrame, meta: dic
               OBJECTIVE: ("target_loss", "selection", "seed")}
     for k, row in enumerate(frame.to_dict("records")):
         if not isinstance(row["kind"], str):
-            raise InputError(f"{path}: row {k} has no kind (lds or outcome); pass validate's --out")
+            raise InputError(f"{path}: row {k} has no kind (lds, outcome or objective); pass validate's --out")
         for name in needed.get(row["kind"], ()):
             value = row.get(name)
             if value is None or (np.ndim(value) == 0 and pd.isna(value)):

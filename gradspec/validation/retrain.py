@@ -5,9 +5,10 @@ default; full weights, or LoRA adapters), then measure every target example's lo
 A plain torch loop, not Trainer: Trainer's set-up would cost more than a small retrain. The loss is
 gradspec's: each sample's mean next-token loss over its response tokens (engine.loss), averaged over
 the batch, so that a step moves the weights along the mean of the per-sample gradients the scores are
-made of. The start weights are copied once and restored before and after every retrain (never reloaded
-from disk); the model, its flags and torch's random state are left as they were found. On the CPU a
-retrain is deterministic given its rows and seed.
+made of (an objectives retrain takes another loss and data order: objective_losses). The start weights
+are copied once and restored before and after every retrain (never reloaded from disk); the model, its
+flags and torch's random state are left as they were found. On the CPU a retrain is deterministic given
+its rows and seed.
 """
 
 from __future__ import annotations
