@@ -1,5 +1,5 @@
-"""The losses of validate's objectives retrains, as Retrainer takes them (an Objective: which rows each step
-trains on, and the batch's loss). The math is gradspec train's (gradspec.training.wit, .sftmix); what is
+"""The losses of validate's objectives retrains, as Retrainer takes them (retrain.Objective: which rows each
+step trains on, and the batch's loss). The math is gradspec train's (gradspec.training.wit, .sftmix); what is
 validate's own is how samples are weighted in a batch: each sample's loss is a mean over its own tokens and
 the batch's loss the mean of those, as in the NTP retrains (gradspec's response loss), so that an
 objective's gain over NTP measures the recipe, not a reweighting of long and short samples. (gradspec
@@ -15,8 +15,6 @@ train's losses are Trainer's token means over the batch; for equal lengths the t
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import pandas as pd
 import torch
 
@@ -28,19 +26,6 @@ from gradspec.training.dynamics import measure_tokens, summarise
 from gradspec.training.sftmix import ALPHA, MU, PairedBatchSampler, confidence_halves, mixup_loss
 from gradspec.training.wit import check_weights, encode_labels, wit_loss
 from gradspec.validation.retrain import Recipe, batches
-
-
-class Objective(Protocol):
-    """What a retrain trains with, beside NTP (Retrainer's default)."""
-
-    def batches(self, members: list[int], recipe: Recipe, seed: int) -> list[list[int]]:
-        """The rows of each step (row indices of members), as many steps as recipe takes for members."""
-        ...
-
-    def loss(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-             labels: torch.Tensor) -> torch.Tensor:
-        """The batch's loss (a scalar to backpropagate); labels: -100 but on the response tokens."""
-        ...
 
 
 class WIT:

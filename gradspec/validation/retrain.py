@@ -17,16 +17,13 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from gradspec.data.batching import BATCH_TOKENS, Item, pad_batch, pad_id_of
 from gradspec.data.templates import Tokenized
 from gradspec.engine.loss import item_losses, response_losses
-
-if TYPE_CHECKING:
-    from gradspec.validation.objective_losses import Objective
 
 MAX_GRAD_NORM = 1.0  # Trainer's default, which gradspec train keeps
 
@@ -58,6 +55,19 @@ class Retrained:
     steps: int
     metric: float | None
     seconds: float
+
+
+class Objective(Protocol):
+    """What a retrain trains with instead of NTP (objective_losses: the objectives test)."""
+
+    def batches(self, members: list[int], recipe: Recipe, seed: int) -> list[list[int]]:
+        """The rows of each step (row indices of members), as many steps as recipe takes for members."""
+        ...
+
+    def loss(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+             labels: torch.Tensor) -> torch.Tensor:
+        """The batch's loss (a scalar to backpropagate); labels: -100 but on the response tokens."""
+        ...
 
 
 def batches(members: list[int], recipe: Recipe, seed: int) -> list[list[int]]:
