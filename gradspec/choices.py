@@ -13,6 +13,9 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # gradspec.data.models loads it from ll
 # Tokens kept per row unless --max-length says otherwise: one cut for every command, so that a row is scored,
 # retrained and diagnosed on the same tokens
 MAX_LENGTH = 2048
+# gradspec train's --loss: next-token prediction, weighted instruction tuning, SFTMix; validate --objectives
+# compares the others with the first
+LOSSES = ("ntp", "wit", "sftmix")
 DTYPES = ("float32", "bfloat16", "float16", "float64")  # torch's names of the model's dtypes
 # accelerate's big-model dispatch: one process, the model's layers over every visible GPU (then CPU RAM and disk)
 DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")

@@ -16,15 +16,17 @@ from gradspec.validation.config import ValidateConfig, ValidateSettings
 # What only a retrain uses: refused with --runs, which analyses retrains made before
 _RETRAIN_ONLY = ("data", "target", "model", "template", "max_length", "limit", "subsets", "fraction", "outcome",
                  "top", "seeds", "length_buckets", "epochs", "max_steps", "batch_size", "learning_rate", "lora_rank",
-                 "removal", "remove", "seed", "metric", "metric_limit", "device", "resume", "shard", "merge", "out")
+                 "removal", "remove", "seed", "metric", "metric_limit", "device", "resume", "shard", "merge", "out",
+                 "objectives", "prompt_weight", "response_weight")
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("validate", help="does a score predict training? retrains on random subsets (LDS) and on "
                                         "each score's selection, against the loss on a target")
-    add_options(p, ValidateConfig, skip=("outcome", "removal"))
+    add_options(p, ValidateConfig, skip=("outcome", "removal", "objectives"))
     # none given: None (the Python default, (), is no default to show in --help)
-    add_options(p, ValidateConfig, only=("outcome", "removal"), defaults={"outcome": None, "removal": None}, helps={
+    add_options(p, ValidateConfig, only=("outcome", "removal", "objectives"),
+                defaults={"outcome": None, "removal": None, "objectives": None}, helps={
         "outcome": "selection outcome: score specs whose top --top of the pool is retrained on, beside random and "
                    "length",
         "removal": "removal test: score specs whose top and whose bottom --remove of the pool are each left out of "
@@ -49,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
         refuse_unused(args, _RETRAIN_ONLY, False, "with --runs, which analyses retrains made before")
         files = list(settings.runs)
     else:
+        refuse_unused(args, ("prompt_weight", "response_weight"), "wit" in (args.objectives or ()),
+                      "without --objectives wit")
         from gradspec.validation.run import retrain  # here: torch loads only for a retrain
 
         config = ValidateConfig(**options_from_args(ValidateConfig, args))

@@ -1,6 +1,7 @@
 """The options every command that reads training data takes, declared once (gradspec.options):
 ScoreConfig and TrainConfig make their fields with these, and ``Reading`` holds them for the
-commands that have no config of their own (diagnose, dynamics)."""
+commands that have no config of their own (diagnose, dynamics). WIT's token weights are declared here too:
+train and validate --objectives wit take the same two options."""
 
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ def max_length_option() -> Any:
 
 def limit_option(verb: str) -> Any:
     return option(None, f"{verb} only the first N samples", kind="int?", at_least=1)
+
+
+def prompt_weight_option() -> Any:
+    return option(0.3, "WIT's weight of prompt tokens (the paper's recommended region)", kind="float", at_least=0)
+
+
+def response_weight_option() -> Any:
+    return option(1.0, "WIT's weight of response tokens", kind="float", at_least=0)
 
 
 def device_option() -> Any:

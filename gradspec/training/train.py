@@ -12,11 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gradspec.choices import check_modules
+from gradspec.choices import LOSSES, check_modules
 from gradspec.data.errors import InputError, check_at_least, check_covers, check_writable
 from gradspec.data.models import check_device, check_model
 from gradspec.data.readers import Fields, Sample, data_samples
-from gradspec.data.shared_options import device_option, fields_option, limit_option, max_length_option, template_option
+from gradspec.data.shared_options import (
+    device_option,
+    fields_option,
+    limit_option,
+    max_length_option,
+    prompt_weight_option,
+    response_weight_option,
+    template_option,
+)
 from gradspec.data.templates import NO_RESPONSE, check_response_tokens, tokenize
 from gradspec.files import place_folder, temporary, temporary_of
 from gradspec.files.parts import SUFFIX as PARTS
@@ -28,7 +36,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gradspec")
 
-LOSSES = ("ntp", "wit", "sftmix")
 # what a run writes into --out: checkpoint-N stands for Trainer's checkpoints (--trainer-args save_steps=N)
 OUTPUTS = ("model", "dynamics.parquet", "monitor.parquet", "checkpoint-N")
 MODEL = OUTPUTS[0]
@@ -47,9 +54,8 @@ class TrainConfig:
     overwrite: bool = overwrite_option("replace an earlier run's files in out")
     loss: str = option("ntp", "ntp (next-token prediction), wit (weighted instruction tuning) or sftmix",
                        choices=LOSSES)
-    prompt_weight: float = option(0.3, "WIT's weight of prompt tokens (the paper's recommended region)",
-                                  kind="float", at_least=0)
-    response_weight: float = option(1.0, "WIT's weight of response tokens", kind="float", at_least=0)
+    prompt_weight: float = prompt_weight_option()
+    response_weight: float = response_weight_option()
     alpha: float | None = option(None, "SFTMix: Beta(alpha, alpha) for the Mixup weight (default 0.5)",
                                  kind="float?")
     mu: float | None = option(None, "SFTMix: weight of the Mixup term (default 0.2)", kind="float?", at_least=0)

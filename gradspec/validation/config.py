@@ -18,19 +18,29 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from gradspec.choices import DEFAULT_MODEL
+from gradspec.choices import DEFAULT_MODEL, LOSSES
 from gradspec.data.errors import check_at_least
 from gradspec.data.hub import is_dataset_name
 from gradspec.data.readers import Fields
-from gradspec.data.shared_options import device_option, fields_option, limit_option, max_length_option, template_option
+from gradspec.data.shared_options import (
+    device_option,
+    fields_option,
+    limit_option,
+    max_length_option,
+    prompt_weight_option,
+    response_weight_option,
+    template_option,
+)
 from gradspec.errors import OptionInputError
 from gradspec.files import NotRegularFile, regular, sha256
-from gradspec.options import OptionError, check_options, mention, option, share, typed
+from gradspec.options import OptionError, check_options, mention, nearest, option, share, typed
 from gradspec.output_options import out_option, overwrite_option, progress_option
 from gradspec.validation.lm_eval_metric import is_lm_eval, lm_eval_metric
 from gradspec.validation.scores import split_spec
 
 SPEC = "FILE[:COLUMN]"  # a score spec, as --help names it
+NTP = LOSSES[0]  # the objectives' baseline: plain next-token training, the retrains' own loss
+OBJECTIVES = LOSSES[1:]  # --objectives' choices: gradspec train's other losses
 
 
 def _specs(name: str, value: Any) -> tuple[str, ...]:
@@ -41,6 +51,24 @@ def _specs(name: str, value: Any) -> tuple[str, ...]:
     if isinstance(value, (str, os.PathLike)):
         value = [value]
     return tuple(typed(name, v, "path") for v in value)
+
+
+def _objectives(name: str, value: Any) -> tuple[str, ...]:
+    """--objectives' names as a tuple in OBJECTIVES' order (each once: the same retrains whatever order they
+    are given in), each one of OBJECTIVES."""
+    if value is None:
+        return ()
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not all(isinstance(v, str) for v in names):
+        raise TypeError(f"{name} must be a str or a list of str, got {type(value).__name__} {reprlib.repr(value)}")
+    for given in names:
+        if given not in OBJECTIVES:
+            near = nearest(given, OBJECTIVES)
+            raise OptionError(name, f"{given!r}: not an objective; choose from {', '.join(OBJECTIVES)}"
+                              + (f" (did you mean {near}?)" if near else "")
+                              + (" (plain next-token training, the baseline, is always retrained)"
+                                 if given == NTP else ""))
+    return tuple(n for n in OBJECTIVES if n in names)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,14 +90,19 @@ class ValidateConfig:
                                       "pool is retrained on, beside random and length", kind="strs", convert=_specs,
                                       many=True, metavar=SPEC)
     top: float = share(0.25, "selection outcome: the share of the pool each selection keeps")
-    seeds: int = option(3, "selection outcome and removal test: retrains per selection or removal, each with its "
-                        "own seed", kind="int", at_least=1)
+    seeds: int = option(3, "selection outcome, removal test and objectives: retrains per selection, removal or "
+                        "objective, each with its own seed", kind="int", at_least=1)
     length_buckets: int = option(5, "selection outcome: also each score's selection shared out over this many "
                                  "length buckets (0: not)", kind="int", at_least=0)
     removal: tuple[str, ...] = option((), "removal test: score specs FILE[:COLUMN] whose top and whose bottom "
                                       "--remove of the pool are left out of a retrain, beside random rows",
                                       kind="strs", convert=_specs, many=True, metavar=SPEC)
     remove: float = share(0.1, "removal test: the share of the pool each removal leaves out")
+    objectives: tuple[str, ...] = option((), f"training objectives retrained on the whole pool beside plain "
+                                         f"next-token training (ntp), --seeds times each: {', '.join(OBJECTIVES)}",
+                                         kind="strs", convert=_objectives, many=True, metavar="NAME")
+    prompt_weight: float = prompt_weight_option()
+    response_weight: float = response_weight_option()
     epochs: float = option(1.0, "passes over the retrain's rows", kind="float")
     max_steps: int = option(-1, "stop each retrain after this many steps (-1: run the epochs)", kind="int")
     batch_size: int = option(4, "samples per step", kind="int", at_least=1)
@@ -109,7 +142,7 @@ class ValidateConfig:
 # The options that add retrains of their own after the others, with the keys that only they use: left out
 # of the manifest where they add none, so that a run started before they existed resumes (its plan and
 # its retrains are the same).
-ADDS_RETRAINS = {"removal": ("remove", "removal_files")}
+ADDS_RETRAINS = {"removal": ("remove", "removal_files"), "objectives": ("prompt_weight", "response_weight")}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -142,9 +175,14 @@ def check(config: ValidateConfig, settings: ValidateSettings) -> Callable[[Any, 
                           "one of them")
     if config.target is None:
         raise OptionError("target", "is required: the examples whose loss each retrain measures")
-    if config.subsets == 0 and not config.outcome and not config.removal:
-        raise OptionError(("subsets", "outcome", "removal"), ": nothing to retrain (no subsets, no selection outcome, "
-                          "no removal test)")
+    if config.subsets == 0 and not config.outcome and not config.removal and not config.objectives:
+        raise OptionError(("subsets", "outcome", "removal", "objectives"), ": nothing to retrain (no subsets, no "
+                          "selection outcome, no removal test, no objectives)")
+    if "wit" in config.objectives and config.prompt_weight == 0 and config.response_weight == 0:
+        raise OptionError(("prompt_weight", "response_weight"), "are both 0: WIT would learn from nothing")
+    if "sftmix" in config.objectives and config.batch_size % 2:
+        raise OptionError("batch_size", f"{config.batch_size}: SFTMix pairs a confident with an unconfident "
+                          f"sample in each batch; give an even batch size (every retrain of the run takes it)")
     if config.subsets and not 0 < config.fraction < 1:
         raise OptionError("fraction", f"must be between 0 and 1 (not either), got {config.fraction}")
     if config.outcome and not 0 < config.top < 1:

@@ -82,12 +82,13 @@ def mean_losses(rows: pd.DataFrame) -> pd.DataFrame:
     return rows.assign(loss=[np.nanmean(v) if len(v) else np.nan for v in rows["target_loss"]])
 
 
-def outcome_table(rows: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
+def outcome_table(rows: pd.DataFrame, confidence: float = 0.95, baseline: str = RANDOM) -> pd.DataFrame:
     """Per selection (and buckets): the seeds, the mean target loss, and its gain over random of the same
     seed (random's loss - its own: positive = better than random) with a t interval over seeds; the
-    metric's gain too where the retrains measured one (its own - random's: higher is better)."""
+    metric's gain too where the retrains measured one (its own - random's: higher is better). baseline:
+    the selection the others are compared with (the objectives': ntp)."""
     rows = mean_losses(rows)
-    random = rows[rows["selection"] == RANDOM].set_index("seed")
+    random = rows[rows["selection"] == baseline].set_index("seed")
     out = []
     for (name, buckets), group in rows.groupby(["selection", "buckets"], sort=False):
         group = group.set_index("seed")

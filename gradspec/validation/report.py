@@ -19,6 +19,7 @@ from gradspec.files import parquet_errors
 from gradspec.invocation import program
 from gradspec.runs.score_files import parquet_schema, schema_metadata
 from gradspec.validation.lds import RESPONSE_TOKENS, lds, predictions
+from gradspec.validation.objectives import OBJECTIVE, objective_table
 from gradspec.validation.outcome import interval_text, outcome_table
 from gradspec.validation.removal import REMOVAL, removal_table, report_lines, summary_lines
 from gradspec.validation.scores import read_score
@@ -41,6 +42,7 @@ class Analysis:
     points: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     beyond_length: bool = False  # the LDS table has each score's LDS beyond length
     removal: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per score and end removed
+    objectives: pd.DataFrame = field(default_factory=pd.DataFrame)  # one row per objective, NTP first
 
 
 def read_retrains(files: list[str]) -> tuple[pd.DataFrame, dict]:
@@ -101,10 +103,11 @@ def _check_retrains(path: str, schema: pa.Schema, frame: pd.DataFrame, meta: dic
         if kind is not None and not (holds(kind) or pa.types.is_null(kind)):
             raise InputError(f"{path}: its {name} column holds {kind}; pass validate's --out")
     needed = {"lds": ("members", "target_loss"), "outcome": ("target_loss", "selection", "buckets", "seed"),
-              REMOVAL: ("target_loss", "selection", "removed", "seed")}
+              REMOVAL: ("target_loss", "selection", "removed", "seed"), OBJECTIVE: ("target_loss", "selection", "seed")}
     for k, row in enumerate(frame.to_dict("records")):
         if not isinstance(row["kind"], str):
-            raise InputError(f"{path}: row {k} has no kind (lds, outcome or removal); pass validate's --out")
+            raise InputError(f"{path}: row {k} has no kind (lds, outcome, removal or objective); pass validate's "
+                             "--out")
         for name in needed.get(row["kind"], ()):
             value = row.get(name)
             if value is None or (np.ndim(value) == 0 and pd.isna(value)):
@@ -150,6 +153,8 @@ def analyse(files: list[str], specs: list[str], resamples: int = 1000, confidenc
         analysis.outcome = outcome_table(chosen, confidence)
     if len(removed := retrains[retrains["kind"] == REMOVAL]):  # none in a file from before the removal test
         analysis.removal = removal_table(removed, confidence)
+    if len(trained := retrains[retrains["kind"] == OBJECTIVE]):
+        analysis.objectives = objective_table(trained, confidence)
     return analysis
 
 
@@ -203,6 +208,14 @@ def summary(analysis: Analysis, confidence: float = 0.95) -> str:
                                                             f", gain {r.gain:+.4f} {_gain_interval(r)}"))
     if len(analysis.removal):
         lines += summary_lines(analysis.removal, confidence)
+    if len(analysis.objectives):
+        lines.append("Objectives, each on the whole pool (mean target loss; gain = NTP's loss - its own, same seed, "
+                     f"{confidence:.0%} t interval over seeds):")
+        for r in analysis.objectives.itertuples():
+            metric = "" if pd.isna(getattr(r, "metric_gain", np.nan)) or r.objective == "ntp" else \
+                f"; metric gain {r.metric_gain:+.4f}"
+            lines.append(f"  {r.objective}: loss {r.loss:.4f}" + ("" if r.objective == "ntp" else
+                                                               f", gain {r.gain:+.4f} {_gain_interval(r)}{metric}"))
     return "\n".join(lines) or (f"next: {program()} validate --runs {' '.join(analysis.files)} --scores FILE[:COLUMN] "
                                  "... --report DIR (the LDS of each score against these retrains)")
 
@@ -241,6 +254,16 @@ def write_report(analysis: Analysis, out: str | Path, overwrite: bool = False, c
                       "seed (--seeds 2 or more give one), or a retrain that measured no finite loss.", ""]
     if len(analysis.removal):
         lines += report_lines(analysis.removal, out, confidence)
+    if len(analysis.objectives):
+        analysis.objectives.to_csv(out / "objectives.csv", index=False)
+        lines += ["## Objectives", "", "The whole pool retrained with plain next-token training (ntp: the retrains' "
+                  "own loss) and with each objective (gradspec train's losses: WIT with prompt weight "
+                  f"{info.get('prompt_weight')} and response weight {info.get('response_weight')}; SFTMix with its "
+                  "alpha and mu, its confidence from the start model's perplexity, each sample's loss a mean over "
+                  "its own tokens as NTP's), from the same start with the same steps and seeds; gain = "
+                  "NTP's mean target loss minus the objective's for the same seed (positive: better than NTP), with "
+                  f"a {confidence:.0%} t interval over seeds; metric_gain: its metric minus NTP's.", "",
+                  analysis.objectives.to_markdown(index=False, floatfmt=".4f"), ""]
     report = out / "report.md"
     report.write_text("\n".join(lines), encoding="utf-8")
     return report

@@ -5,9 +5,10 @@ default; full weights, or LoRA adapters), then measure every target example's lo
 A plain torch loop, not Trainer: Trainer's set-up would cost more than a small retrain. The loss is
 gradspec's: each sample's mean next-token loss over its response tokens (engine.loss), averaged over
 the batch, so that a step moves the weights along the mean of the per-sample gradients the scores are
-made of. The start weights are copied once and restored before and after every retrain (never reloaded
-from disk); the model, its flags and torch's random state are left as they were found. On the CPU a
-retrain is deterministic given its rows and seed.
+made of (an objectives retrain takes another loss and data order: objective_losses). The start weights
+are copied once and restored before and after every retrain (never reloaded from disk); the model, its
+flags and torch's random state are left as they were found. On the CPU a retrain is deterministic given
+its rows and seed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -55,6 +57,19 @@ class Retrained:
     seconds: float
 
 
+class Objective(Protocol):
+    """What a retrain trains with instead of NTP (objective_losses: the objectives test)."""
+
+    def batches(self, members: list[int], recipe: Recipe, seed: int) -> list[list[int]]:
+        """The rows of each step (row indices of members), as many steps as recipe takes for members."""
+        ...
+
+    def loss(self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+             labels: torch.Tensor) -> torch.Tensor:
+        """The batch's loss (a scalar to backpropagate); labels: -100 but on the response tokens."""
+        ...
+
+
 def batches(members: list[int], recipe: Recipe, seed: int) -> list[list[int]]:
     """The rows of each step: a fresh permutation of the members per epoch (from the seed), cut into
     batches (the last of an epoch may be smaller), for as many steps as the recipe takes."""
@@ -84,9 +99,10 @@ class Retrainer:
                                                                    self.targets, self.batch_tokens)}
         return [by_item[id(item)] for item in self.targets]
 
-    def __call__(self, members: list[int], seed: int) -> Retrained:
+    def __call__(self, members: list[int], seed: int, objective: Objective | None = None) -> Retrained:
         """Fine-tunes on members (row indices) with seed (data order, adapters' initialisation, dropout)
-        from the start weights, measures the targets, and puts the start weights back."""
+        from the start weights, measures the targets, and puts the start weights back. objective: another
+        loss and data order than NTP's (objective_losses: the objectives test); None: NTP."""
         began = time.perf_counter()
         flags = {name: (p.requires_grad, p.grad) for name, p in self.model.named_parameters()}
         training = self.model.training
@@ -99,7 +115,7 @@ class Retrainer:
                 if self.recipe.lora_rank is not None:
                     peft = _with_lora(self.model, self.recipe.lora_rank)
                 trainable = self._trainable(peft)
-                train_loss, steps = self._train(trainable, members, seed)
+                train_loss, steps = self._train(trainable, members, seed, objective)
                 self.model.eval()
                 losses = self.target_losses()
                 metric = None if self.metric is None else float(self.metric(self._net(self.model), self.tokenizer))
@@ -121,17 +137,20 @@ class Retrainer:
             p.requires_grad_(True)
         return list(self.model.parameters())
 
-    def _train(self, params: list[torch.nn.Parameter], members: list[int], seed: int) -> tuple[float, int]:
+    def _train(self, params: list[torch.nn.Parameter], members: list[int], seed: int,
+               objective: Objective | None = None) -> tuple[float, int]:
         """The training loop; returns (mean batch loss, steps)."""
         net, pad_id = self._net(self.model), pad_id_of(self.tokenizer)
-        steps = batches(members, self.recipe, seed)
+        steps = batches(members, self.recipe, seed) if objective is None else objective.batches(members, self.recipe,
+                                                                                                seed)
         optimizer = torch.optim.AdamW(params, lr=self.recipe.learning_rate, weight_decay=0.0)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 - k / len(steps))
         self.model.train()
         total = 0.0
         for batch in steps:
             ids, mask, labels = pad_batch([self.rows[i] for i in batch], pad_id, self.device)
-            loss = response_losses(net, ids, mask, labels)[0].mean()
+            loss = response_losses(net, ids, mask, labels)[0].mean() if objective is None else \
+                objective.loss(net, ids, mask, labels)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
             optimizer.step()

@@ -4,8 +4,8 @@ merge), so a killed run resumes where it stopped with the same results (a retrai
 the CPU), --shard i/N spreads the retrains over processes, and under torchrun each rank takes its own.
 
 The plan (which retrains there are) comes from the config alone: the LDS subsets, then the outcome's
-selections, then the removal test's retrains; every process makes the same plan, and retrain j is chunk j,
-its row's index."""
+selections, then the removal test's retrains, then the objectives' retrains of the whole pool; every
+process makes the same plan, and retrain j is chunk j, its row's index."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from gradspec.runs.distributed import Group, bind_device, torchrun_shard
 from gradspec.runs.numerics import numerics
 from gradspec.runs.run_folder import MODEL_IDENTITY, NUMERICS, RunFolder, Shard, model_identity
 from gradspec.runs.scoring import start_folder
+from gradspec.validation import objectives
 from gradspec.validation.config import ValidateConfig, ValidateSettings, check
 from gradspec.validation.lds import RESPONSE_TOKENS
 from gradspec.validation.outcome import LENGTH, RANDOM
@@ -78,7 +79,8 @@ class Pool:
 def job_count(config: ValidateConfig) -> int:
     """How many retrains the plan holds, from the config alone (plan makes them)."""
     per_seed = 2 + len(config.outcome) * (2 if config.length_buckets else 1) if config.outcome else 0
-    return config.subsets + config.seeds * per_seed + removal_count(config.removal, config.seeds)
+    return config.subsets + config.seeds * per_seed + removal_count(config.removal, config.seeds) + \
+        objectives.count(config)
 
 
 def outcome_scores(config: ValidateConfig, rows: int, targets: int, option: str = "outcome") -> dict[str, Any]:
@@ -103,7 +105,7 @@ def outcome_scores(config: ValidateConfig, rows: int, targets: int, option: str 
 def plan(config: ValidateConfig, pool: Pool, scores: dict[str, Any],
          removal: dict[str, Any] | None = None) -> list[Job]:
     """Every retrain, in chunk order: the LDS subsets, then each seed's outcome selections by scores, then each
-    seed's removals by removal's scores."""
+    seed's removals by removal's scores, then each seed's objectives (NTP first) on the whole pool."""
     jobs = [Job(LDS, k, None, 0, config.seed, config.fraction,
                 lds_subset(pool.indices, config.fraction, config.seed, k)) for k in range(config.subsets)]
     if config.outcome:
@@ -116,6 +118,8 @@ def plan(config: ValidateConfig, pool: Pool, scores: dict[str, Any],
         for r in removal_plan(removal or {}, pool.indices, config.remove, config.seeds, config.seed):
             jobs.append(Job(REMOVAL, None, r.name, 0, config.seed + r.seed, len(r.kept) / len(pool.indices),
                             r.kept, r.removed))
+    jobs += [Job(objectives.OBJECTIVE, None, name, 0, config.seed + s, 1.0, pool.indices)
+             for name, s in objectives.plan(config)]
     if len(jobs) != job_count(config):
         raise RuntimeError(f"the plan holds {len(jobs)} retrains, job_count {job_count(config)}")
     return jobs
@@ -195,6 +199,7 @@ def retrain(config: ValidateConfig, settings: ValidateSettings, shard: Shard | N
             info = group.share(info)  # one description of the run in every rank's parts
         recipe = Recipe(config.epochs, config.max_steps, config.batch_size, config.learning_rate, config.lora_rank)
         retrainer = Retrainer(model, tokenizer, pool.tokens, pool.targets, recipe, metric)
+        losses = _objective_losses(config, retrainer)
         metadata = {**info, "rows": pool.rows, "pool": len(pool.tokens), "targets": len(pool.targets),
                     RESPONSE_TOKENS: pool.response_tokens(), "start_target_loss": retrainer.target_losses()}
         try:
@@ -203,7 +208,9 @@ def retrain(config: ValidateConfig, settings: ValidateSettings, shard: Shard | N
             todo = [j for j in range(len(jobs)) if mine.owns(j) and j not in done]
             try:
                 for j in _progress(todo, settings.progress and mine.index == 0):
-                    folder.write_part(j, [row(j, jobs[j], retrainer(jobs[j].members, jobs[j].seed))], metadata)
+                    objective = losses.get(jobs[j].selection) if jobs[j].kind == objectives.OBJECTIVE else None
+                    folder.write_part(j, [row(j, jobs[j], retrainer(jobs[j].members, jobs[j].seed, objective))],
+                                      metadata)
             except BaseException:
                 if created:
                     folder.abandon()  # stopped before any part: no run left to --resume
@@ -215,6 +222,19 @@ def retrain(config: ValidateConfig, settings: ValidateSettings, shard: Shard | N
         finally:
             folder.release()
     return len(todo)
+
+
+def _objective_losses(config: ValidateConfig, retrainer: Retrainer) -> dict[str, Any]:
+    """Each of --objectives' losses by name (NTP, the retrains' own, is none); SFTMix's confidence measured
+    now, under the start weights."""
+    if not config.objectives:
+        return {}
+    from gradspec.validation.objective_losses import WIT, SFTMix
+
+    made = {"wit": lambda: WIT(config.prompt_weight, config.response_weight),
+            "sftmix": lambda: SFTMix.at_start(retrainer.model, retrainer.tokenizer, retrainer.rows,
+                                              retrainer.batch_tokens)}
+    return {name: made[name]() for name in config.objectives}
 
 
 def _start(folder: RunFolder, info: dict[str, Any], group: Group | None, mine: Shard, settings: ValidateSettings,

@@ -190,11 +190,11 @@ def test_a_killed_run_resumed_equals_one_run(tmp_path, tiny_model_dir, inputs, r
     calls = {"n": 0}
     real = retrain.Retrainer.__call__
 
-    def dies_at_the_fourth(self, members, seed):
+    def dies_at_the_fourth(self, members, seed, *objective):
         calls["n"] += 1
         if calls["n"] == 4:
             raise KeyboardInterrupt
-        return real(self, members, seed)
+        return real(self, members, seed, *objective)
 
     out = tmp_path / "v.parquet"
     monkeypatch.setattr(retrain.Retrainer, "__call__", dies_at_the_fourth)
