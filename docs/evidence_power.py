@@ -24,9 +24,10 @@ STAGE: pools, lds (both tasks' LDS retrains), scores (gradspec align's attributi
 and each score's AUPRC at finding the corrupted rows: detection.csv), outcome (the top quarter by K-FAC,
 EK-FAC, effective rank, nuclear norm and perplexity, plain and over 4 length buckets, beside random and
 length, 3 seeds), removal (the top and the bottom 12 rows by K-FAC, effective rank and perplexity left out,
-beside 12 random rows, 3 seeds), analyse (the reports: each score's LDS and LDS beyond length, the outcome,
-the removal effects: <task>/report_<stage>/), or all (default). EVIDENCE_SMOKE=1: a few rows and
-retrains, to check the script runs end to end (no numbers to keep).
+beside 12 random rows, 3 seeds), objectives (the whole pool trained with plain next-token training, WIT
+(train's weights) and SFTMix, 3 seeds), analyse (the reports: each score's LDS and LDS beyond length, the
+outcome, the removal effects, the objectives' gains over NTP: <task>/report_<stage>/), or all (default).
+EVIDENCE_SMOKE=1: a few rows and retrains, to check the script runs end to end (no numbers to keep).
 """
 
 from __future__ import annotations
@@ -263,9 +264,12 @@ def main(out: Path, stages: list[str]) -> None:
             found = scores(out, task)
             validate(out, task, "removal", "--subsets", "0", "--removal", *(found[k] for k in REMOVED), "--remove",
                      str(POOL[2] / sum(POOL[:2])), "--seeds", SEEDS)
+    if every or "objectives" in stages:  # the whole pool under NTP, WIT and SFTMix, 3 seeds
+        for task in TASKS:
+            validate(out, task, "objectives", "--subsets", "0", "--objectives", "sftmix", "wit", "--seeds", SEEDS)
     if every or "analyse" in stages:
         for task in TASKS:
-            for name in ("lds", "outcome", "removal"):
+            for name in ("lds", "outcome", "removal", "objectives"):
                 retrains = out / task / f"{name}.parquet"
                 if retrains.exists():
                     given = ["--scores", *scores(out, task).values()] if name == "lds" else []

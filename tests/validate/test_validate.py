@@ -315,7 +315,7 @@ def test_options_are_checked_before_the_model_loads(tmp_path, inputs, reference,
     assert main([*base[:-2], "--target", str(inputs / "task.jsonl"), "--out", str(reference)]) == 2
     assert f"{reference} exists; pass --overwrite or choose another --out" in capsys.readouterr().err
     assert main([*base, "--target", str(inputs / "task.jsonl"), "--subsets", "0"]) == 2
-    assert "--subsets, --outcome and --removal: nothing to retrain" in capsys.readouterr().err
+    assert "--subsets, --outcome, --removal and --objectives: nothing to retrain" in capsys.readouterr().err
     assert main([*base, "--target", str(inputs / "task.jsonl"), "--outcome", f"{inputs / 's.parquet'}:nope"]) == 2
     assert f"{inputs / 's.parquet'}: no column 'nope'" in capsys.readouterr().err
 
