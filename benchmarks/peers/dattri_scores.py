@@ -9,7 +9,7 @@ and loss):
     PYTHONPATH=. OUT/.venv-dattri/bin/python benchmarks/peers/dattri_scores.py --method tracin|trak|logra \\
         --model DIR --pool pool.jsonl --target target.jsonl --out attribution.parquet --max-length 256 \\
         [--modules q_proj,k_proj,v_proj,o_proj] [--proj-dim N] [--proj-type normal|rademacher|random_mask|identity] \\
-        [--regularization R] [--damping D] [--batch-size 4]
+        [--regularization R] [--damping D] [--batch-size 1]
 
 The loss, on both sides: gradspec's, the mean next-token cross-entropy over each row's response tokens
 (gradspec.engine.loss.response_loss_per_sample), the rows read by gradspec's reader and `plain` template and
@@ -34,14 +34,29 @@ model, no training checkpoints: TracIn is the single-checkpoint Grad-Dot (weight
   gradients come from the model's own `outputs.loss` (dattri's code), which for one row per batch is the
   same mean response NLL; the script therefore runs LoGra one row per batch and checks the two losses agree.
 
-The projections on the CPU (dattri.func.projection.BasicProjector): `normal`/`rademacher` materialise a
-feature_dim x min(proj_dim, 100) fp32 matrix per block, feature_dim being all the attributed weights (q/k/v/o
-of SmolLM2-135M: 26.5M, so 10.6 GB a block at proj_dim >= 100), and TracIn holds three at once: at
---proj-dim 32 it reached 12.3 GiB of RSS and was killed for memory (2026-12-08, 24 GiB machine). The script
-refuses more than --max-projector-gib (default 4) of them before starting, naming the size: use
-`random_mask` (dattri's sampled coordinates, no matrix), a smaller --proj-dim, or fewer modules. dattri's CUDA projectors (sjlt, fast_jl)
-do not run on the CPU. dattri replaces a NaN gradient by 0 (torch.nan_to_num) in TracIn and TRAK: a row
-whose gradient is not finite gets a score of 0, not an error.
+What runs on the CPU (2026-12-08, SmolLM2-135M-Instruct, q/k/v/o, 8 HumanEval pool rows x 2 targets,
+max_length 128, 2 shared cores of an AMD EPYC; benchmarks/RESULTS.md):
+- logra runs: 335 s, peak RSS 2.0 GiB at --proj-dim 256 (dattri's default 4096 would hold a 4096 x 4096
+  fp32 Hessian per module, 7.5 GiB for the 120 modules).
+- tracin and trak install and start but do not finish in a useful time: their per-sample gradients come from
+  torch.func (vmap of grad), and dattri's layer selection (partial_param) still differentiates the model's
+  whole flattened parameter vector (134.5M values, 538 MB a row in fp32): at --batch-size 4 the backward
+  asked for 2152240128 bytes at once (`DefaultCPUAllocator: can't allocate memory`, under a 10 GB address-
+  space limit; without it, and --proj-type normal --proj-dim 32, the kernel killed the run at 12.3 GiB of
+  RSS); at --batch-size 1 (the default here) one target's gradient took 390 s and after 15.7 minutes TracIn
+  had two of its 8 + 16 gradients (it recomputes the target gradients for every pool batch; peak RSS 6.8
+  GiB, two thirds of the CPU time spent in the kernel faulting pages in): about 2.5 hours for this smoke, so
+  it was stopped. TRAK takes the same path (8 + 2 gradients). They are wired up and run as written; give
+  them a GPU or a smaller model.
+- The projections on the CPU (dattri.func.projection.BasicProjector): `normal`/`rademacher` materialise a
+  feature_dim x min(proj_dim, 100) fp32 matrix per block, feature_dim being all the attributed weights
+  (q/k/v/o of SmolLM2-135M: 26.5M, so 10.6 GB a block at proj_dim >= 100), and dattri builds one for every
+  batch, keeping its last train and target projectors while it builds the next (three at once). The script
+  refuses more than --max-projector-gib (default 4) of them before starting, naming the size: use
+  `random_mask` (dattri's sampled coordinates, no matrix), a smaller --proj-dim, or fewer modules. dattri's
+  CUDA projectors (sjlt, fast_jl) do not run on the CPU.
+- dattri replaces a NaN gradient by 0 (torch.nan_to_num) in TracIn and TRAK: a row whose gradient is not
+  finite gets a score of 0, not an error.
 
 Output: the attribution file (peer_files.attribution_frame) and OUT.json beside it: tool, version, method,
 seconds (wall, the whole run), peak_rss_mib, modules, max_length, rows, targets and the settings.
@@ -131,7 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-projector-gib", type=float, default=4.0, help="refuse a larger dense projector")
     ap.add_argument("--regularization", type=float, default=0.0, help="TRAK: added to Phi^T Phi's diagonal")
     ap.add_argument("--damping", type=float, help="LoGra: x the mean eigenvalue (default: dattri's 1e-5)")
-    ap.add_argument("--batch-size", type=int, default=4, help="rows per batch (TracIn, TRAK; LoGra: 1)")
+    ap.add_argument("--batch-size", type=int, default=1,
+                    help="rows per vmap batch (TracIn, TRAK: each row's gradient is the whole model's; LoGra: 1)")
     ap.add_argument("--seed", type=int, default=0, help="the projections' seed")
     args = ap.parse_args(argv)
     proj_dim = args.proj_dim or DEFAULT_PROJ_DIM[args.method]
