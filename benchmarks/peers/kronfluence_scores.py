@@ -29,7 +29,9 @@ Sign: kronfluence's pairwise score is the dot product of the preconditioned meas
 query with the training loss gradient, g_q^T H^-1 g_i (kronfluence/module/linear.py compute_pairwise_score;
 no sign is flipped anywhere in kronfluence/score), so with the query's loss as the measurement a positive
 score means a step on the row LOWERS the query's loss: gradspec's convention, written unchanged.
---check-sign confirms it by experiment (a least-squares model, identity factors, no damping: the score
+`--factors identity` gives gradspec align --attribution's own scores (the 8 x 2 smoke of 2026-12-08 agreed to
+4 digits: the same rows, template, truncation, loss, modules and sign). --check-sign confirms the sign by
+experiment (a least-squares model, identity factors, no damping: the score
 against the change in the query's loss after one SGD step on each training row).
 
 Output: the attribution file (peer_files.attribution_frame: `index`, `attribution` = one value per target
