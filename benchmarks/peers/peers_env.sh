@@ -38,7 +38,7 @@ print(f"torch=={m.version('torch')}")
 PYEOF
 "$VPY" -m pip install --quiet -c "$CONSTRAINTS" "opacus==1.6.*"
 # The model side of the benchmark (transformers' Llama / Qwen3-MoE), at the project's version where known.
-TRANSFORMERS=${TRANSFORMERS_VERSION:-$("$HERE/../.venv/bin/python" -c \
+TRANSFORMERS=${TRANSFORMERS_VERSION:-$("$HERE/../../.venv/bin/python" -c \
     'import importlib.metadata as m; print(m.version("transformers"))' 2>/dev/null || echo "")}
 "$VPY" -m pip install --quiet -c "$CONSTRAINTS" "transformers${TRANSFORMERS:+==$TRANSFORMERS}"
 
