@@ -20,18 +20,27 @@ a run's numerics: a resume must match it) and resume where they stopped:
 
     .venv/bin/python docs/evidence_power.py [OUT] [STAGE ...]     # days of CPU: not run in CI
 
-STAGE: pools, lds (both tasks' LDS retrains), scores (gradspec align's attributions and per-sample scores,
-and each score's AUPRC at finding the corrupted rows: detection.csv), outcome (the top quarter by K-FAC,
-EK-FAC, effective rank, nuclear norm and perplexity, plain and over 4 length buckets, beside random and
-length, 3 seeds), removal (the top and the bottom 12 rows by K-FAC, effective rank and perplexity left out,
-beside 12 random rows, 3 seeds), objectives (the whole pool trained with plain next-token training, WIT
-(train's weights) and SFTMix, 3 seeds), analyse (the reports: each score's LDS and LDS beyond length, the
-outcome, the removal effects, the objectives' gains over NTP: <task>/report_<stage>/), or all (default).
+STAGE (default all, in this order):
+- pools: the pools, targets and labels;
+- lds: both tasks' LDS retrains;
+- peers: kronfluence's EK-FAC and dattri's LoGra on each pool, each in a venv of its own (peers.csv: their
+  time and peak memory);
+- scores: gradspec align's attributions and per-sample scores (and the peers' where made), and each
+  score's AUPRC at finding the corrupted rows (detection.csv);
+- outcome: the top quarter by K-FAC, EK-FAC, effective rank, nuclear norm and perplexity, plain and over
+  4 length buckets, beside random and length, 3 seeds;
+- removal: the top and the bottom 12 rows by K-FAC, effective rank and perplexity left out, beside 12
+  random rows, 3 seeds;
+- objectives: the whole pool trained with plain next-token training, WIT (train's weights) and SFTMix,
+  3 seeds;
+- analyse: the reports (each score's LDS and LDS beyond length, the outcome, the removal effects, the
+  objectives' gains over NTP: <task>/report_<stage>/).
 EVIDENCE_SMOKE=1: a few rows and retrains, to check the script runs end to end (no numbers to keep).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -46,6 +55,7 @@ from pools import DATA, gsm8k_samples, instruction_samples, write_jsonl
 from gradspec.data.readers import Fields, humaneval_samples, read_samples
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # benchmarks.peers
 SMOKE = os.environ.get("EVIDENCE_SMOKE") == "1"
 POOL = (6, 2, 2) if SMOKE else (48, 16, 12)  # first source, second source, corrupted (of the first)
 TARGETS = 2 if SMOKE else 8
@@ -189,6 +199,9 @@ def scores(out: Path, task: str) -> dict[str, str]:
                                             str(folder / "kfac.safetensors"))),
              "alignment, EK-FAC": str(align(out, task, "ekfac", "--precondition", "ekfac", "--factors",
                                              str(folder / "ekfac.safetensors")))}
+    for label, name in PEERS.items():  # once the peers stage has made them
+        if (folder / f"{name}.parquet").exists():
+            found[label] = str(folder / f"{name}.parquet")
     found.update({label: f"{plain}:{column}" for label, column in PER_SAMPLE.items()})
     noise = folder / "random.parquet"
     if not noise.exists():
@@ -243,6 +256,24 @@ def detection(out: Path, task: str, found: dict[str, str]) -> pd.DataFrame:
     return pd.DataFrame(table)
 
 
+PEERS = {"kronfluence 1.0.1 EK-FAC": "kronfluence_ekfac", "dattri 0.3.0 LoGra": "dattri_logra"}
+
+
+def peers(out: Path, task: str) -> pd.DataFrame:
+    """kronfluence's EK-FAC and dattri's LoGra (projection 256: dattri's 4,096 needs 7.5 GiB of Hessians here)
+    on task's pool, q/k/v/o, each in a venv of its own (benchmarks/peers); their time and peak memory. dattri's
+    TracIn and TRAK do not finish on this CPU (benchmarks/RESULTS.md): not run."""
+    from benchmarks.peers.peer_files import sidecar_path
+    from benchmarks.peers.peer_runs import dattri, kronfluence
+
+    pool, target = build(out, task)
+    made = [kronfluence(out / task, pool, target, int(MAX_LENGTH[task])),
+            dattri(out / task, pool, target, "logra", int(MAX_LENGTH[task]), "--proj-dim", "256")]
+    rows = [json.loads(sidecar_path(path).read_text()) for path in made]
+    return pd.DataFrame([{"task": task, **{k: r.get(k) for k in ("tool", "version", "method", "seconds",
+                                                                    "peak_rss_mib")}} for r in rows])
+
+
 def main(out: Path, stages: list[str]) -> None:
     every = "all" in stages
     for task in TASKS:
@@ -250,6 +281,10 @@ def main(out: Path, stages: list[str]) -> None:
     if every or "lds" in stages:
         for task in TASKS:
             validate(out, task, "lds", "--subsets", SUBSETS, "--fraction", "0.5")
+    if every or "peers" in stages:
+        table = pd.concat([peers(out, task) for task in TASKS])
+        table.to_csv(out / "peers.csv", index=False)
+        print(table.to_markdown(index=False, floatfmt=".0f"))
     if every or "scores" in stages:
         tables = [detection(out, task, scores(out, task)) for task in TASKS]
         pd.concat(tables).to_csv(out / "detection.csv", index=False)
