@@ -27,8 +27,8 @@ STAGE (default all, in this order):
   time and peak memory);
 - scores: gradspec align's attributions and per-sample scores (and the peers' where made), and each
   score's AUPRC at finding the corrupted rows (detection.csv);
-- outcome: the top quarter by K-FAC, EK-FAC, effective rank, nuclear norm and perplexity, plain and over
-  4 length buckets, beside random and length, 3 seeds;
+- outcome: the top quarter by K-FAC, EK-FAC, effective rank, low nuclear norm and low perplexity, plain
+  and over 4 length buckets, beside random and length, 3 seeds;
 - removal: the top and the bottom 12 rows by K-FAC, effective rank and perplexity left out, beside 12
   random rows, 3 seeds;
 - objectives: the whole pool trained with plain next-token training, WIT (train's weights) and SFTMix,
@@ -212,14 +212,15 @@ def scores(out: Path, task: str) -> dict[str, str]:
     return found
 
 
-# The per-sample scores, and which end of each says "a bad row": the attributions' and align_mean's low end
-# (the row pulls the targets' loss up), perplexity's high end, the spectra's ends as the
-# seed paper reads them (low effective rank, high nuclear norm: low quality), IFD's high end.
+# The per-sample scores, each turned so that high means a good row as its literature reads it (select --by's
+# ":-1" turns a column round): the spectra as the seed paper reads them (high effective and stable rank, low
+# nuclear norm), IFD's high end (Li et al.'s cherry data), perplexity's low end (perplexity filtering). The
+# attributions' high end is a row that lowers the targets' loss. A score's bottom is then its suspect end.
 PER_SAMPLE = {"align_mean (plain cosine)": "align_mean", "effective rank": "effective_rank",
-              "nuclear norm": "nuclear_norm", "stable rank": "stable_rank", "IFD": "ifd", "perplexity": "perplexity"}
-BAD_IS_HIGH = {"nuclear norm", "IFD", "perplexity"}
-SELECTED = ("alignment, K-FAC", "alignment, EK-FAC", "effective rank", "nuclear norm", "perplexity")  # the outcome's
-REMOVED = ("alignment, K-FAC", "effective rank", "perplexity")  # the removal test's
+              "nuclear norm (low)": "nuclear_norm:-1", "stable rank": "stable_rank", "IFD": "ifd",
+              "perplexity (low)": "perplexity:-1"}
+SELECTED = ("alignment, K-FAC", "alignment, EK-FAC", "effective rank", "nuclear norm (low)", "perplexity (low)")
+REMOVED = ("alignment, K-FAC", "effective rank", "perplexity (low)")  # the removal test's
 
 
 def average_precision(found: np.ndarray, ranking: np.ndarray) -> float:
@@ -231,7 +232,7 @@ def average_precision(found: np.ndarray, ranking: np.ndarray) -> float:
 
 
 def detection(out: Path, task: str, found: dict[str, str]) -> pd.DataFrame:
-    """Each score's AUPRC at finding the corrupted rows (ranked most suspect first; ties in row order), with
+    """Each score's AUPRC at finding the corrupted rows (its lowest first; ties in row order), with
     a 95% bootstrap interval over rows; random ranking's expectation is the corrupted share."""
     from gradspec.validation.scores import read_score
 
@@ -241,9 +242,7 @@ def detection(out: Path, task: str, found: dict[str, str]) -> pd.DataFrame:
     rng = np.random.default_rng(0)
     table = []
     for label, spec in found.items():
-        values = read_score(spec, rows, targets, None).per_sample()
-        suspect = values if label in BAD_IS_HIGH else -values
-        suspect = np.nan_to_num(suspect, nan=-np.inf)  # unscored rows: least suspect
+        suspect = np.nan_to_num(-read_score(spec, rows, targets, None).per_sample(), nan=-np.inf)  # unscored: last
         ranking = np.argsort(-suspect, kind="stable")
         boot = []
         for _ in range(1000):
