@@ -23,43 +23,10 @@
 #
 # Measured on 2026-12-03 (2 cores, AMD EPYC): see benchmarks/RESULTS.md.
 set -euo pipefail
-
-if [ $# -ne 1 ]; then
-    echo "usage: $0 OUT_DIR" >&2
-    exit 2
-fi
-mkdir -p "$1"
-OUT_DIR=$(cd "$1" && pwd)
-PY=${PYTHON:-python3}
-VENV="$OUT_DIR/.venv-bergson"
-# Not from the repository's root: nothing of the checkout belongs on bergson's path (its top-level kernels/
-# is gradspec.kernels, which hands the name `kernels` over to Hugging Face's distribution where imported so).
-cd "$OUT_DIR"
-start=$(date +%s)
-
-"$PY" -m venv "$VENV"
-VPY="$VENV/bin/python"
-"$VPY" -m pip install --quiet --upgrade pip
-"$VPY" -m pip install torch==2.13.0
-
-# Keep pip from replacing the CPU torch while resolving bergson's requirements.
-CONSTRAINTS="$VENV/constraints.txt"
-"$VPY" - >"$CONSTRAINTS" <<'PYEOF'
-import importlib.metadata as m
-print(f"torch=={m.version('torch')}")
-PYEOF
+source "$(dirname "$0")/peer_venv.sh"
+usage_out_dir $# "$0"
+peer_venv bergson "$1"
 "$VPY" -m pip install -c "$CONSTRAINTS" "bergson==2.5.1"
 "$VPY" -m pip uninstall -y torchvision torchaudio
-
-"$VPY" - <<'PYEOF'
-import importlib.metadata as m
-for name in ("bergson", "torch", "transformers", "datasets", "accelerate",
-             "peft", "torchvision", "torchaudio", "bitsandbytes", "pyarrow"):
-    try:
-        print(f"{name}=={m.version(name)}")
-    except m.PackageNotFoundError:
-        print(f"{name}: not installed")
-import bergson  # noqa: F401  (the import itself is the check)
-print("import bergson: ok")
-PYEOF
-echo "bergson venv ready in $(( $(date +%s) - start )) s: $VPY"
+peer_ready bergson bergson torch transformers datasets accelerate peft torchvision torchaudio bitsandbytes pyarrow \
+    -- "import bergson"

@@ -19,45 +19,9 @@
 #
 # Measured on 2026-12-08 (2 cores, AMD EPYC): see benchmarks/RESULTS.md.
 set -euo pipefail
-
-if [ $# -ne 1 ]; then
-    echo "usage: $0 OUT_DIR" >&2
-    exit 2
-fi
-mkdir -p "$1"
-OUT_DIR=$(cd "$1" && pwd)
-PY=${PYTHON:-python3}
-VENV="$OUT_DIR/.venv-dattri"
-HERE=$(cd "$(dirname "$0")" && pwd)
-# Not from the repository's root: nothing of the checkout belongs on the venv's path while pip runs.
-cd "$OUT_DIR"
-start=$(date +%s)
-
-"$PY" -m venv "$VENV"
-VPY="$VENV/bin/python"
-"$VPY" -m pip install --quiet --upgrade pip
-"$VPY" -m pip install --quiet torch==2.13.0
-
-# Keep pip from replacing the CPU torch while resolving dattri's requirements.
-CONSTRAINTS="$VENV/constraints.txt"
-"$VPY" - >"$CONSTRAINTS" <<'PYEOF'
-import importlib.metadata as m
-print(f"torch=={m.version('torch')}")
-PYEOF
-TRANSFORMERS=${TRANSFORMERS_VERSION:-$("$HERE/../../.venv/bin/python" -c \
-    'import importlib.metadata as m; print(m.version("transformers"))' 2>/dev/null || echo "")}
-"$VPY" -m pip install --quiet -c "$CONSTRAINTS" "dattri==0.3.0" \
-    "transformers${TRANSFORMERS:+==$TRANSFORMERS}" pandas pyarrow
-
-"$VPY" - <<'PYEOF'
-import importlib.metadata as m
-for name in ("dattri", "torch", "transformers", "numpy", "pandas", "pyarrow", "fast_jl"):
-    try:
-        print(f"{name}=={m.version(name)}")
-    except m.PackageNotFoundError:
-        print(f"{name}: not installed")
-import dattri  # noqa: F401  (the import itself is the check)
-from dattri.task import AttributionTask  # noqa: F401
-print("import dattri: ok")
-PYEOF
-echo "dattri venv ready in $(( $(date +%s) - start )) s: $VPY"
+source "$(dirname "$0")/peer_venv.sh"
+usage_out_dir $# "$0"
+peer_venv dattri "$1"
+"$VPY" -m pip install --quiet -c "$CONSTRAINTS" "dattri==0.3.0" "transformers$TRANSFORMERS_PIN" pandas pyarrow
+peer_ready dattri dattri torch transformers numpy pandas pyarrow fast_jl -- "import dattri" \
+    "from dattri.task import AttributionTask"

@@ -24,48 +24,11 @@
 #
 # Measured on 2026-12-08 (2 cores, AMD EPYC): see benchmarks/RESULTS.md.
 set -euo pipefail
-
-if [ $# -ne 1 ]; then
-    echo "usage: $0 OUT_DIR" >&2
-    exit 2
-fi
-mkdir -p "$1"
-OUT_DIR=$(cd "$1" && pwd)
-PY=${PYTHON:-python3}
-VENV="$OUT_DIR/.venv-kronfluence"
-HERE=$(cd "$(dirname "$0")" && pwd)
-# Not from the repository's root: nothing of the checkout belongs on the venv's path while pip runs.
-cd "$OUT_DIR"
-start=$(date +%s)
-
-"$PY" -m venv "$VENV"
-VPY="$VENV/bin/python"
-"$VPY" -m pip install --quiet --upgrade pip
-"$VPY" -m pip install --quiet torch==2.13.0
-
-# Keep pip from replacing the CPU torch while resolving kronfluence's requirements.
-CONSTRAINTS="$VENV/constraints.txt"
-"$VPY" - >"$CONSTRAINTS" <<'PYEOF'
-import importlib.metadata as m
-print(f"torch=={m.version('torch')}")
-PYEOF
-TRANSFORMERS=${TRANSFORMERS_VERSION:-$("$HERE/../../.venv/bin/python" -c \
-    'import importlib.metadata as m; print(m.version("transformers"))' 2>/dev/null || echo "")}
-"$VPY" -m pip install --quiet -c "$CONSTRAINTS" "kronfluence==1.0.1" \
-    "transformers${TRANSFORMERS:+==$TRANSFORMERS}" pandas pyarrow
+source "$(dirname "$0")/peer_venv.sh"
+usage_out_dir $# "$0"
+peer_venv kronfluence "$1"
+"$VPY" -m pip install --quiet -c "$CONSTRAINTS" "kronfluence==1.0.1" "transformers$TRANSFORMERS_PIN" pandas pyarrow
 "$VPY" -m pip uninstall --quiet -y torchvision
-
-"$VPY" - <<'PYEOF'
-import importlib.metadata as m
-for name in ("kronfluence", "torch", "transformers", "accelerate", "safetensors", "opt_einsum", "numpy",
-             "pandas", "pyarrow", "torchvision"):
-    try:
-        print(f"{name}=={m.version(name)}")
-    except m.PackageNotFoundError:
-        print(f"{name}: not installed")
-import kronfluence  # noqa: F401  (the import itself is the check)
-from kronfluence.analyzer import Analyzer  # noqa: F401
-from transformers import LlamaForCausalLM  # noqa: F401  (the model's import: a torchvision left behind fails it)
-print("import kronfluence: ok")
-PYEOF
-echo "kronfluence venv ready in $(( $(date +%s) - start )) s: $VPY"
+peer_ready kronfluence kronfluence torch transformers accelerate safetensors opt_einsum numpy pandas pyarrow torchvision \
+    -- "import kronfluence" "from kronfluence.analyzer import Analyzer" \
+    "from transformers import LlamaForCausalLM  # a torchvision left behind fails the model's import"

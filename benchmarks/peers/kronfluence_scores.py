@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # gradspec and benchmarks: pure-Python parts only
 
-from benchmarks.peers.peer_files import Run, attribution_frame, read_rows  # noqa: E402
+from benchmarks.peers.peer_files import Run, attribution_frame, read_inputs  # noqa: E402
 
 STRATEGIES = ("ekfac", "kfac", "diagonal", "identity")
 MODULES = "q_proj,k_proj,v_proj,o_proj"
@@ -219,19 +219,10 @@ def main(argv: list[str] | None = None) -> dict:
     from kronfluence.analyzer import Analyzer, prepare_model
     from kronfluence.arguments import FactorArguments, ScoreArguments
     from kronfluence.utils.dataset import DataLoaderKwargs
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from gradspec.data.batching import pad_id_of
 
-    torch.manual_seed(args.seed)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    pool = read_rows(args.pool, tokenizer, args.max_length)
-    target = read_rows(args.target, tokenizer, args.max_length)
-    if not pool.scored or len(target.scored) != len(target.tokens):
-        bad = [f"{i}: {s}" for i, s in enumerate(target.status) if target.tokens[i] is None]
-        raise SystemExit(f"{args.target if bad else args.pool}: rows gradspec does not score"
-                         + (f" ({'; '.join(bad)})" if bad else " (all of them)") + ": nothing to attribute against")
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    tokenizer, pool, target, model = read_inputs(args)
     modules = tracked_modules(model, args.modules)
     task = make_task(modules)
     model = prepare_model(model, task)

@@ -65,6 +65,24 @@ def read_rows(path: str | Path, tokenizer, max_length: int, template: str = "pla
     return Rows(Path(path), tokens, status)
 
 
+def read_inputs(args):
+    """(tokenizer, pool, target, model) for a driver's --model, --pool, --target, --max-length and --seed:
+    torch seeded, the rows read as gradspec reads them, the model in fp32 eval mode. Stops, naming the file,
+    where the pool has no row gradspec scores or a target row is one it does not."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    pool = read_rows(args.pool, tokenizer, args.max_length)
+    target = read_rows(args.target, tokenizer, args.max_length)
+    if not pool.scored or len(target.scored) != len(target.tokens):
+        bad = [f"{i}: {s}" for i, s in enumerate(target.status) if target.tokens[i] is None]
+        raise SystemExit(f"{args.target if bad else args.pool}: rows gradspec does not score"
+                         + (f" ({'; '.join(bad)})" if bad else " (all of them)") + ": nothing to attribute against")
+    return tokenizer, pool, target, AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+
+
 def attribution_frame(scores: np.ndarray, pool: Sequence[int], rows: int, tool: str = "the peer") -> pd.DataFrame:
     """scores (targets, len(pool)): column k holds pool row pool[k]'s score against each target, positive
     where a step on the row lowers the target's loss. -> one row per pool row 0..rows-1 (None where the

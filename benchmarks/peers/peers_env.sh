@@ -16,41 +16,9 @@
 # TRANSFORMERS_VERSION; the newest without either), which the benchmark's models need (Opacus does not).
 # Measured on 2026-12-04 (TRANSFORMERS_VERSION=5.25.0): ready in 64 s; see benchmarks/RESULTS.md.
 set -euo pipefail
-
-OUT_DIR=${1:-/tmp/gradspec-peers-env}
-mkdir -p "$OUT_DIR"
-OUT_DIR=$(cd "$OUT_DIR" && pwd)
-PY=${PYTHON:-python3}
-VENV="$OUT_DIR/.venv-opacus"
-HERE=$(cd "$(dirname "$0")" && pwd)
-cd "$OUT_DIR"
-start=$(date +%s)
-
-"$PY" -m venv "$VENV"
-VPY="$VENV/bin/python"
-"$VPY" -m pip install --quiet --upgrade pip
-"$VPY" -m pip install --quiet torch==2.13.0
-
-CONSTRAINTS="$VENV/constraints.txt"
-"$VPY" - >"$CONSTRAINTS" <<'PYEOF'
-import importlib.metadata as m
-print(f"torch=={m.version('torch')}")
-PYEOF
+source "$(dirname "$0")/peer_venv.sh"
+peer_venv opacus "${1:-/tmp/gradspec-peers-env}"
 "$VPY" -m pip install --quiet -c "$CONSTRAINTS" "opacus==1.6.*"
 # The model side of the benchmark (transformers' Llama / Qwen3-MoE), at the project's version where known.
-TRANSFORMERS=${TRANSFORMERS_VERSION:-$("$HERE/../../.venv/bin/python" -c \
-    'import importlib.metadata as m; print(m.version("transformers"))' 2>/dev/null || echo "")}
-"$VPY" -m pip install --quiet -c "$CONSTRAINTS" "transformers${TRANSFORMERS:+==$TRANSFORMERS}"
-
-"$VPY" - <<'PYEOF'
-import importlib.metadata as m
-for name in ("opacus", "torch", "transformers", "numpy", "scipy"):
-    try:
-        print(f"{name}=={m.version(name)}")
-    except m.PackageNotFoundError:
-        print(f"{name}: not installed")
-import opacus  # noqa: F401  (the import itself is the check)
-from opacus import GradSampleModule  # noqa: F401
-print("import opacus: ok")
-PYEOF
-echo "opacus venv ready in $(( $(date +%s) - start )) s: $VPY"
+"$VPY" -m pip install --quiet -c "$CONSTRAINTS" "transformers$TRANSFORMERS_PIN"
+peer_ready opacus opacus torch transformers numpy scipy -- "import opacus" "from opacus import GradSampleModule"

@@ -5,6 +5,7 @@ seed, as paired differences with a t interval."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,23 +83,35 @@ def mean_losses(rows: pd.DataFrame) -> pd.DataFrame:
     return rows.assign(loss=[np.nanmean(v) if len(v) else np.nan for v in rows["target_loss"]])
 
 
+def paired_effects(rows: pd.DataFrame, keys: list[str], baseline: pd.Series, sign: Callable[[tuple], float],
+                   confidence: float) -> pd.DataFrame:
+    """Per group of rows by keys: its seeds, mean target loss, and its effect, sign(key) x (its loss - the
+    baseline rows' loss of the same seed), with a t interval over seeds (low, high); where the retrains
+    measured a metric, its mean and its effect, -sign(key) x (its metric - the baseline's) (a metric is
+    higher-is-better). The one paired comparison of the outcome, the removal test and the objectives."""
+    rows = mean_losses(rows)
+    base = rows[baseline].set_index("seed")
+    out = []
+    for key, group in rows.groupby(keys, sort=False):
+        group = group.set_index("seed")
+        seeds = group.index.intersection(base.index)
+        effect = sign(key) * (group.loc[seeds, "loss"] - base.loc[seeds, "loss"]).to_numpy(dtype=float) + 0.0
+        low, high = t_interval(effect, confidence)
+        row = {**dict(zip(keys, key, strict=True)), "seeds": len(group), "loss": group["loss"].mean(),
+               "effect": effect.mean() if len(effect) else np.nan, "low": low, "high": high}
+        if "metric" in rows and group["metric"].notna().any():
+            metric = -sign(key) * (group.loc[seeds, "metric"] - base.loc[seeds, "metric"]).to_numpy(dtype=float)
+            row.update(metric=group["metric"].mean(), metric_effect=metric.mean())
+        out.append(row)
+    return pd.DataFrame(out)
+
+
 def outcome_table(rows: pd.DataFrame, confidence: float = 0.95, baseline: str = RANDOM) -> pd.DataFrame:
     """Per selection (and buckets): the seeds, the mean target loss, and its gain over random of the same
     seed (random's loss - its own: positive = better than random) with a t interval over seeds; the
     metric's gain too where the retrains measured one (its own - random's: higher is better). baseline:
     the selection the others are compared with (the objectives': ntp)."""
-    rows = mean_losses(rows)
-    random = rows[rows["selection"] == baseline].set_index("seed")
-    out = []
-    for (name, buckets), group in rows.groupby(["selection", "buckets"], sort=False):
-        group = group.set_index("seed")
-        paired = group.index.intersection(random.index)
-        gain = (random.loc[paired, "loss"] - group.loc[paired, "loss"]).to_numpy(dtype=float)
-        low, high = t_interval(gain, confidence)
-        row = {"selection": name, "buckets": int(buckets), "seeds": len(group), "loss": group["loss"].mean(),
-               "gain": gain.mean() if len(gain) else np.nan, "gain_low": low, "gain_high": high}
-        if "metric" in rows and group["metric"].notna().any():
-            metric_gain = (group.loc[paired, "metric"] - random.loc[paired, "metric"]).to_numpy(dtype=float)
-            row.update(metric=group["metric"].mean(), metric_gain=metric_gain.mean())
-        out.append(row)
-    return pd.DataFrame(out)
+    table = paired_effects(rows, ["selection", "buckets"], rows["selection"] == baseline, lambda _: -1.0, confidence)
+    table = table.rename(columns={"effect": "gain", "low": "gain_low", "high": "gain_high",
+                                  "metric_effect": "metric_gain"})
+    return table.astype({"buckets": int}) if len(table) else table

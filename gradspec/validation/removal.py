@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from gradspec.validation.outcome import RANDOM, interval_text, mean_losses, t_interval
+from gradspec.validation.outcome import RANDOM, interval_text, paired_effects
 from gradspec.validation.subsets import REMOVAL_STREAM, draw, subset_size
 
 log = logging.getLogger("gradspec")
@@ -84,22 +84,9 @@ def removal_table(rows: pd.DataFrame, confidence: float = 0.95) -> pd.DataFrame:
     the same seed (SIGN: positive = the score is right) with a t interval over seeds; the metric's effect
     too where the retrains measured one (signed alike: higher is better, so for top random's metric minus
     its own, for bottom its own minus random's). Random removal's own row has effect 0."""
-    rows = mean_losses(rows)
-    random = rows[rows["removed"] == RANDOM].set_index("seed")
-    out = []
-    for (name, removed), group in rows.groupby(["selection", "removed"], sort=False):
-        group = group.set_index("seed")
-        paired = group.index.intersection(random.index)
-        sign = 1.0 if removed == TOP else -1.0  # loss without the top rises; without the bottom, falls
-        effect = sign * (group.loc[paired, "loss"] - random.loc[paired, "loss"]).to_numpy(dtype=float) + 0.0
-        low, high = t_interval(effect, confidence)
-        row = {"score": name, "removed": removed, "seeds": len(group), "loss": group["loss"].mean(),
-               "effect": effect.mean() if len(effect) else np.nan, "effect_low": low, "effect_high": high}
-        if "metric" in rows and group["metric"].notna().any():
-            metric = -sign * (group.loc[paired, "metric"] - random.loc[paired, "metric"]).to_numpy(dtype=float)
-            row.update(metric=group["metric"].mean(), metric_effect=metric.mean())
-        out.append(row)
-    return pd.DataFrame(out)
+    table = paired_effects(rows, ["selection", "removed"], rows["removed"] == RANDOM,
+                           lambda key: 1.0 if key[1] == TOP else -1.0, confidence)  # without the top the loss rises
+    return table.rename(columns={"selection": "score", "low": "effect_low", "high": "effect_high"})
 
 
 def summary_lines(table: pd.DataFrame, confidence: float) -> list[str]:
