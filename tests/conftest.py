@@ -225,3 +225,11 @@ class FakeCupy:
 def tiny_moe_dir(tmp_path_factory, tokenizer):
     """A tiny random Qwen3-MoE (2 layers, 4 experts, top-2) with SmolLM2's tokenizer, saved like any local model."""
     return _saved(tmp_path_factory, tokenizer, "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """one_thread for a whole module (pytestmark = pytest.mark.usefixtures("single_thread")): retrains
+    compared to the last bit (a CLI run against a direct one) must run on as many threads."""
+    with one_thread():
+        yield

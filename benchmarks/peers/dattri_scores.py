@@ -74,7 +74,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # gradspec and benchmarks: pure-Python parts only
 
-from benchmarks.peers.peer_files import Run, attribution_frame, read_inputs  # noqa: E402
+from benchmarks.peers.peer_files import ListDataset, Run, attribution_frame, read_inputs  # noqa: E402
 
 METHODS = ("tracin", "trak", "logra")
 PROJECTIONS = ("normal", "rademacher", "random_mask", "identity")
@@ -101,19 +101,6 @@ def projector_bytes(feature_dim: int, proj_dim: int, proj_type: str) -> int:
     return 3 * feature_dim * min(proj_dim, 100) * 4 if proj_type in ("normal", "rademacher") else 0
 
 
-class Tuples:
-    """Tokenized rows as (input_ids, labels) pairs, right-padded by the collate (for torch.func)."""
-
-    def __init__(self, items):
-        self.items = items
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
-
-
 def loader(items, batch_size: int, pad_id: int, as_dict: bool):
     """A DataLoader over tokenized rows, in order: (ids, labels) right-padded (causal attention: a real
     position never sees the padding after it, so the functional path needs no mask, which vmap cannot
@@ -128,7 +115,7 @@ def loader(items, batch_size: int, pad_id: int, as_dict: bool):
             return {"input_ids": ids, "attention_mask": mask, "labels": labels}
         return ids, labels
 
-    return torch.utils.data.DataLoader(Tuples(items), batch_size=batch_size, shuffle=False, collate_fn=collate)
+    return torch.utils.data.DataLoader(ListDataset(items), batch_size=batch_size, shuffle=False, collate_fn=collate)
 
 
 def main(argv: list[str] | None = None) -> dict:

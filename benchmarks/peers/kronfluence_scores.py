@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # gradspec and benchmarks: pure-Python parts only
 
-from benchmarks.peers.peer_files import Run, attribution_frame, read_inputs  # noqa: E402
+from benchmarks.peers.peer_files import ListDataset, Run, attribution_frame, read_inputs  # noqa: E402
 
 STRATEGIES = ("ekfac", "kfac", "diagonal", "identity")
 MODULES = "q_proj,k_proj,v_proj,o_proj"
@@ -71,19 +71,6 @@ def tracked_modules(model, suffixes: str) -> list[str]:
     if missing or not names:
         raise SystemExit(f"--modules: no linear module named {', '.join(missing) or suffixes} in the model")
     return names
-
-
-class RowsDataset:
-    """A list of gradspec Tokenized rows as a map-style dataset."""
-
-    def __init__(self, items):
-        self.items = items
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
 
 
 def make_task(modules: list[str]):
@@ -229,8 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="kronfluence-"))
     analyzer = Analyzer("gradspec", model, task, cpu=True, disable_tqdm=True, output_dir=str(work))
     analyzer.set_dataloader_kwargs(DataLoaderKwargs(collate_fn=collate(pad_id_of(tokenizer))))
-    train = RowsDataset([pool.tokens[i] for i in pool.scored])
-    query = RowsDataset(target.tokens)
+    train = ListDataset([pool.tokens[i] for i in pool.scored])
+    query = ListDataset(target.tokens)
     started = time.perf_counter()
     analyzer.fit_all_factors("factors", train, per_device_batch_size=args.batch_size, overwrite_output_dir=True,
                              factor_args=FactorArguments(strategy=args.factors,

@@ -49,6 +49,19 @@ class Rows:
         return [i for i, t in enumerate(self.tokens) if t is not None]
 
 
+class ListDataset:
+    """Items as a map-style dataset (what the peers' data loaders take)."""
+
+    def __init__(self, items: Sequence) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
 def read_rows(path: str | Path, tokenizer, max_length: int, template: str = "plain") -> Rows:
     """The file's rows (any layout gradspec reads: Alpaca, messages, ShareGPT, prompt-completion) through
     gradspec's reader and template, cut to their first max_length tokens as gradspec's --max-length does."""

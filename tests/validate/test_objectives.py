@@ -23,14 +23,7 @@ from gradspec.validation.report import analyse, summary, write_report
 from gradspec.validation.retrain import Recipe, Retrainer
 from gradspec.validation.run import Pool, job_count, plan
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One thread, as the run's own tests: the same last bits in the CLI run and the direct retrain."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 ROWS = [{"instruction": f"Question {i}: what is {i} plus one?",

@@ -27,13 +27,7 @@ ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # as torchrun sets per work
 TIMING = ["seconds"]  # a retrain's wall time: the one column that is not a result
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Every run here on one thread, as torchrun's workers: the same last bits in every process."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # --- the LDS arithmetic -------------------------------------------------------------------------------------------
