@@ -9,7 +9,8 @@ known quarter of one source corrupted:
   one wherever it recurs), so their steps and results are wrong. Target: 8 other gsm8k traces, whole
   (cut by --max-length alone). --max-length 256.
 - **code:** 48 HumanEval problems with their canonical solutions and 16 Python answers from the
-  instruction sets (WizardLM, OpenHermes, Magpie); 12 of the HumanEval rows corrupted: each given the
+  instruction sets (WizardLM, OpenHermes, Magpie; prompts of 600 characters or fewer, so that the answer
+  fits); 12 of the HumanEval rows corrupted: each given the
   solution of another corrupted problem (a derangement: working code, for the wrong problem). Target: 8
   other HumanEval problems. --max-length 384.
 labels.parquet beside each pool says which rows are which (index, source, corrupted, response_chars).
@@ -121,8 +122,10 @@ def reasoning_pool() -> tuple[list[dict], list[dict], list[dict]]:
 
 
 def is_python_answer(sample) -> bool:
+    """A one-turn row answered with Python code, its prompt short enough to leave room for the answer."""
     answer = sample.messages[-1]["content"]
-    return "```python" in answer and "def " in answer and len(sample.messages) == 2
+    return "```python" in answer and "def " in answer and len(sample.messages) == 2 and \
+        len(sample.messages[0]["content"]) <= 600
 
 
 def code_pool() -> tuple[list[dict], list[dict], list[dict]]:
