@@ -182,13 +182,24 @@ def validate(out: Path, task: str, name: str, *extra: str) -> Path:
     return path
 
 
+# Runs gradspec in this process and, at exit, writes its wall time and peak memory to the JSON file sys.argv[1]
+# names (the sidecar the peers' attribution files have too: benchmarks/peers/peer_files.py).
+TIMED = """import atexit, json, resource, runpy, sys, time
+began, sidecar = time.perf_counter(), sys.argv.pop(1)
+atexit.register(lambda: open(sidecar, "w").write(json.dumps({"tool": "gradspec", "seconds": time.perf_counter() - began,
+    "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})))
+sys.argv[0] = "gradspec"
+runpy.run_module("gradspec", run_name="__main__")"""
+
+
 def align(out: Path, task: str, name: str, *extra: str) -> Path:
-    """gradspec align's attribution of task's pool to its targets (q/k/v/o, the default modules)."""
+    """gradspec align's attribution of task's pool to its targets (q/k/v/o, the default modules), its time
+    and peak memory beside it (<name>.parquet.json)."""
     pool, target = build(out, task)
     path = out / task / f"{name}.parquet"
     if not path.exists():
-        gradspec("align", "--data", str(pool), "--target", str(target), "--out", str(path), "--attribution",
-                 "--max-length", MAX_LENGTH[task], "--quiet", *extra)
+        run(sys.executable, "-c", TIMED, f"{path}.json", "align", "--data", str(pool), "--target", str(target),
+            "--out", str(path), "--attribution", "--max-length", MAX_LENGTH[task], "--quiet", *extra)
     return path
 
 
