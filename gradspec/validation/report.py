@@ -240,8 +240,12 @@ def write_report(analysis: Analysis, out: str | Path, overwrite: bool = False, c
                   f"the mean over targets, with a {confidence:.0%} bootstrap interval over subsets. Positive: the "
                   "score ranks the subsets as training does.", "", _beyond_note(analysis).strip() + ".", "",
                   "![LDS](lds.png)", "",
-                  analysis.lds.to_markdown(index=False, floatfmt=".3f"), "",
-                  "![predicted vs measured](predicted_vs_measured.png)", ""]
+                  analysis.lds.to_markdown(index=False, floatfmt=".3f"), ""]
+        if analysis.beyond_length:
+            lines += ["beyond_length, beyond_low and beyond_high are NaN for length's own row (the control they take "
+                      "out) and where no target's partial correlation is defined (a score that ranks the subsets as "
+                      "length does, or a constant one).", ""]
+        lines += ["![predicted vs measured](predicted_vs_measured.png)", ""]
     if len(analysis.outcome):
         analysis.outcome.to_csv(out / "outcome.csv", index=False)
         _plot_outcome(analysis.outcome, out / "outcome.png")

@@ -96,6 +96,7 @@ def test_the_report_and_the_terminal_give_the_lds_beyond_length(tmp_path, capsys
     assert "scores:planted: " in printed and "; beyond length +" in printed and "nan" not in printed
     report = (tmp_path / "report" / "report.md").read_text()
     assert "beyond_length" in report and "each subset's total response tokens" in report
+    assert "NaN for length's own row (the control they take out)" in report
     assert "beyond_low" in pd.read_csv(tmp_path / "report" / "lds.csv")
 
 
