@@ -29,20 +29,26 @@ def _python(out: Path, tool: str) -> str:
     return python
 
 
-def _run(*command: str) -> None:
+def _run(*command: str, cwd: Path | None = None) -> None:
+    """command with PYTHONPATH at the checkout, in cwd (made where missing: a peer may write files of its own
+    in its working folder, dattri's LoGra a batch_metadata.json, which belong beside its scores)."""
     print("$", " ".join(command), flush=True)
-    subprocess.run(command, check=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    if cwd is not None:
+        cwd.mkdir(parents=True, exist_ok=True)
+    subprocess.run(command, check=True, env=dict(os.environ, PYTHONPATH=str(REPO)), cwd=cwd)
 
 
 def kronfluence(out: Path, pool: Path, target: Path, max_length: int, *extra: str, factors: str = "ekfac",
                 modules: str = "q_proj,k_proj,v_proj,o_proj", model: str | None = None) -> Path:
     """kronfluence's pairwise scores (--factors ekfac by default) as OUT/kronfluence_FACTORS.parquet; extra:
     more kronfluence_scores.py options (--damping, --empirical-fisher, --batch-size)."""
+    out, pool, target = Path(out).resolve(), Path(pool).resolve(), Path(target).resolve()  # it runs in its folder
     path = out / f"kronfluence_{factors}.parquet"
     if not path.exists():
         _run(_python(out, "kronfluence"), str(PEERS / "kronfluence_scores.py"), "--model", model or _model(),
              "--pool", str(pool), "--target", str(target), "--out", str(path), "--max-length", str(max_length),
-             "--modules", modules, "--factors", factors, "--workdir", str(out / "kronfluence" / factors), *extra)
+             "--modules", modules, "--factors", factors, "--workdir", str(out / "kronfluence" / factors), *extra,
+             cwd=out / "kronfluence" / factors)
     return path
 
 
@@ -50,11 +56,12 @@ def dattri(out: Path, pool: Path, target: Path, method: str, max_length: int, *e
            modules: str = "q_proj,k_proj,v_proj,o_proj", model: str | None = None) -> Path:
     """dattri's METHOD (tracin, trak, logra) scores as OUT/dattri_METHOD.parquet; extra: more
     dattri_scores.py options (--proj-dim, --proj-type, --regularization, --damping, --batch-size)."""
+    out, pool, target = Path(out).resolve(), Path(pool).resolve(), Path(target).resolve()  # it runs in its folder
     path = out / f"dattri_{method}.parquet"
     if not path.exists():
         _run(_python(out, "dattri"), str(PEERS / "dattri_scores.py"), "--method", method, "--model",
              model or _model(), "--pool", str(pool), "--target", str(target), "--out", str(path), "--max-length",
-             str(max_length), "--modules", modules, *extra)
+             str(max_length), "--modules", modules, *extra, cwd=out / "dattri" / method)
     return path
 
 

@@ -74,9 +74,11 @@ def test_attribution_frame_refuses_what_is_no_score():
 
 
 def fake_python(tmp_path: Path) -> Path:
-    """A stand-in for a peer venv's python: records its arguments and PYTHONPATH, writes the --out file."""
+    """A stand-in for a peer venv's python: records its arguments, PYTHONPATH and working folder, writes the
+    --out file."""
     script = tmp_path / "python"
     script.write_text('#!/bin/sh\nprintf "%s\\n" "$PYTHONPATH" "$@" > "$(dirname "$0")/argv"\n'
+                      'pwd > "$(dirname "$0")/cwd"\n'
                       'while [ $# -gt 0 ]; do [ "$1" = --out ] && touch "$2"; shift; done\n')
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     return script
@@ -95,6 +97,9 @@ def test_peer_runs_command(tmp_path, monkeypatch, tool):
     pythonpath, script, *args = (tmp_path / "argv").read_text().splitlines()
     assert pythonpath == str(ROOT) and Path(script) == ROOT / "benchmarks" / "peers" / f"{tool}_scores.py"
     assert Path(script).exists()
+    # run in the peer's own folder: files a peer writes where it runs (dattri's batch_metadata.json) stay there
+    assert Path((tmp_path / "cwd").read_text().strip()) == tmp_path / tool / ("ekfac" if tool == "kronfluence" else
+                                                                             "logra")
     options = dict(zip(args[::2], args[1::2], strict=False))
     assert options["--model"] == "M" and options["--max-length"] == "128" and options["--out"] == str(path)
     assert options["--pool"] == str(pool) and options["--target"] == str(target)
