@@ -75,17 +75,16 @@ def lds(predicted: np.ndarray, losses: np.ndarray, resamples: int = 1000, confid
     percentile bootstrap interval from resampling the subsets (seeded). With control (one value per
     subset: length's prediction), the LDS beyond it: each target's partial Spearman correlation."""
     predicted, losses = np.asarray(predicted, dtype=float), np.asarray(losses, dtype=float)
-    if control is None:
-        def correlate(x, y, _):
-            return spearman_columns(x, y)
-        z = np.zeros((len(predicted), 1))
-    else:
-        correlate = partial_spearman_columns
-        z = np.asarray(control, dtype=float).reshape(len(predicted), 1)
-    per_target = correlate(predicted, -losses, z)
+    z = None if control is None else np.asarray(control, dtype=float).reshape(len(predicted), 1)
+
+    def correlate(rows) -> np.ndarray:  # the subsets' rows (all, or a resample's)
+        x, y = predicted[rows], -losses[rows]
+        return spearman_columns(x, y) if z is None else partial_spearman_columns(x, y, z[rows])
+
+    per_target = correlate(slice(None))
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, len(predicted), size=(resamples, len(predicted)))
-    boot = _mean(correlate(predicted[picks], -losses[picks], z[picks]))
+    boot = _mean(correlate(picks))
     boot = boot[np.isfinite(boot)]
     tail = (1 - confidence) / 2
     low, high = (np.quantile(boot, [tail, 1 - tail]) if len(boot) else (np.nan, np.nan))

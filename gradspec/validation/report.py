@@ -18,7 +18,7 @@ from gradspec.data.errors import InputError
 from gradspec.files import parquet_errors
 from gradspec.invocation import program
 from gradspec.runs.score_files import parquet_schema, schema_metadata
-from gradspec.validation.lds import RESPONSE_TOKENS, lds, predictions
+from gradspec.validation.lds import RESPONSE_TOKENS, lds, partial_lds, predictions
 from gradspec.validation.objectives import OBJECTIVE, objective_table
 from gradspec.validation.outcome import interval_text, outcome_table
 from gradspec.validation.removal import REMOVAL, removal_table, report_lines, summary_lines
@@ -143,7 +143,7 @@ def analyse(files: list[str], specs: list[str], resamples: int = 1000, confidenc
         predicted = predictions(members, score.values)
         measured = losses if score.per_target else np.nanmean(losses, axis=1, keepdims=True)
         result = lds(predicted, measured, resamples, confidence, seed)
-        beyond = None if length is None else lds(predicted, measured, resamples, confidence, seed, control=length)
+        beyond = None if length is None else partial_lds(predicted, measured, length, resamples, confidence, seed)
         rows.append(_lds_row(score.name, "attribution" if score.per_target else "per-sample", result, beyond,
                              score.missing))
         analysis.points[score.name] = (predicted.mean(1), np.nanmean(losses, axis=1))
