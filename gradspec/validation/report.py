@@ -19,7 +19,7 @@ from gradspec.files import parquet_errors
 from gradspec.invocation import program
 from gradspec.runs.score_files import parquet_schema, schema_metadata
 from gradspec.validation.lds import RESPONSE_TOKENS, lds, partial_lds, predictions
-from gradspec.validation.objectives import OBJECTIVE, objective_table
+from gradspec.validation.objectives import OBJECTIVE, objective_table, objectives_report, objectives_summary
 from gradspec.validation.outcome import interval_text, outcome_table
 from gradspec.validation.removal import REMOVAL, removal_table, report_lines, summary_lines
 from gradspec.validation.scores import read_score
@@ -209,13 +209,7 @@ def summary(analysis: Analysis, confidence: float = 0.95) -> str:
     if len(analysis.removal):
         lines += summary_lines(analysis.removal, confidence)
     if len(analysis.objectives):
-        lines.append("Objectives, each on the whole pool (mean target loss; gain = NTP's loss - its own, same seed, "
-                     f"{confidence:.0%} t interval over seeds):")
-        for r in analysis.objectives.itertuples():
-            metric = "" if pd.isna(getattr(r, "metric_gain", np.nan)) or r.objective == "ntp" else \
-                f"; metric gain {r.metric_gain:+.4f}"
-            lines.append(f"  {r.objective}: loss {r.loss:.4f}" + ("" if r.objective == "ntp" else
-                                                               f", gain {r.gain:+.4f} {_gain_interval(r)}{metric}"))
+        lines += objectives_summary(analysis.objectives, confidence)
     return "\n".join(lines) or (f"next: {program()} validate --runs {' '.join(analysis.files)} --scores FILE[:COLUMN] "
                                  "... --report DIR (the LDS of each score against these retrains)")
 
@@ -259,15 +253,7 @@ def write_report(analysis: Analysis, out: str | Path, overwrite: bool = False, c
     if len(analysis.removal):
         lines += report_lines(analysis.removal, out, confidence)
     if len(analysis.objectives):
-        analysis.objectives.to_csv(out / "objectives.csv", index=False)
-        lines += ["## Objectives", "", "The whole pool retrained with plain next-token training (ntp: the retrains' "
-                  "own loss) and with each objective (gradspec train's losses: WIT with prompt weight "
-                  f"{info.get('prompt_weight')} and response weight {info.get('response_weight')}; SFTMix with its "
-                  "alpha and mu, its confidence from the start model's perplexity, each sample's loss a mean over "
-                  "its own tokens as NTP's), from the same start with the same steps and seeds; gain = "
-                  "NTP's mean target loss minus the objective's for the same seed (positive: better than NTP), with "
-                  f"a {confidence:.0%} t interval over seeds; metric_gain: its metric minus NTP's.", "",
-                  analysis.objectives.to_markdown(index=False, floatfmt=".4f"), ""]
+        lines += objectives_report(analysis.objectives, out, confidence, info)
     report = out / "report.md"
     report.write_text("\n".join(lines), encoding="utf-8")
     return report
